@@ -1,0 +1,10 @@
+"""Reference table row 2: bfloat16 compute, layers scanned, no remat."""
+
+from jaxscale.config import base_config
+
+
+def get_config(preset=None):
+    """Preset after the colon: seed (reference scale), cpu (~1 s/step on 2 cores), tiny (tests)."""
+    config = base_config(preset, name="bf16")
+    config.model.scan_layers = True
+    return config

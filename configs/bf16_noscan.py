@@ -1,0 +1,10 @@
+"""Reference table row 3: bfloat16 compute, layers unrolled (no scan), no remat."""
+
+from jaxscale.config import base_config
+
+
+def get_config(preset=None):
+    """Preset after the colon: seed (reference scale), cpu (~1 s/step on 2 cores), tiny (tests)."""
+    config = base_config(preset, name="bf16_noscan")
+    config.model.scan_layers = False
+    return config

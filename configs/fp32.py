@@ -1,0 +1,11 @@
+"""Reference table row 1: float32 compute, layers scanned, no remat (XLA had to auto-remat on 24 GB)."""
+
+from jaxscale.config import base_config
+
+
+def get_config(preset=None):
+    """Preset after the colon: seed (reference scale), cpu (~1 s/step on 2 cores), tiny (tests)."""
+    config = base_config(preset, name="fp32")
+    config.model.dtype = "float32"
+    config.model.scan_layers = True
+    return config

@@ -1,0 +1,121 @@
+"""Command-line plumbing shared by the entry points: config flags, one-line errors and exit codes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+from absl import flags
+from ml_collections import config_flags
+
+from jaxscale.config import ConfigError, validate
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """Bad input from the command line; printed as one line, exit code 2."""
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    """Prints `jaxscale: error: <message>` on one line to stderr and returns the exit code."""
+    one_line = " ".join(str(message).split())
+    print(f"jaxscale: error: {one_line}", file=sys.stderr)
+    return code
+
+
+def define_config_flag(flag_values: flags.FlagValues, name: str = "config", help_text: str = "") -> None:
+    config_flags.DEFINE_config_file(
+        name,
+        None,
+        help_text or "Config file, optionally with a preset: configs/bf16_remat.py:cpu (seed | cpu | tiny).",
+        flag_values=flag_values,
+        lock_config=True,
+    )
+
+
+def _config_path(argv: Sequence[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _load_config_file(spec: str):
+    """Imports a config file directly (no overrides) to explain what was wrong with an override."""
+    path, _, preset = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_jaxscale_config_probe", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(preset) if preset else module.get_config()
+
+
+def _explain_unknown_field(argv: Sequence[str], name: str) -> str:
+    spec = _config_path(argv, name)
+    config = _load_config_file(spec)
+    for arg in argv:
+        if not arg.startswith(f"--{name}."):
+            continue
+        path = arg[len(name) + 3 :].split("=", 1)[0]
+        node, walked = config, []
+        for key in path.split("."):
+            if not hasattr(node, "keys") or key not in node:
+                group = ".".join(walked) or "the config"
+                allowed = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none: not a group)"
+                return f"--{name}.{path}: no field {key!r} in {group}; allowed: {allowed}"
+            node, walked = node[key], [*walked, key]
+    return "an override names an unknown config field"
+
+
+def _explain(error: Exception, argv: Sequence[str], name: str) -> str:
+    text = str(error)
+    missing = re.search(r"No such file or directory: '([^']*)'", text)
+    if missing:
+        return f"--{name}: config file {missing.group(1)!r} not found"
+    found = re.search(r"ConfigError: (.*)", text)
+    if found:
+        return found.group(1).strip()
+    if isinstance(error, (AttributeError, KeyError)):
+        return _explain_unknown_field(argv, name)
+    if "Error whilst parsing config file" in text:  # an exception inside get_config: keep its last line
+        return f"--{name}: " + text.strip().splitlines()[-1]
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def parse_config_flags(flag_values: flags.FlagValues, argv: Sequence[str], name: str = "config"):
+    """Parses argv into flag_values and returns the validated config.
+
+    Raises:
+      UsageError: with a one-line message naming the flag or field at fault.
+    """
+    try:
+        flag_values(list(argv))
+    except Exception as error:  # absl and ml_collections raise many types; all mean bad input here
+        raise UsageError(_explain(error, argv, name)) from None
+    config = flag_values[name].value
+    if config is None:
+        raise UsageError(f"--{name} is required, e.g. --{name} configs/bf16_remat.py:cpu")
+    try:
+        validate(config)
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
+    return config
+
+
+def quiet_native_logs() -> None:
+    """Keeps a machine without a GPU quiet when the CUDA plugin is installed (the gpu-plan extra).
+
+    Without an NVIDIA device the plugin would fail to load CUDA and log a traceback at every start, so,
+    unless JAX_PLATFORMS is set already, the backend is pinned to the CPU where no NVIDIA (/dev/nvidiactl)
+    or TPU (/dev/accel0, /dev/vfio) device exists. INFO lines of native code are hidden; warnings stay.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    accelerators = ("/dev/nvidiactl", "/dev/accel0", "/dev/vfio")
+    if "JAX_PLATFORMS" not in os.environ and not any(os.path.exists(p) for p in accelerators):
+        if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
+            os.environ["JAX_PLATFORMS"] = "cpu"

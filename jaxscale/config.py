@@ -1,0 +1,182 @@
+"""Shared run configuration: the reference defaults, the size presets and validation of every field."""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+
+# Sizes per preset. Everything not listed here is the same at every scale (see base_config).
+PRESETS: dict[str, dict[str, dict[str, object]]] = {
+    # The reference experiment (the UvA notebook on one 24 GB A5000): 155,877,376 parameters.
+    "seed": {
+        "model": dict(num_layers=12, hidden_size=1024, head_dim=128, vocab_size=2048, max_seq_len=512),
+        "data": dict(batch_size=64, seq_len=512),
+        "train": dict(num_minibatches=4, steps=10, warmup_steps=2),
+        "profile": dict(steps=3),
+    },
+    # About a second per step on 2 CPU cores (bf16, scan, remat MLP+Attn).
+    "cpu": {
+        "model": dict(num_layers=4, hidden_size=256, head_dim=64, vocab_size=2048, max_seq_len=256),
+        "data": dict(batch_size=16, seq_len=256),
+        "train": dict(num_minibatches=4, steps=10, warmup_steps=2),
+        "profile": dict(steps=2),
+    },
+    # For tests: compiles in seconds, a step takes milliseconds.
+    "tiny": {
+        "model": dict(num_layers=2, hidden_size=64, head_dim=16, vocab_size=128, max_seq_len=32),
+        "data": dict(batch_size=8, seq_len=32),
+        "train": dict(num_minibatches=2, steps=3, warmup_steps=1),
+        "profile": dict(steps=1),
+    },
+}
+
+DTYPES = ("bfloat16", "float32", "float16")
+REMAT_TARGETS = ("MLP", "Attn", "Block")
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj")
+ATTENTION_IMPLS = ("reference", "xla", "cudnn")
+ACCUMULATE_METHODS = ("scan", "loop")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+class ConfigError(ValueError):
+    """A config field holds a value the lab cannot run; the message names the field and what is allowed."""
+
+
+def default_preset() -> str:
+    """The preset used when none is given: the reference scale on an accelerator, `cpu` otherwise."""
+    return "cpu" if jax.default_backend() == "cpu" else "seed"
+
+
+def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
+    """The reference configuration (bf16, no scan, no remat) at the size of `preset`.
+
+    Args:
+      preset: one of PRESETS, or None to pick by backend (see `default_preset`).
+      name: the variant's name; it prefixes run names and traces.
+
+    Returns:
+      An unlocked ConfigDict; config files change the fields of their variant and return it.
+    """
+    preset_source = "given"
+    if preset is None or preset == "":
+        preset, preset_source = default_preset(), f"auto ({jax.default_backend()} backend)"
+    if preset not in PRESETS:
+        raise ConfigError(f"preset: unknown {preset!r}; allowed: {', '.join(PRESETS)}")
+    c = ml_collections.ConfigDict()
+    c.name = name  # variant name, used in run names and trace directories
+    c.preset = preset  # size preset: seed (reference scale), cpu (~1 s/step on 2 cores), tiny (tests)
+    c.preset_source = preset_source  # "given" or how the preset was picked automatically
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 2048  # tokens in the vocabulary (also the number of output classes)
+    c.model.hidden_size = 1024  # width of the residual stream
+    c.model.head_dim = 128  # width of one attention head; num_heads = hidden_size // head_dim
+    c.model.num_layers = 12  # transformer blocks
+    c.model.mlp_expansion = 4  # MLP hidden width = mlp_expansion * hidden_size
+    c.model.max_seq_len = 512  # rows of the learned positional embedding
+    c.model.dropout_rate = 0.1  # dropout after embeddings, attention output and MLP output
+    c.model.dtype = "bfloat16"  # compute dtype of activations and matmuls; params are always float32
+    c.model.softmax_dtype = "float32"  # dtype of attention logits and softmax (cast back afterwards)
+    c.model.causal = True  # causal attention mask (next-token prediction needs it)
+    c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")
+    c.model.remat_policy = "nothing_saveable"  # what remat keeps: one of REMAT_POLICIES
+    c.model.scan_layers = False  # stack the blocks with nn.scan (one compiled body) or unroll them
+    c.model.attention = "reference"  # attention kernel: reference (einsum), xla or cudnn (jax.nn)
+
+    c.data = ml_collections.ConfigDict()
+    c.data.batch_size = 64  # sequences per optimizer step (split into train.num_minibatches)
+    c.data.seq_len = 512  # tokens per sequence, at most model.max_seq_len
+    c.data.seed = 0  # seed of the random-token batch (the reference trains on random tokens)
+
+    c.train = ml_collections.ConfigDict()
+    c.train.num_minibatches = 4  # gradient accumulation: minibatches per step (1 = none)
+    c.train.accumulate = "scan"  # accumulation form: scan (lax.scan) or loop (unrolled Python loop)
+    c.train.steps = 10  # timed steps (median and p90 are taken over these)
+    c.train.warmup_steps = 2  # untimed steps run before timing, after the ahead-of-time compile
+    c.train.seed = 42  # seed of parameter init and dropout
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.name = "adam"  # one of OPTIMIZERS
+    c.optimizer.learning_rate = 1e-3  # peak learning rate, reached after warmup_steps
+    c.optimizer.warmup_steps = 10  # linear warm-up from 0 to the peak
+    c.optimizer.transition_steps = 1  # steps per exponential decay period after warm-up
+    c.optimizer.decay_rate = 0.99  # multiplicative decay per period
+    c.optimizer.b1 = 0.9  # Adam first-moment decay (momentum for sgd)
+    c.optimizer.b2 = 0.999  # Adam second-moment decay
+    c.optimizer.weight_decay = 0.0  # decoupled weight decay (adamw only)
+    c.optimizer.grad_clip_norm = 0.0  # clip gradients to this global norm; 0 disables clipping
+
+    c.profile = ml_collections.ConfigDict()
+    c.profile.steps = 3  # steps captured with jax.profiler after the timed ones (0 = no trace)
+
+    for group, values in PRESETS[preset].items():
+        c[group].update(values)
+    return c
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {message}")
+
+
+def _positive(config: ml_collections.ConfigDict, *fields: str) -> None:
+    for field in fields:
+        group, key = field.split(".")
+        value = config[group][key]
+        _check(isinstance(value, int) and value > 0, field, f"must be a positive integer, got {value!r}")
+
+
+def _one_of(value: object, allowed: tuple[str, ...], field: str) -> None:
+    _check(value in allowed, field, f"unknown {value!r}; allowed: {', '.join(allowed)}")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError naming the first field that the lab cannot run."""
+    _positive(config, "model.vocab_size", "model.hidden_size", "model.head_dim", "model.num_layers")
+    _positive(config, "model.mlp_expansion", "model.max_seq_len", "data.batch_size", "data.seq_len")
+    _positive(config, "train.num_minibatches", "train.steps")
+    m, d, t, o = config.model, config.data, config.train, config.optimizer
+    _check(
+        m.hidden_size % m.head_dim == 0,
+        "model.hidden_size",
+        f"{m.hidden_size} is not divisible by model.head_dim={m.head_dim}",
+    )
+    _check(d.seq_len <= m.max_seq_len, "data.seq_len", f"{d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    _check(
+        d.batch_size % t.num_minibatches == 0,
+        "data.batch_size",
+        f"{d.batch_size} is not divisible by train.num_minibatches={t.num_minibatches}",
+    )
+    _one_of(m.dtype, DTYPES, "model.dtype")
+    _one_of(m.softmax_dtype, DTYPES, "model.softmax_dtype")
+    _check(isinstance(m.remat, tuple), "model.remat", f"must be a tuple of names from {REMAT_TARGETS}")
+    for target in m.remat:
+        _one_of(target, REMAT_TARGETS, "model.remat")
+    _one_of(m.remat_policy, REMAT_POLICIES, "model.remat_policy")
+    _one_of(m.attention, ATTENTION_IMPLS, "model.attention")
+    if m.attention == "cudnn":
+        _check(
+            jax.default_backend() == "gpu",
+            "model.attention",
+            f"'cudnn' needs a CUDA GPU backend, this one is {jax.default_backend()}; allowed here: reference, xla",
+        )
+    _check(0.0 <= m.dropout_rate < 1.0, "model.dropout_rate", f"must be in [0, 1), got {m.dropout_rate}")
+    _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _check(config.profile.steps >= 0, "profile.steps", f"must be >= 0, got {config.profile.steps}")
+    _one_of(o.name, OPTIMIZERS, "optimizer.name")
+    _check(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
+    _check(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _check(o.transition_steps > 0, "optimizer.transition_steps", f"must be > 0, got {o.transition_steps}")
+    _check(o.grad_clip_norm >= 0, "optimizer.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
+
+
+def flatten(config: ml_collections.ConfigDict, prefix: str = "config.") -> dict[str, object]:
+    """Flat `config.group.field -> value` dict for a result row (tuples become lists in JSON)."""
+    flat: dict[str, object] = {}
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat

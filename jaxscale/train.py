@@ -1,0 +1,185 @@
+"""Training: train state, next-token loss, gradient accumulation (loop or lax.scan) and the jitted step."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax.training import train_state
+
+from jaxscale.model import GPT, ModelConfig
+
+Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 scalars, summed
+
+
+class TrainState(train_state.TrainState):
+    """Params, optimizer state and step (from Flax) plus the RNG key that dropout draws from."""
+
+    rng: jax.Array
+
+
+@flax.struct.dataclass
+class Batch:
+    """inputs: [batch, seq] tokens shifted right by one with 0 in front; labels: [batch, seq] tokens."""
+
+    inputs: jax.Array
+    labels: jax.Array
+
+
+def make_batch(key: jax.Array, batch_size: int, seq_len: int, vocab_size: int) -> Batch:
+    """Random tokens as data, as in the reference: the model learns next-token prediction on them."""
+    tokens = jax.random.randint(key, (batch_size, seq_len), 1, vocab_size)  # [B, T]
+    inputs = jnp.pad(tokens[:, :-1], ((0, 0), (1, 0)))  # [B, T]: 0, t_0, ..., t_{T-2}
+    return Batch(inputs=inputs, labels=tokens)
+
+
+def batch_shape(config: ml_collections.ConfigDict) -> Batch:
+    """Abstract batch (ShapeDtypeStructs) for ahead-of-time lowering."""
+    shape = jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len), jnp.int32)
+    return Batch(inputs=shape, labels=shape)
+
+
+def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """The reference optimizer: warm-up to the peak, then exponential decay; Adam by default."""
+    schedule = optax.warmup_exponential_decay_schedule(
+        init_value=0.0,
+        peak_value=opt.learning_rate,
+        warmup_steps=opt.warmup_steps,
+        transition_steps=opt.transition_steps,
+        decay_rate=opt.decay_rate,
+    )
+    optimizers: dict[str, Callable[[], optax.GradientTransformation]] = {
+        "adam": lambda: optax.adam(schedule, b1=opt.b1, b2=opt.b2),
+        "adamw": lambda: optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay),
+        "sgd": lambda: optax.sgd(schedule, momentum=opt.b1),
+    }
+    tx = optimizers[opt.name]()
+    if opt.grad_clip_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), tx)
+    return tx
+
+
+def make_model(config: ml_collections.ConfigDict, train: bool = True) -> GPT:
+    return GPT(ModelConfig.from_config(config.model), train=train)
+
+
+def make_init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
+    """A function that builds the initial train state (float32 params, optimizer state, dropout key).
+
+    The model and optimizer are made once here, so every state the function returns (abstract through
+    jax.eval_shape, or real through jax.jit) has the same static fields and fits one compiled step.
+    """
+    model, init_model, tx = make_model(config), make_model(config, train=False), make_optimizer(config.optimizer)
+
+    def init_fn() -> TrainState:
+        init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.train.seed))
+        tokens = jnp.zeros((1, config.data.seq_len), jnp.int32)
+        params = init_model.init(init_rng, tokens)["params"]
+        return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
+
+    return init_fn
+
+
+def init_metrics() -> Metrics:
+    return {name: jnp.zeros((), jnp.float32) for name in ("loss_sum", "correct", "tokens")}
+
+
+def next_token_loss(params: Any, apply_fn: Callable, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Metrics]:
+    """Mean cross-entropy of predicting batch.labels, and the summed metrics of this minibatch."""
+    logits = apply_fn({"params": params}, batch.inputs, rngs={"dropout": rng})  # [B, T, V] float32
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch.labels)  # [B, T]
+    correct = jnp.argmax(logits, axis=-1) == batch.labels  # [B, T]
+    metrics = {
+        "loss_sum": loss.sum(),
+        "correct": correct.sum().astype(jnp.float32),
+        "tokens": jnp.asarray(loss.size, jnp.float32),
+    }
+    return loss.mean(), metrics
+
+
+def _tree_add(a: Any, b: Any) -> Any:
+    return jax.tree_util.tree_map(jnp.add, a, b)
+
+
+def accumulate_gradients(
+    grad_fn: Callable[[Any, Batch, jax.Array], tuple[Any, Metrics]],
+    params: Any,
+    batch: Batch,
+    rng: jax.Array,
+    num_minibatches: int,
+    method: str = "scan",
+) -> tuple[Any, Metrics]:
+    """Splits the batch into minibatches, averages their gradients and sums their metrics.
+
+    Args:
+      grad_fn: (params, minibatch, rng) -> (grads, metrics) for one minibatch.
+      params: the parameters differentiated.
+      batch: leaves [batch, ...], batch divisible by num_minibatches.
+      rng: dropout key; minibatch i uses fold_in(rng, i), the same in both methods.
+      num_minibatches: 1 means no accumulation.
+      method: "scan" (one lax.scan body, one minibatch's activations live at a time) or "loop" (unrolled,
+        the reference; XLA may keep every minibatch's activations alive at once).
+    Returns:
+      (grads averaged over minibatches, metrics summed over minibatches).
+    """
+    if num_minibatches == 1:
+        return grad_fn(params, batch, jax.random.fold_in(rng, 0))
+    minibatch_size = batch.inputs.shape[0] // num_minibatches
+    if method == "loop":
+        grads = metrics = None
+        for i in range(num_minibatches):
+            with jax.named_scope(f"minibatch_{i}"):
+                minibatch = jax.tree_util.tree_map(
+                    lambda x, i=i: x[i * minibatch_size : (i + 1) * minibatch_size], batch
+                )
+                step_grads, step_metrics = grad_fn(params, minibatch, jax.random.fold_in(rng, i))
+            grads = step_grads if grads is None else _tree_add(grads, step_grads)
+            metrics = step_metrics if metrics is None else _tree_add(metrics, step_metrics)
+    elif method == "scan":
+        # [n, B/n, ...]: minibatch i is rows i*B/n ... (i+1)*B/n - 1, as in the loop.
+        minibatches = jax.tree_util.tree_map(lambda x: x.reshape(num_minibatches, minibatch_size, *x.shape[1:]), batch)
+        first = jax.tree_util.tree_map(lambda x: x[0], minibatches)
+        carry_shape = jax.eval_shape(grad_fn, params, first, rng)  # size the accumulator without running
+        carry = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), carry_shape)
+
+        def body(carry, xs):
+            index, minibatch = xs
+            with jax.named_scope("minibatch"):
+                return _tree_add(carry, grad_fn(params, minibatch, jax.random.fold_in(rng, index))), None
+
+        (grads, metrics), _ = jax.lax.scan(body, carry, (jnp.arange(num_minibatches), minibatches))
+    else:
+        raise ValueError(f"train.accumulate: unknown {method!r}; allowed: scan, loop")
+    grads = jax.tree_util.tree_map(lambda g: g / num_minibatches, grads)
+    return grads, metrics
+
+
+def train_step(state: TrainState, metrics: Metrics, batch: Batch, num_minibatches: int, accumulate: str):
+    """One optimizer step over `batch`; metrics are added to the running sums (no host sync)."""
+    rng, step_rng = jax.random.split(state.rng)
+
+    def grad_fn(params, minibatch, minibatch_rng):
+        (_, step_metrics), grads = jax.value_and_grad(next_token_loss, has_aux=True)(
+            params, state.apply_fn, minibatch, minibatch_rng
+        )
+        return grads, step_metrics
+
+    with jax.named_scope("accumulate"):
+        grads, step_metrics = accumulate_gradients(grad_fn, state.params, batch, step_rng, num_minibatches, accumulate)
+    with jax.named_scope("optimizer"):
+        state = state.apply_gradients(grads=grads, rng=rng)
+    return state, _tree_add(metrics, step_metrics)
+
+
+def make_train_step(config: ml_collections.ConfigDict) -> Callable:
+    """The jitted step (state, metrics, batch) -> (state, metrics), with state and metrics donated."""
+    step = functools.partial(
+        train_step, num_minibatches=config.train.num_minibatches, accumulate=config.train.accumulate
+    )
+    return jax.jit(step, donate_argnums=(0, 1))
