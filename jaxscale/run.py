@@ -109,7 +109,7 @@ def execute(config, compiled, init_fn, run_dir: pathlib.Path, row: dict, progres
     bar = tqdm(total=total, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
     seconds, previous = [], _read_metrics(metrics)
     for i in range(config.train.warmup_steps + config.train.steps):
-        (state, metrics), elapsed = timing.time_call(lambda: compiled(state, metrics, batch))
+        (state, metrics), elapsed = timing.time_call(compiled, state, metrics, batch)
         current = _read_metrics(metrics)  # after the timer: a few bytes, the step already finished
         loss, accuracy = _step_stats(previous, current)
         if i == 0:

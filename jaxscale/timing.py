@@ -9,10 +9,10 @@ import jax
 import numpy as np
 
 
-def time_call(fn: Callable[[], object]) -> tuple[object, float]:
-    """Runs fn() and waits for its arrays; returns (result, seconds)."""
+def time_call(fn: Callable[..., object], *args: object) -> tuple[object, float]:
+    """Runs fn(*args) and waits for its arrays; returns (result, seconds)."""
     start = time.perf_counter()
-    result = jax.block_until_ready(fn())
+    result = jax.block_until_ready(fn(*args))
     return result, time.perf_counter() - start
 
 
