@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -105,17 +104,3 @@ def parse_config_flags(flag_values: flags.FlagValues, argv: Sequence[str], name:
     except ConfigError as error:
         raise UsageError(str(error)) from None
     return config
-
-
-def quiet_native_logs() -> None:
-    """Keeps a machine without a GPU quiet when the CUDA plugin is installed (the gpu-plan extra).
-
-    Without an NVIDIA device the plugin would fail to load CUDA and log a traceback at every start, so,
-    unless JAX_PLATFORMS is set already, the backend is pinned to the CPU where no NVIDIA (/dev/nvidiactl)
-    or TPU (/dev/accel0, /dev/vfio) device exists. INFO lines of native code are hidden; warnings stay.
-    """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    accelerators = ("/dev/nvidiactl", "/dev/accel0", "/dev/vfio")
-    if "JAX_PLATFORMS" not in os.environ and not any(os.path.exists(p) for p in accelerators):
-        if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
-            os.environ["JAX_PLATFORMS"] = "cpu"

@@ -14,16 +14,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from jaxscale.cli import UsageError, define_config_flag, fail, parse_config_flags, quiet_native_logs
-
-quiet_native_logs()
-
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
 from absl import flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jaxscale import flops, memory, profiling, timing, train  # noqa: E402
+from jaxscale.cli import UsageError, define_config_flag, fail, parse_config_flags
 from jaxscale.config import flatten  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
 

@@ -1,0 +1,18 @@
+"""Process environment set before JAX is imported (JAX reads JAX_PLATFORMS when it is imported)."""
+
+import importlib.util
+import os
+
+
+def quiet_native_logs() -> None:
+    """Keeps a machine without a GPU quiet when the CUDA plugin is installed (the gpu-plan extra).
+
+    Without an NVIDIA device the plugin would fail to load CUDA and log a traceback at every start, so,
+    unless JAX_PLATFORMS is set already, the backend is pinned to the CPU where no NVIDIA (/dev/nvidiactl)
+    or TPU (/dev/accel0) device exists. INFO lines of native code are hidden; warnings stay.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    accelerators = ("/dev/nvidiactl", "/dev/accel0")
+    if "JAX_PLATFORMS" not in os.environ and not any(os.path.exists(p) for p in accelerators):
+        if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
+            os.environ["JAX_PLATFORMS"] = "cpu"
