@@ -26,13 +26,20 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
-def define_config_flag(flag_values: flags.FlagValues, name: str = "config", help_text: str = "") -> None:
+def define_config_flag(
+    flag_values: flags.FlagValues, argv: Sequence[str], name: str = "config", help_text: str = ""
+) -> None:
+    """Defines --<name> (a config file with an optional :preset) and its --<name>.field overrides.
+
+    The overrides are found in `argv` (not sys.argv), so main(argv) works in-process as well.
+    """
     config_flags.DEFINE_config_file(
         name,
         None,
         help_text or "Config file, optionally with a preset: configs/bf16_remat.py:cpu (seed | cpu | tiny).",
         flag_values=flag_values,
         lock_config=True,
+        sys_argv=list(argv),
     )
 
 
@@ -79,7 +86,7 @@ def _explain(error: Exception, argv: Sequence[str], name: str) -> str:
     found = re.search(r"ConfigError: (.*)", text)
     if found:
         return found.group(1).strip()
-    if isinstance(error, (AttributeError, KeyError)):
+    if isinstance(error, (AttributeError, KeyError)) or f"Unknown command line flag '{name}." in text:
         return _explain_unknown_field(argv, name)
     if "Error whilst parsing config file" in text:  # an exception inside get_config: keep its last line
         return f"--{name}: " + text.strip().splitlines()[-1]
@@ -94,9 +101,11 @@ def parse_config_flags(flag_values: flags.FlagValues, argv: Sequence[str], name:
     """
     try:
         flag_values(list(argv))
+        config = flag_values[name].value
+        if config is not None:
+            config.get("name")  # a file that failed to load raises only when first read
     except Exception as error:  # absl and ml_collections raise many types; all mean bad input here
         raise UsageError(_explain(error, argv, name)) from None
-    config = flag_values[name].value
     if config is None:
         raise UsageError(f"--{name} is required, e.g. --{name} configs/bf16_remat.py:cpu")
     try:

@@ -37,9 +37,9 @@ class RunError(Exception):
         self.status = status
 
 
-def _flag_values() -> flags.FlagValues:
+def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     fv = flags.FlagValues()
-    define_config_flag(fv)
+    define_config_flag(fv, argv)
     flags.DEFINE_bool(
         "plan", False, "Compile only: report params, tokens per step and the memory plan.", flag_values=fv
     )
@@ -238,7 +238,7 @@ def _resolve_run_dir(fv: flags.FlagValues, config: ml_collections.ConfigDict) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
-    fv = _flag_values()
+    fv = _flag_values(argv)
     try:
         config = parse_config_flags(fv, argv)
         name, run_dir = _resolve_run_dir(fv, config)

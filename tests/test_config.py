@@ -1,0 +1,78 @@
+"""Config files, presets and validation of every field."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from conftest import CONFIGS, load_config
+
+from jaxscale.config import PRESETS, ConfigError, base_config, validate
+
+CONFIG_NAMES = sorted(p.stem for p in CONFIGS.glob("*.py"))
+
+
+def test_every_reference_variant_has_a_config_file():
+    for name in ("fp32", "bf16", "bf16_noscan", "bf16_remat", "bf16_remat_block", "bf16_remat_noaccum"):
+        assert name in CONFIG_NAMES
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_config_files_validate_at_every_preset(name, preset):
+    config = load_config(name, preset)
+    validate(config)
+    assert config.name == name and config.preset == preset and config.preset_source == "given"
+
+
+def test_variants_differ_as_the_reference_table_says():
+    assert load_config("fp32").model.dtype == "float32"
+    assert load_config("bf16").model.scan_layers and not load_config("bf16_noscan").model.scan_layers
+    assert load_config("bf16_remat").model.remat == ("MLP", "Attn")
+    assert load_config("bf16_remat_block").model.remat == ("Block",)
+    assert load_config("bf16_remat_noaccum").train.num_minibatches == 1
+
+
+def test_no_preset_picks_by_backend():
+    config = load_config("bf16_remat", preset=None)
+    expected = "cpu" if jax.default_backend() == "cpu" else "seed"
+    assert config.preset == expected and config.preset_source.startswith("auto")
+
+
+def test_seed_preset_is_the_reference_scale():
+    config = load_config("bf16_remat", "seed")
+    assert (config.model.num_layers, config.model.hidden_size, config.model.head_dim) == (12, 1024, 128)
+    assert (config.data.batch_size, config.data.seq_len, config.train.num_minibatches) == (64, 512, 4)
+
+
+BAD = [
+    ("model.hidden_size", 100, "not divisible by model.head_dim"),
+    ("data.batch_size", 7, "not divisible by train.num_minibatches"),
+    ("data.seq_len", 64, "exceeds model.max_seq_len"),
+    ("model.dtype", "float8", "allowed: bfloat16, float32, float16"),
+    ("model.softmax_dtype", "int8", "allowed"),
+    ("model.remat", ("Everything",), "allowed: MLP, Attn, Block"),
+    ("model.remat_policy", "magic", "allowed"),
+    ("model.attention", "flash9", "allowed"),
+    ("model.num_layers", 0, "positive integer"),
+    ("model.vocab_size", -3, "positive integer"),
+    ("train.steps", 0, "positive integer"),
+    ("train.accumulate", "vmap", "allowed: scan, loop"),
+    ("optimizer.name", "lion", "allowed: adam, adamw, sgd"),
+    ("model.dropout_rate", 1.5, "[0, 1)"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", BAD, ids=[b[0] for b in BAD])
+def test_validation_names_the_field(field, value, message):
+    config = base_config("tiny", "bad")
+    group, key = field.split(".")
+    config[group][key] = value
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    assert str(error.value).startswith(f"{field}:")
+    assert message in str(error.value)
+
+
+def test_unknown_preset_is_a_config_error():
+    with pytest.raises(ConfigError, match="preset: unknown 'huge'; allowed: seed, cpu, tiny"):
+        base_config("huge", "x")

@@ -1,0 +1,177 @@
+"""`python -m jaxscale.run`: a measured run end to end, --plan, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+from conftest import run_cli
+
+from jaxscale import run
+
+ROW_KEYS = {
+    "name",
+    "status",
+    "error",
+    "backend",
+    "device_kind",
+    "jax_version",
+    "params",
+    "tokens_per_step",
+    "compile_s",
+    "step_s_median",
+    "step_s_p90",
+    "tokens_per_s",
+    "loss",
+    "accuracy",
+    "compiled_argument_bytes",
+    "compiled_output_bytes",
+    "compiled_temp_bytes",
+    "compiled_alias_bytes",
+    "compiled_peak_bytes",
+    "device_peak_bytes",
+    "host_peak_rss_bytes",
+    "trace_dir",
+}
+
+
+def _result(stdout: str) -> dict:
+    line = [ln for ln in stdout.splitlines() if ln.startswith("result: ")][-1]
+    return json.loads(pathlib.Path(line.removeprefix("result: ")).read_text())
+
+
+def test_tiny_run_writes_a_result_row_and_a_trace(tmp_path):
+    proc = run_cli(
+        "jaxscale.run",
+        "--config",
+        "configs/bf16_remat.py:tiny",
+        "--output_root",
+        str(tmp_path),
+        "--name",
+        "tiny_run",
+        "--config.train.steps=4",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = _result(proc.stdout)
+    assert ROW_KEYS <= set(row)
+    assert row["status"] == "ok" and row["error"] is None
+    assert row["params"] > 0 and row["tokens_per_step"] == 8 * 32
+    assert len(row["step_s_all"]) == 4
+    assert 0 < row["step_s_median"] <= row["step_s_p90"]
+    assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s_median"])
+    peak = row["compiled_argument_bytes"] + row["compiled_output_bytes"] - row["compiled_alias_bytes"]
+    assert row["compiled_peak_bytes"] == peak + row["compiled_temp_bytes"]
+    assert row["config.model.remat"] == ["MLP", "Attn"] and row["config.train.steps"] == 4
+    assert row["backend"] == "cpu" and row["device_peak_bytes"] is None and "not available" in row["device_peak_note"]
+    assert row["host_peak_rss_bytes"] > 0
+    run_dir = tmp_path / "traces" / "tiny_run"
+    assert pathlib.Path(row["trace_dir"]) == run_dir
+    assert list(run_dir.glob("plugins/profile/*/*.xplane.pb"))  # TensorBoard's layout
+    assert "run tiny_run: ok" in proc.stdout and "loss" in proc.stdout
+
+
+def test_plan_reports_params_without_running(tmp_path):
+    proc = run_cli(
+        "jaxscale.run",
+        "--config",
+        "configs/bf16_remat_block.py:tiny",
+        "--plan",
+        "--output_root",
+        str(tmp_path),
+        "--quiet",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = _result(proc.stdout)
+    assert row["plan_only"] and row["status"] == "ok"
+    assert row["params"] > 0 and row["compiled_temp_bytes"] > 0
+    assert row["step_s_median"] is None if "step_s_median" in row else True
+    assert row["trace_dir"] is None
+
+
+@pytest.mark.slow
+def test_reference_plan_on_cpu_reports_the_reference_param_count(tmp_path):
+    proc = run_cli(
+        "jaxscale.run", "--config", "configs/bf16_remat.py:seed", "--plan", "--output_root", str(tmp_path), "--quiet"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _result(proc.stdout)["params"] == 155_877_376
+
+
+def test_nan_loss_stops_the_run_with_status_nan(tmp_path):
+    proc = run_cli(
+        "jaxscale.run",
+        "--config",
+        "configs/bf16.py:tiny",
+        "--output_root",
+        str(tmp_path),
+        "--quiet",
+        "--config.optimizer.learning_rate=1e38",
+        "--config.optimizer.warmup_steps=0",
+        "--config.train.steps=6",
+    )
+    assert proc.returncode == 1
+    row = _result(proc.stdout)
+    assert row["status"] == "nan" and "loss became" in row["error"]
+
+
+def test_runs_never_overwrite_each_other(tmp_path):
+    args = (
+        "jaxscale.run",
+        "--config",
+        "configs/bf16.py:tiny",
+        "--output_root",
+        str(tmp_path),
+        "--quiet",
+        "--name",
+        "same",
+        "--plan",
+    )
+    assert run_cli(*args).returncode == 0
+    before = (tmp_path / "traces" / "same" / "result.json").read_text()
+    second = run_cli(*args)
+    assert second.returncode == 2 and "already holds a result" in second.stderr
+    assert (tmp_path / "traces" / "same" / "result.json").read_text() == before
+
+
+BAD_INPUTS = [
+    (["--config", "configs/nope.py"], "--config: config file 'configs/nope.py' not found"),
+    (["--config", "configs/bf16.py:huge"], "preset: unknown 'huge'; allowed: seed, cpu, tiny"),
+    (["--config", "configs/bf16.py:tiny", "--config.model.colour=3"], "--config.model.colour: no field 'colour'"),
+    (["--config", "configs/bf16.py:tiny", "--config.modl.dtype=float32"], "no field 'modl'"),
+    (["--config", "configs/bf16.py:tiny", "--config.model.remat=Everything"], "model.remat: unknown 'Everything'"),
+    (["--config", "configs/bf16.py:tiny", "--config.model.dtype=float8"], "model.dtype: unknown 'float8'"),
+    (["--config", "configs/bf16.py:tiny", "--config.model.hidden_size=100"], "model.hidden_size: 100 is not divisible"),
+    (["--config", "configs/bf16.py:tiny", "--config.data.batch_size=7"], "data.batch_size: 7 is not divisible"),
+    (["--config", "configs/bf16.py:tiny", "--config.data.seq_len=64"], "data.seq_len: 64 exceeds"),
+    (["--config", "configs/bf16.py:tiny", "--config.model.num_layers=0"], "model.num_layers: must be a positive"),
+    (["--config", "configs/bf16.py:tiny", "--config.data.seq_len=-1"], "data.seq_len: must be a positive"),
+    (["--config", "configs/bf16.py:tiny", "--config.model.num_layers=abc"], "--config.model.num_layers=abc"),
+    (["--config", "configs/bf16.py:tiny", "--bogus"], "bogus"),
+    ([], "--config is required"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[m[:30] for _, m in BAD_INPUTS])
+def test_bad_input_is_one_line_with_exit_2(args, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    code = run.main(["jaxscale.run", *args, "--output_root", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("jaxscale: error: ") and "\n" not in err and "Traceback" not in err
+    assert message in err
+    assert not (tmp_path / "traces").exists()  # nothing written
+
+
+def test_bad_input_from_a_real_process_exits_2_without_traceback(tmp_path):
+    proc = run_cli(
+        "jaxscale.run",
+        "--config",
+        "configs/bf16.py:tiny",
+        '--config.model.remat=("Foo",)',
+        "--output_root",
+        str(tmp_path),
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "jaxscale: error: model.remat: unknown 'Foo'; allowed: MLP, Attn, Block" in proc.stderr
