@@ -8,8 +8,9 @@ import pathlib
 import subprocess
 import sys
 
-import jaxscale  # noqa: F401  (sets the backend environment before JAX is imported)
 import pytest
+
+import jaxscale  # noqa: F401  (sets the backend environment before JAX is imported)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

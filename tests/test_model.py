@@ -93,7 +93,7 @@ def test_variant_matches_plain_model(overrides, dtype, rtol, atol):
     flat, tree = jax.tree_util.tree_flatten(grads)
     variant_flat, variant_tree = jax.tree_util.tree_flatten(variant_grads)
     assert tree == variant_tree
-    for g, vg in zip(flat, variant_flat):
+    for g, vg in zip(flat, variant_flat, strict=True):
         np.testing.assert_allclose(np.asarray(vg), np.asarray(g), rtol=rtol, atol=atol)
 
 

@@ -29,7 +29,7 @@ def _setup(dropout: float = 0.0):
 
 def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
