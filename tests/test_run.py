@@ -89,7 +89,6 @@ def test_plan_reports_params_without_running(tmp_path):
     assert row["trace_dir"] is None
 
 
-@pytest.mark.slow
 def test_reference_plan_on_cpu_reports_the_reference_param_count(tmp_path):
     proc = run_cli(
         "jaxscale.run", "--config", "configs/bf16_remat.py:seed", "--plan", "--output_root", str(tmp_path), "--quiet"

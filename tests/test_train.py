@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -110,3 +112,19 @@ def test_optimizer_choices_build_and_clip():
         params = {"w": np.ones(3, np.float32)}
         updates, _ = tx.update({"w": np.full(3, 1e6, np.float32)}, tx.init(params), params)
         assert np.all(np.isfinite(updates["w"]))
+
+
+@pytest.mark.parametrize("scan_layers,accumulate", [(False, "loop"), (True, "scan")])
+def test_named_scopes_reach_the_compiled_program(scan_layers, accumulate):
+    """Traces and HLO name the model's parts, so a profile reads block_1 / attn / mlp / accumulate / optimizer."""
+    config = base_config("tiny", "scopes")
+    config.model.scan_layers, config.train.accumulate = scan_layers, accumulate
+    abstract = jax.eval_shape(train.make_init_fn(config))
+    lowered = train.make_train_step(config).lower(
+        abstract, jax.eval_shape(train.init_metrics), train.batch_shape(config)
+    )
+    op_names = "\n".join(re.findall(r'op_name="([^"]+)"', lowered.compile().as_text()))
+    expected = ["jit(train_step)/accumulate/", "jit(train_step)/optimizer/", "/attn/", "/mlp/", "/embed/", "/head/"]
+    expected += ["/blocks/", "/minibatch/"] if scan_layers else ["/block_1/", "/minibatch_1/"]
+    for scope in expected:
+        assert scope in op_names, scope
