@@ -74,9 +74,16 @@ def _plain_reference(dtype: str):
     return params, batch, *_loss_and_grads(plain, params, batch)
 
 
-@pytest.mark.parametrize("dtype,rtol,atol", [("float32", 1e-5, 1e-6), ("bfloat16", 2e-2, 2e-3)])
-@pytest.mark.parametrize("overrides", VARIANTS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_variant_matches_plain_model(overrides, dtype, rtol, atol):
+# float32 proves the functions equal to rounding; bfloat16 re-checks the main variants at its own tolerance.
+CASES = [("float32", 1e-5, 1e-6, o) for o in VARIANTS] + [
+    ("bfloat16", 2e-2, 2e-3, o) for o in VARIANTS if o in (VARIANTS[2], VARIANTS[3], VARIANTS[8], VARIANTS[9])
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,rtol,atol,overrides", CASES, ids=[f"{c[0]}-" + "-".join(f"{k}={v}" for k, v in c[3].items()) for c in CASES]
+)
+def test_variant_matches_plain_model(dtype, rtol, atol, overrides):
     """Remat, scan and the attention kernel change memory and speed, never the loss or its gradients."""
     variant = _variant(dtype, **overrides)
     params, batch, loss, grads = _plain_reference(dtype)

@@ -6,7 +6,7 @@ import json
 import pathlib
 
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 from jaxscale import run
 
@@ -71,30 +71,16 @@ def test_tiny_run_writes_a_result_row_and_a_trace(tmp_path):
     assert "run tiny_run: ok" in proc.stdout and "loss" in proc.stdout
 
 
-def test_plan_reports_params_without_running(tmp_path):
-    proc = run_cli(
-        "jaxscale.run",
-        "--config",
-        "configs/bf16_remat_block.py:tiny",
-        "--plan",
-        "--output_root",
-        str(tmp_path),
-        "--quiet",
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    row = _result(proc.stdout)
-    assert row["plan_only"] and row["status"] == "ok"
-    assert row["params"] > 0 and row["compiled_temp_bytes"] > 0
-    assert row["step_s_median"] is None if "step_s_median" in row else True
-    assert row["trace_dir"] is None
-
-
 def test_reference_plan_on_cpu_reports_the_reference_param_count(tmp_path):
     proc = run_cli(
         "jaxscale.run", "--config", "configs/bf16_remat.py:seed", "--plan", "--output_root", str(tmp_path), "--quiet"
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert _result(proc.stdout)["params"] == 155_877_376
+    row = _result(proc.stdout)
+    assert row["params"] == 155_877_376 and row["tokens_per_step"] == 64 * 512
+    assert row["plan_only"] and row["status"] == "ok" and row["trace_dir"] is None
+    assert row["compiled_temp_bytes"] > 0 and row["compiled_peak_bytes"] > row["compiled_temp_bytes"]
+    assert "step_s_median" not in row  # nothing ran, so nothing was timed
 
 
 def test_nan_loss_stops_the_run_with_status_nan(tmp_path):
@@ -114,23 +100,23 @@ def test_nan_loss_stops_the_run_with_status_nan(tmp_path):
     assert row["status"] == "nan" and "loss became" in row["error"]
 
 
-def test_runs_never_overwrite_each_other(tmp_path):
-    args = (
-        "jaxscale.run",
-        "--config",
-        "configs/bf16.py:tiny",
-        "--output_root",
-        str(tmp_path),
-        "--quiet",
-        "--name",
-        "same",
-        "--plan",
+def test_runs_never_overwrite_each_other(tmp_path, capsys):
+    result = tmp_path / "traces" / "same" / "result.json"
+    result.parent.mkdir(parents=True)
+    result.write_text('{"name": "same"}')
+    code = run.main(
+        [
+            "jaxscale.run",
+            "--config",
+            str(REPO / "configs/bf16.py:tiny"),
+            "--output_root",
+            str(tmp_path),
+            "--name",
+            "same",
+        ]
     )
-    assert run_cli(*args).returncode == 0
-    before = (tmp_path / "traces" / "same" / "result.json").read_text()
-    second = run_cli(*args)
-    assert second.returncode == 2 and "already holds a result" in second.stderr
-    assert (tmp_path / "traces" / "same" / "result.json").read_text() == before
+    assert code == 2 and "already holds a result" in capsys.readouterr().err
+    assert result.read_text() == '{"name": "same"}'
 
 
 BAD_INPUTS = [
