@@ -143,3 +143,13 @@ def test_softmax_runs_in_float32_in_the_compiled_program(scan_layers):
     assert exp_dtypes and set(exp_dtypes) == {"f32"}, exp_dtypes
     # and the model really computes in bf16 elsewhere (the check above is not vacuous)
     assert re.search(r"stablehlo.dot_general .* -> tensor<[0-9x]+xbf16>", text)
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_matches_reference_on_gpu():
+    """The cuDNN (flash) kernel computes the same function as the reference einsum attention."""
+    params, batch, loss, grads = _plain_reference("bfloat16")
+    cudnn_loss, cudnn_grads = _loss_and_grads(_variant("bfloat16", attention="cudnn"), params, batch)
+    np.testing.assert_allclose(cudnn_loss, loss, rtol=2e-2)
+    for g, cg in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(cudnn_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(cg), np.asarray(g), rtol=5e-2, atol=5e-3)

@@ -160,3 +160,11 @@ def test_bad_input_from_a_real_process_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "jaxscale: error: model.remat: unknown 'Foo'; allowed: MLP, Attn, Block" in proc.stderr
+
+
+def test_a_long_run_is_announced_with_an_estimate():
+    from conftest import load_config
+
+    assert run._estimate_message(load_config("bf16", "tiny")) is None
+    message = run._estimate_message(load_config("fp32", "seed"))  # ~1.3 PFLOP over 15 steps
+    assert message is not None and "estimate" in message and "TFLOP" in message and "--plan" in message
