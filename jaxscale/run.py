@@ -209,8 +209,8 @@ def write_row(path: pathlib.Path, row: dict) -> None:
     tmp.replace(path)
 
 
-def _estimate_message(config: ml_collections.ConfigDict) -> str | None:
-    backend = jax.default_backend()
+def _estimate_message(config: ml_collections.ConfigDict, backend: str | None = None) -> str | None:
+    backend = backend or jax.default_backend()
     steps = config.train.warmup_steps + config.train.steps + config.profile.steps
     flops_per_step = flops.model_flops_per_step(config)
     seconds = steps * flops_per_step / _ASSUMED_FLOPS_FOR_ESTIMATE.get(backend, 5e10)

@@ -165,6 +165,6 @@ def test_bad_input_from_a_real_process_exits_2_without_traceback(tmp_path):
 def test_a_long_run_is_announced_with_an_estimate():
     from conftest import load_config
 
-    assert run._estimate_message(load_config("bf16", "tiny")) is None
-    message = run._estimate_message(load_config("fp32", "seed"))  # ~1.3 PFLOP over 15 steps
+    assert run._estimate_message(load_config("bf16", "tiny"), "cpu") is None
+    message = run._estimate_message(load_config("fp32", "seed"), "cpu")  # 15 steps of ~33 TFLOP on a CPU
     assert message is not None and "estimate" in message and "TFLOP" in message and "--plan" in message
