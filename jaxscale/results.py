@@ -152,9 +152,8 @@ def compare_to_baseline(rows: list[dict]) -> list[dict]:
         row["best_peak_bytes"], row["best_peak_source"] = best_peak(row)
         base = ok.get((row.get("sweep"), row.get("baseline")))
         base_peak, base_source = best_peak(base) if base else (None, None)
-        ok_row = row.get("status") == "ok"
-        row["throughput_vs_baseline"] = _ratio(row.get("tokens_per_s"), base and base.get("tokens_per_s"))
-        row["throughput_vs_baseline"] = row["throughput_vs_baseline"] if ok_row else None
+        speed = _ratio(row.get("tokens_per_s"), base and base.get("tokens_per_s"))
+        row["throughput_vs_baseline"] = speed if row.get("status") == "ok" else None
         same = base_source is not None and base_source == row["best_peak_source"]
         row["peak_vs_baseline"] = _ratio(row["best_peak_bytes"], base_peak) if same else None
         out.append(row)

@@ -161,8 +161,8 @@ def check_memory_budget(row: dict, budget_bytes: int | None) -> None:
     plan = f"the {backend.upper()} compiler's plan" + (", a proxy for a GPU's" if backend == "cpu" else "")
     raise RunError(
         "oom",
-        f"compiled peak {peak / 2**30:.2f} GiB exceeds the device-memory budget of {budget_bytes / 2**30:.2f} GiB "
-        f"(source: compiled plan, {plan}); steps not run",
+        f"compiled peak {peak:,} bytes ({peak / 2**30:.2f} GiB) exceeds the device-memory budget of "
+        f"{budget_bytes:,} bytes ({budget_bytes / 2**30:.2f} GiB) (source: compiled plan, {plan}); steps not run",
     )
 
 

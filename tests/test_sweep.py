@@ -175,7 +175,8 @@ def test_a_compiled_plan_over_the_device_memory_budget_is_oom():
     row = {"compiled_peak_bytes": 3 * 2**30, "compiled_backend": "cpu"}
     check_memory_budget(row, 4 * 2**30)  # fits: nothing happens
     check_memory_budget(row, None)  # no budget
-    with pytest.raises(RunError, match=r"3.00 GiB exceeds the device-memory budget of 2.00 GiB") as raised:
+    expected = r"3,221,225,472 bytes \(3.00 GiB\) exceeds the device-memory budget of 2,147,483,648 bytes"
+    with pytest.raises(RunError, match=expected) as raised:
         check_memory_budget(row, 2 * 2**30)
     assert raised.value.status == "oom"
     assert "source: compiled plan, the CPU compiler's plan, a proxy for a GPU's" in str(raised.value)
