@@ -48,8 +48,9 @@ def read_rows(path: pathlib.Path) -> list[dict]:
         except json.JSONDecodeError:
             print(f"jaxscale: {path}:{number}: skipped a line that is not a JSON row", file=sys.stderr)
             continue
-        rows.pop(row.get("variant") or row.get("name"), None)  # keep file order of the latest rows
-        rows[row.get("variant") or row.get("name")] = row
+        key = row.get("variant") or row.get("name")
+        rows.pop(key, None)  # keep the file order of the latest rows
+        rows[key] = row
     return list(rows.values())
 
 

@@ -392,6 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except UsageError as error:
         return fail(str(error))
+    except KeyboardInterrupt:
+        print("jaxscale: interrupted; finished rows are kept, run the same command to resume", file=sys.stderr)
+        return 130
     print(outcome.table())
     print(f"results: {outcome.results_path} (and {outcome.results_path.with_suffix('.csv')})")
     return 1 if fv.strict and outcome.failed() else 0

@@ -120,6 +120,14 @@ def test_resume_skips_finished_and_rerun_replaces_only_its_row(finished_sweep, c
     assert [row["variant"] for row in rows] == ["plain", "remat", "broken"]
     assert results_path(root).read_text().count("\n") == 3
     assert rows[:2] == [json.loads(line) for line in before.splitlines()[:2]]
+    # The same sweep with one variant's definition changed: only that variant runs again on resume.
+    changed = root / "changed"
+    changed.mkdir()
+    edited = write_sweep(changed, MINI_SWEEP.replace("2 * config.model.max_seq_len", "3 * config.model.max_seq_len"))
+    code, out, _ = main_in_process(capsys, *options[:1], f"{edited}:tiny", *options[2:])
+    assert code == 0 and "1 to run" in out and "rerunning broken" in out
+    rows = read_rows(results_path(root))
+    assert [row["variant"] for row in rows] == ["plain", "remat", "broken"] and rows[2]["config.data.seq_len"] == 96
 
 
 def test_load_results_has_the_documented_columns(finished_sweep):
