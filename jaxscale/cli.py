@@ -113,3 +113,26 @@ def parse_config_flags(flag_values: flags.FlagValues, argv: Sequence[str], name:
     except ConfigError as error:
         raise UsageError(str(error)) from None
     return config
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """Parses a memory size such as `24GiB`, `24GB`, `512MiB` or `1e9` into bytes.
+
+    Raises:
+      UsageError: naming `flag` and the units allowed.
+    """
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE]\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = found.group(2).lower() if found else None
+    if unit not in _BYTE_UNITS or float(found.group(1)) <= 0:
+        raise UsageError(
+            f"{flag}: {text!r} is not a positive memory size; use a number with a unit such as 24GiB, 24GB, "
+            "512MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    return int(float(found.group(1)) * _BYTE_UNITS[unit])

@@ -20,7 +20,7 @@ from absl import flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jaxscale import flops, memory, profiling, timing, train  # noqa: E402
-from jaxscale.cli import UsageError, define_config_flag, fail, parse_config_flags
+from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
 from jaxscale.config import flatten  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
 
@@ -47,6 +47,12 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     flags.DEFINE_string("output_root", ".", "Root under which traces/<run name>/ is written.", flag_values=fv)
     flags.DEFINE_string(
         "run_dir", None, "Exact directory for this run's trace and result (overrides the above).", flag_values=fv
+    )
+    flags.DEFINE_string(
+        "device_memory",
+        None,
+        "Memory budget such as 24GiB: a step whose compiled plan exceeds it is recorded as oom, not run.",
+        flag_values=fv,
     )
     flags.DEFINE_bool(
         "quiet", False, "No progress bar and no summary; the result path is still printed.", flag_values=fv
@@ -139,30 +145,58 @@ def execute(config, compiled, init_fn, run_dir: pathlib.Path, row: dict, progres
     bar.close()
 
 
-def _classify(error: Exception) -> str:
-    text = str(error)
+def classify_failure(text: str) -> str:
+    """Row status for a failure message: `oom` for XLA's out-of-memory errors (RESOURCE_EXHAUSTED), else `error`."""
     if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
         return "oom"
     return "error"
 
 
+def check_memory_budget(row: dict, budget_bytes: int | None) -> None:
+    """Raises RunError("oom") when the compiled plan's peak exceeds a device-memory budget (bytes)."""
+    peak = row.get("compiled_peak_bytes")
+    if budget_bytes is None or peak is None or peak <= budget_bytes:
+        return
+    backend = row["compiled_backend"]
+    plan = f"the {backend.upper()} compiler's plan" + (", a proxy for a GPU's" if backend == "cpu" else "")
+    raise RunError(
+        "oom",
+        f"compiled peak {peak:,} bytes ({peak / 2**30:.2f} GiB) exceeds the device-memory budget of "
+        f"{budget_bytes:,} bytes ({budget_bytes / 2**30:.2f} GiB) (source: compiled plan, {plan}); steps not run",
+    )
+
+
 def run(
-    config: ml_collections.ConfigDict, run_dir: pathlib.Path, name: str, plan_only: bool = False, progress: bool = True
+    config: ml_collections.ConfigDict,
+    run_dir: pathlib.Path,
+    name: str,
+    plan_only: bool = False,
+    progress: bool = True,
+    device_memory_bytes: int | None = None,
 ) -> dict:
-    """Compiles, runs and measures one config; always returns a result row (status ok|oom|error|nan)."""
+    """Compiles, runs and measures one config; always returns a result row (status ok|oom|error|nan).
+
+    A `device_memory_bytes` budget stands in for a smaller accelerator: a step whose compiled plan exceeds it
+    is recorded as `oom` without running its steps.
+    """
     row = base_row(config, name, run_dir)
+    row["device_memory_budget_bytes"] = device_memory_bytes
     try:
         compiled, init_fn, abstract_state, row["compile_s"] = compile_step(config)
         row["params"] = count_params(abstract_state.params)
         row.update(memory.compiled_memory(compiled))
         row["compiled_backend"] = jax.default_backend()
+        check_memory_budget(row, device_memory_bytes)
         if not plan_only:
             execute(config, compiled, init_fn, run_dir, row, progress)
         row["status"] = "ok"
     except RunError as error:
         row["status"], row["error"] = error.status, str(error)
     except Exception as error:  # a failed variant is a row, not a crash (XLA raises many types)
-        row["status"], row["error"] = _classify(error), " ".join(f"{type(error).__name__}: {error}".split())[:500]
+        row["status"], row["error"] = (
+            classify_failure(str(error)),
+            " ".join(f"{type(error).__name__}: {error}".split())[:500],
+        )
     row["device_peak_bytes"], row["device_peak_note"] = memory.device_peak_bytes()
     row["host_peak_rss_bytes"] = memory.host_peak_rss_bytes()
     row["plan_only"] = plan_only
@@ -242,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config_flags(fv, argv)
         name, run_dir = _resolve_run_dir(fv, config)
+        budget = None if fv.device_memory is None else parse_bytes(fv.device_memory, "--device_memory")
     except UsageError as error:
         return fail(str(error))
     if config.preset_source != "given":
@@ -252,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     estimate = None if fv.plan else _estimate_message(config)
     if estimate:
         print(f"jaxscale: {estimate}")
-    row = run(config, run_dir, name, plan_only=fv.plan, progress=not fv.quiet)
+    row = run(config, run_dir, name, plan_only=fv.plan, progress=not fv.quiet, device_memory_bytes=budget)
     result_path = run_dir / "result.json"
     write_row(result_path, row)
     if not fv.quiet:

@@ -1,0 +1,41 @@
+"""The seed notebook's table as one sweep: precision, layer scan, remat, accumulation and batch size.
+
+    python -m jaxscale.sweep --config experiments/seed_table.py:cpu     # all 7 variants on a 2-core CPU
+    python -m jaxscale.sweep --config experiments/seed_table.py:seed    # the reference scale (a GPU)
+
+Every variant is compared with BASELINE, the notebook's first row (float32, scanned, no remat).
+"""
+
+from jaxscale.config import base_config
+
+BASELINE = "fp32_scan"
+
+
+def get_config(preset=None):
+    """The base every variant starts from: the reference model (bf16, layers scanned, no remat).
+
+    Presets: seed (the notebook's scale), cpu (every variant in minutes on 2 cores), tiny (tests).
+    """
+    config = base_config(preset, name="seed_table")
+    config.model.scan_layers = True
+    if config.preset == "cpu":
+        config.train.steps = 6  # 7 variants, batch-4x among them, within 10 minutes on 2 shared cores
+        config.profile.steps = 1
+    return config
+
+
+def get_variants(config):
+    """The notebook's seven rows as dotted overrides of `config` (batch 4x is batch 256 at :seed)."""
+    bf16 = {"model.dtype": "bfloat16"}
+    remat = {**bf16, "model.scan_layers": True, "model.remat": ("MLP", "Attn")}
+    big_batch = 4 * config.data.batch_size
+    return [
+        {"name": "fp32_scan", "model.dtype": "float32", "model.scan_layers": True, "model.remat": ()},
+        {"name": "bf16_scan", **bf16, "model.scan_layers": True, "model.remat": ()},
+        {"name": "bf16_noscan", **bf16, "model.scan_layers": False, "model.remat": ()},
+        {"name": "bf16_scan_remat_mlp_attn", **remat},
+        {"name": "bf16_scan_remat_block", **bf16, "model.scan_layers": True, "model.remat": ("Block",)},
+        {"name": "bf16_remat_1minibatch", **remat, "train.num_minibatches": 1},
+        # The notebook scaled the batch after dropping accumulation: remat MLP+Attn, one minibatch.
+        {"name": f"bf16_remat_batch{big_batch}", **remat, "train.num_minibatches": 1, "data.batch_size": big_batch},
+    ]

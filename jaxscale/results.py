@@ -1,0 +1,228 @@
+"""A sweep's result rows on disk (append-only JSON lines, a CSV copy), read back as a table against a baseline."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Iterator
+
+import pandas as pd
+
+from jaxscale.cli import UsageError
+
+RESULTS_FILE = "results.jsonl"
+CSV_FILE = "results.csv"
+
+# Columns load_results always returns (None where a row lacks them), in this order, before the rest.
+COLUMNS = (
+    "sweep", "variant", "baseline", "status", "error", "params", "tokens_per_step",
+    "step_s_median", "step_s_p90", "tokens_per_s", "compile_s",
+    "compiled_peak_bytes", "compiled_backend", "device_peak_bytes", "host_peak_rss_bytes",
+    "best_peak_bytes", "best_peak_source", "throughput_vs_baseline", "peak_vs_baseline",
+    "variant_overrides", "process_wall_s", "run_dir", "trace_dir",
+)  # fmt: skip
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_rows(path: pathlib.Path) -> list[dict]:
+    """The rows of a results.jsonl, one per variant (the last wins); an unreadable line is skipped with a note."""
+    if not path.exists():
+        return []
+    rows: dict[str, dict] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            print(f"jaxscale: {path}:{number}: skipped a line that is not a JSON row", file=sys.stderr)
+            continue
+        key = row.get("variant") or row.get("name")
+        rows.pop(key, None)  # keep the file order of the latest rows
+        rows[key] = row
+    return list(rows.values())
+
+
+def _line(row: dict) -> bytes:
+    return (json.dumps(row, default=str) + "\n").encode()
+
+
+class ResultsFile:
+    """results.jsonl of one sweep: every finished variant's row, flushed to disk as soon as it is known.
+
+    A row is appended with one write, then flushed and fsynced, so a `kill -9` loses at most the row being
+    written; such a torn last line is dropped when the file is opened again. Replacing a variant's row
+    (a rerun) rewrites the file through a temporary file and an atomic rename. One sweep process at a
+    time holds the directory's lock.
+    """
+
+    def __init__(self, directory: pathlib.Path):
+        self.directory = pathlib.Path(directory)
+        self.path = self.directory / RESULTS_FILE
+        self.csv_path = self.directory / CSV_FILE
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[ResultsFile]:
+        """Holds an exclusive lock on the directory (released by the OS even after kill -9)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / ".lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UsageError(f"another sweep is writing {self.directory} (its lock is held)") from None
+            self._drop_torn_line()
+            yield self
+
+    def _drop_torn_line(self) -> None:
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            with open(self.path, "r+b") as f:
+                f.truncate(keep)
+                os.fsync(f.fileno())
+            print(f"jaxscale: {self.path}: dropped an incomplete last line (a sweep was killed while writing it)")
+
+    def rows(self) -> list[dict]:
+        return read_rows(self.path)
+
+    def record(self, row: dict) -> None:
+        """Stores a variant's row durably: appended, or replacing that variant's earlier row."""
+        rows = self.rows()
+        if any(r.get("variant") == row["variant"] for r in rows):
+            kept = [r for r in rows if r.get("variant") != row["variant"]]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            with open(tmp, "wb") as f:
+                f.write(b"".join(_line(r) for r in [*kept, row]))
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(self.path)
+            _fsync_dir(self.directory)
+        else:
+            with open(self.path, "ab") as f:
+                f.write(_line(row))
+                f.flush()
+                os.fsync(f.fileno())
+        self.write_csv()
+
+    def write_csv(self) -> None:
+        """Regenerates results.csv (flat, the columns of load_results) from results.jsonl."""
+        tmp = self.csv_path.with_suffix(".csv.tmp")
+        load_results(self.path).to_csv(tmp, index=False)
+        tmp.replace(self.csv_path)
+
+
+def best_peak(row: dict) -> tuple[int | None, str | None]:
+    """(bytes, source): the device allocator's peak where measured, else XLA's compiled plan (named by backend)."""
+    if row.get("device_peak_bytes") is not None:
+        return row["device_peak_bytes"], "device"
+    if row.get("compiled_peak_bytes") is not None:
+        return row["compiled_peak_bytes"], f"compiled plan ({row.get('compiled_backend') or 'unknown backend'})"
+    return None, None
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    if value is None or reference is None or reference == 0 or pd.isna(value) or pd.isna(reference):
+        return None
+    return float(value) / float(reference)
+
+
+def compare_to_baseline(rows: list[dict]) -> list[dict]:
+    """Adds best_peak_* and the ratios against each row's baseline variant (an ok row of the same sweep).
+
+    throughput_vs_baseline = tokens_per_s / baseline tokens_per_s (>1 is faster; the same as the ratio of
+    step times where tokens per step are equal). peak_vs_baseline = best_peak_bytes / baseline's, only when
+    both come from the same source (never a device peak against a compiled plan).
+    """
+    ok = {(r.get("sweep"), r.get("variant")): r for r in rows if r.get("status") == "ok"}
+    out = []
+    for row in rows:
+        row = dict(row)
+        row["best_peak_bytes"], row["best_peak_source"] = best_peak(row)
+        base = ok.get((row.get("sweep"), row.get("baseline")))
+        base_peak, base_source = best_peak(base) if base else (None, None)
+        speed = _ratio(row.get("tokens_per_s"), base and base.get("tokens_per_s"))
+        row["throughput_vs_baseline"] = speed if row.get("status") == "ok" else None
+        same = base_source is not None and base_source == row["best_peak_source"]
+        row["peak_vs_baseline"] = _ratio(row["best_peak_bytes"], base_peak) if same else None
+        out.append(row)
+    return out
+
+
+def load_results(path: str | os.PathLike) -> pd.DataFrame:
+    """A sweep's rows as a DataFrame: one row per variant, the COLUMNS first, then every other row field.
+
+    Args:
+      path: a results.jsonl, or the sweep's results directory holding one.
+
+    Returns:
+      DataFrame with COLUMNS (None where unknown) and the flat result-row fields (`config.*`, `compiled_*`, ...).
+    """
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / RESULTS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no sweep results at {path}")
+    frame = pd.DataFrame(compare_to_baseline(read_rows(path)))
+    for column in COLUMNS:
+        if column not in frame:
+            frame[column] = None
+    return frame[[*COLUMNS, *(c for c in frame.columns if c not in COLUMNS)]]
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None or pd.isna(value) else format(value, spec)
+
+
+def _versus(row: dict) -> str:
+    if row.get("variant") == row.get("baseline"):
+        return "baseline"
+    parts = []
+    speed = row["throughput_vs_baseline"]
+    if speed is not None:
+        parts.append(f"{speed:.2f}x faster" if speed >= 1 else f"{1 / speed:.2f}x slower")
+    if row["peak_vs_baseline"] is not None:
+        parts.append(f"{row['peak_vs_baseline']:.2f}x memory")
+    return ", ".join(parts) or "-"
+
+
+def format_table(rows: list[dict], order: list[str] | None = None) -> str:
+    """The sweep as a text table: variant, status, step time, tokens/s, compile time, peak memory (its
+    source named), and the change against the baseline variant; failures' errors are listed beneath."""
+    rows = compare_to_baseline(rows)
+    rank = {name: i for i, name in enumerate(order or [])}
+    rows.sort(key=lambda r: rank.get(r.get("variant"), len(rank)))
+    baseline = next((r.get("baseline") for r in rows if r.get("baseline")), None)
+    header = ("variant", "status", "step s (median)", "tokens/s", "compile s", "peak GiB", "peak source")
+    lines = [(*header, f"vs {baseline}")]
+    for r in rows:
+        peak = None if r["best_peak_bytes"] is None else r["best_peak_bytes"] / 2**30
+        lines.append(
+            (
+                r.get("variant") or r.get("name"),
+                r.get("status"),
+                _cell(r.get("step_s_median"), ".4f"),
+                _cell(r.get("tokens_per_s"), ",.0f"),
+                _cell(r.get("compile_s"), ".1f"),
+                _cell(peak, ".3f"),
+                r["best_peak_source"] or "-",
+                _versus(r),
+            )
+        )
+    lines = [tuple(str(cell) for cell in line) for line in lines]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) + 1)]
+    text = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in lines]
+    text += [f"  {r.get('variant')}: {r.get('status')}: {r.get('error')}" for r in rows if r.get("status") != "ok"]
+    return "\n".join(text)

@@ -1,0 +1,245 @@
+"""Sweeps end to end on a tiny model: every variant in its own process, failures as rows, kill -9 and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pandas as pd
+import pytest
+
+from jaxscale.cli import UsageError, parse_bytes
+from jaxscale.config import validate
+from jaxscale.results import COLUMNS, ResultsFile, load_results, read_rows
+from jaxscale.run import RunError, check_memory_budget
+from jaxscale.sweep import load_sweep, run_sweep, select_variants
+from jaxscale.sweep import main as sweep_main
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Three variants of a one-layer model; "broken" asks for sequences longer than the model allows, so its run
+# process rejects the config (exit 2) and the sweep must record it as a row and go on.
+MINI_SWEEP = """
+from jaxscale.config import base_config
+
+BASELINE = "plain"
+
+
+def get_config(preset=None):
+    config = base_config(preset, name="mini")
+    config.model.num_layers = 1
+    config.model.scan_layers = True
+    config.train.steps, config.train.warmup_steps, config.profile.steps = 2, 1, 1
+    return config
+
+
+def get_variants(config):
+    return [
+        {"name": "plain"},
+        {"name": "remat", "model.remat": ("Block",)},
+        {"name": "broken", "data.seq_len": 2 * config.model.max_seq_len},
+    ]
+"""
+
+
+def write_sweep(directory: pathlib.Path, text: str = MINI_SWEEP) -> pathlib.Path:
+    path = directory / "mini.py"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def sweep_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jaxscale.sweep", *args]
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    return subprocess.run(sweep_command(*args), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def results_path(root: pathlib.Path) -> pathlib.Path:
+    return root / "experiments" / "results" / "mini_tiny" / "results.jsonl"
+
+
+@pytest.fixture(scope="module")
+def finished_sweep(tmp_path_factory):
+    """The mini sweep run once, uninterrupted, from the command line (with a budget every variant fits)."""
+    root = tmp_path_factory.mktemp("sweep")
+    spec = f"{write_sweep(root)}:tiny"
+    completed = run_cli("--config", spec, "--output_root", str(root), "--device-memory", "1GiB")
+    return root, spec, completed
+
+
+def main_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """`python -m jaxscale.sweep ARGS` without a new interpreter: (exit code, stdout, stderr)."""
+    code = sweep_main(["jaxscale.sweep", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_every_variant_runs_and_a_failing_one_is_a_row(finished_sweep):
+    root, _, completed = finished_sweep
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    rows = {row["variant"]: row for row in read_rows(results_path(root))}
+    assert list(rows) == ["plain", "remat", "broken"]
+    assert rows["plain"]["status"] == rows["remat"]["status"] == "ok"
+    assert rows["plain"]["step_s_median"] > 0 and rows["remat"]["config.model.remat"] == ["Block"]
+    assert rows["broken"]["status"] == "error"
+    assert "data.seq_len" in rows["broken"]["error"] and "\n" not in rows["broken"]["error"]
+    assert all(row["sweep"] == "mini_tiny" and row["baseline"] == "plain" for row in rows.values())
+    assert rows["plain"]["device_memory_budget_bytes"] == 2**30  # --device-memory reached the run
+    # Each variant's trace and result lie under traces/<sweep>/<variant>/.
+    assert list((root / "traces" / "mini_tiny" / "plain").glob("plugins/profile/*/*.xplane.pb"))
+    assert json.loads((root / "traces" / "mini_tiny" / "remat" / "result.json").read_text())["variant"] == "remat"
+    # The printed table: every variant, the baseline named, a ratio against it, the failure's error.
+    table = completed.stdout[completed.stdout.index("variant") :]
+    assert "vs plain" in table and "baseline" in table
+    assert ("x faster" in table or "x slower" in table) and "x memory" in table
+    assert "broken: error: data.seq_len" in table
+    csv = (results_path(root).parent / "results.csv").read_text().splitlines()
+    assert len(csv) == 4 and csv[0].startswith("sweep,variant,baseline,status")
+
+
+def test_resume_skips_finished_and_rerun_replaces_only_its_row(finished_sweep, capsys):
+    root, spec, _ = finished_sweep
+    before = results_path(root).read_text()
+    options = ("--config", spec, "--output_root", str(root), "--device-memory", "1GiB")
+    code, out, _ = main_in_process(capsys, *options, "--strict")
+    assert code == 1  # --strict: "broken" is not ok
+    assert "3 already finished" in out and "0 to run" in out
+    assert results_path(root).read_text() == before
+    code, _, err = main_in_process(capsys, *options, "--rerun", "--only", "brok*", "--quiet")
+    assert code == 0, err[-2000:]
+    rows = read_rows(results_path(root))
+    assert [row["variant"] for row in rows] == ["plain", "remat", "broken"]
+    assert results_path(root).read_text().count("\n") == 3
+    assert rows[:2] == [json.loads(line) for line in before.splitlines()[:2]]
+    # The same sweep with one variant's definition changed: only that variant runs again on resume.
+    changed = root / "changed"
+    changed.mkdir()
+    edited = write_sweep(changed, MINI_SWEEP.replace("2 * config.model.max_seq_len", "3 * config.model.max_seq_len"))
+    code, out, _ = main_in_process(capsys, *options[:1], f"{edited}:tiny", *options[2:])
+    assert code == 0 and "1 to run" in out and "rerunning broken" in out
+    rows = read_rows(results_path(root))
+    assert [row["variant"] for row in rows] == ["plain", "remat", "broken"] and rows[2]["config.data.seq_len"] == 96
+
+
+def test_load_results_has_the_documented_columns(finished_sweep):
+    root, _, _ = finished_sweep
+    frame = load_results(results_path(root).parent)
+    assert list(frame.columns[: len(COLUMNS)]) == list(COLUMNS)
+    assert sorted(frame["variant"]) == ["broken", "plain", "remat"]
+    by_variant = frame.set_index("variant")
+    assert by_variant.loc["plain", "throughput_vs_baseline"] == pytest.approx(1.0)
+    assert by_variant.loc["plain", "best_peak_source"] == "compiled plan (cpu)"
+    assert by_variant.loc["remat", "peak_vs_baseline"] > 0
+    assert pd.isna(by_variant.loc["broken", "throughput_vs_baseline"])
+    assert "config.model.remat" in frame.columns and "compiled_temp_bytes" in frame.columns
+
+
+def test_kill_9_after_the_first_row_then_resume_loses_and_duplicates_nothing(tmp_path):
+    spec = f"{write_sweep(tmp_path)}:tiny"
+    args = ("--config", spec, "--output_root", str(tmp_path), "--skip", "remat", "--quiet")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    sweep = subprocess.Popen(sweep_command(*args), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not results_path(tmp_path).exists() or not results_path(tmp_path).read_text().count("\n"):
+        assert sweep.poll() is None and time.monotonic() < deadline, sweep.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    os.kill(sweep.pid, signal.SIGKILL)  # while the second variant ("broken") is starting or running
+    sweep.wait()
+    first = results_path(tmp_path).read_text()
+    assert [json.loads(line)["variant"] for line in first.splitlines()] == ["plain"]
+    resumed = run_cli(*args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    text = results_path(tmp_path).read_text()
+    assert text.startswith(first)  # the finished row is kept as it was
+    assert [json.loads(line)["variant"] for line in text.splitlines()] == ["plain", "broken"]
+
+
+def test_a_torn_last_line_is_dropped_when_the_file_is_opened(tmp_path):
+    store = ResultsFile(tmp_path)
+    store.path.write_text('{"variant": "a", "status": "ok"}\n{"variant": "b", "sta')
+    with store.locked():
+        assert [row["variant"] for row in store.rows()] == ["a"]
+    assert store.path.read_text() == '{"variant": "a", "status": "ok"}\n'
+
+
+def test_a_variant_past_its_timeout_is_a_timeout_row(tmp_path):
+    spec = f"{write_sweep(tmp_path)}:tiny"
+    outcome = run_sweep(spec, only=["plain"], timeout_s=0.5, output_root=tmp_path, progress=False)
+    [row] = read_rows(outcome.results_path)
+    assert row["status"] == "timeout" and "0.5 s" in row["error"]
+    assert outcome.failed() == ["plain"]
+
+
+def test_a_compiled_plan_over_the_device_memory_budget_is_oom():
+    row = {"compiled_peak_bytes": 3 * 2**30, "compiled_backend": "cpu"}
+    check_memory_budget(row, 4 * 2**30)  # fits: nothing happens
+    check_memory_budget(row, None)  # no budget
+    expected = r"3,221,225,472 bytes \(3.00 GiB\) exceeds the device-memory budget of 2,147,483,648 bytes"
+    with pytest.raises(RunError, match=expected) as raised:
+        check_memory_budget(row, 2 * 2**30)
+    assert raised.value.status == "oom"
+    assert "source: compiled plan, the CPU compiler's plan, a proxy for a GPU's" in str(raised.value)
+
+
+def test_only_and_skip_filters():
+    names = ["fp32_scan", "bf16_scan", "bf16_noscan", "bf16_remat"]
+    assert select_variants(names) == names
+    assert select_variants(names, only=["bf16_*"], skip=["*noscan"]) == ["bf16_scan", "bf16_remat"]
+    assert select_variants(names, skip=["fp32_scan", "bf16_remat"]) == ["bf16_scan", "bf16_noscan"]
+    with pytest.raises(UsageError, match="--only: 'tpu' matches no variant; variants: fp32_scan"):
+        select_variants(names, only=["tpu"])
+    with pytest.raises(UsageError, match="no variant left"):
+        select_variants(names, only=["fp32_scan"], skip=["fp32*"])
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    spec = f"{write_sweep(tmp_path)}:tiny"
+    for args, message in [
+        (("--config", spec, "--only", "nope"), "--only: 'nope' matches no variant"),
+        (("--config", spec[: -len(":tiny")]), "add a preset after the colon"),
+        (("--config", spec, "--device-memory", "lots"), "--device-memory: 'lots' is not a positive memory size"),
+        (("--config", spec, "--config.model.dtype=float32"), "config changes belong in the sweep's variants"),
+        (("--config", spec, "--run_arg=--run_dir=elsewhere"), "--run_arg: '--run_dir=elsewhere' is set by the sweep"),
+    ]:
+        code, out, err = main_in_process(capsys, *args, "--output_root", str(tmp_path))
+        assert code == 2 and out == ""
+        assert err.startswith("jaxscale: error: ") and err.count("\n") == 1 and message in err
+    assert not (tmp_path / "experiments").exists()  # nothing was run or written
+
+
+def test_a_variant_naming_an_unknown_field_is_refused(tmp_path):
+    text = MINI_SWEEP.replace('"model.remat": ("Block",)', '"model.rematt": ("Block",)')
+    with pytest.raises(UsageError, match=r"variant remat: model.rematt: no field 'rematt' in model; allowed: .*remat"):
+        load_sweep(f"{write_sweep(tmp_path, text)}:tiny")
+
+
+def test_seed_table_defines_the_notebook_rows_at_every_preset():
+    for preset in ("tiny", "cpu", "seed"):
+        sweep = load_sweep(REPO / "experiments" / "seed_table.py", preset)
+        assert sweep.name == f"seed_table_{preset}" and sweep.baseline == "fp32_scan"
+        assert len(sweep.variants) == 7
+        for variant in sweep.variants:
+            validate(variant.config)
+        configs = {v.name: v.config for v in sweep.variants}
+        assert configs["fp32_scan"].model.dtype == "float32" and not configs["bf16_noscan"].model.scan_layers
+        assert configs["bf16_scan_remat_block"].model.remat == ("Block",)
+        assert configs["bf16_remat_1minibatch"].train.num_minibatches == 1
+    assert "bf16_remat_batch256" in sweep.variant_names  # :seed is the notebook's batch 256
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB", "--x") == 24 * 2**30
+    assert parse_bytes("24GB", "--x") == 24 * 10**9
+    assert parse_bytes("1.5 mib", "--x") == 3 * 2**19
+    assert parse_bytes("4096", "--x") == 4096
+    with pytest.raises(UsageError, match="--x: '24 parsecs'"):
+        parse_bytes("24 parsecs", "--x")
