@@ -19,7 +19,7 @@ import ml_collections  # noqa: E402
 from absl import flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxscale import flops, memory, profiling, timing, train  # noqa: E402
+from jaxscale import flops, gpu_plan, memory, profiling, targets, timing, train  # noqa: E402
 from jaxscale.cli import UsageError, define_config_flag, fail, parse_config_flags
 from jaxscale.config import flatten  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
@@ -47,6 +47,13 @@ def _flag_values() -> flags.FlagValues:
     flags.DEFINE_string("output_root", ".", "Root under which traces/<run name>/ is written.", flag_values=fv)
     flags.DEFINE_string(
         "run_dir", None, "Exact directory for this run's trace and result (overrides the above).", flag_values=fv
+    )
+    flags.DEFINE_string(
+        "target",
+        None,
+        f"With --plan: plan for this GPU instead of this machine, no GPU needed ({', '.join(targets.TARGETS)} "
+        "or a GpuTargetConfig .txtpb); needs the gpu-plan extra. See docs/gpu_planning.md.",
+        flag_values=fv,
     )
     flags.DEFINE_bool(
         "quiet", False, "No progress bar and no summary; the result path is still printed.", flag_values=fv
@@ -147,15 +154,28 @@ def _classify(error: Exception) -> str:
 
 
 def run(
-    config: ml_collections.ConfigDict, run_dir: pathlib.Path, name: str, plan_only: bool = False, progress: bool = True
+    config: ml_collections.ConfigDict,
+    run_dir: pathlib.Path,
+    name: str,
+    plan_only: bool = False,
+    progress: bool = True,
+    target: str | None = None,
 ) -> dict:
-    """Compiles, runs and measures one config; always returns a result row (status ok|oom|error|nan)."""
+    """Compiles, runs and measures one config; always returns a result row (status ok|oom|error|nan).
+
+    With `target` (plan only) the compiled_* columns are XLA's plan for that GPU (jaxscale.gpu_plan).
+    """
+    if target is not None and not plan_only:
+        raise ValueError("run: a target GPU can only be planned (plan_only=True)")
     row = base_row(config, name, run_dir)
     try:
-        compiled, init_fn, abstract_state, row["compile_s"] = compile_step(config)
-        row["params"] = count_params(abstract_state.params)
-        row.update(memory.compiled_memory(compiled))
-        row["compiled_backend"] = jax.default_backend()
+        if target is not None:
+            row.update(gpu_plan.plan_for_target(config, target))
+        else:
+            compiled, init_fn, abstract_state, row["compile_s"] = compile_step(config)
+            row["params"] = count_params(abstract_state.params)
+            row.update(memory.compiled_memory(compiled))
+            row["compiled_backend"] = jax.default_backend()
         if not plan_only:
             execute(config, compiled, init_fn, run_dir, row, progress)
         row["status"] = "ok"
@@ -185,6 +205,8 @@ def summary(row: dict) -> str:
             f"args {_gib(row['compiled_argument_bytes'])} + out {_gib(row['compiled_output_bytes'])} - "
             f"alias {_gib(row['compiled_alias_bytes'])} + temp {_gib(row['compiled_temp_bytes'])}"
         )
+    if row.get("plan_target") is not None:
+        lines.append(gpu_plan.summary_line(row))
     if row.get("step_s_median") is not None:
         lines.append(
             f"  step {row['step_s_median']:.4f} s median, {row['step_s_p90']:.4f} s p90 over "
@@ -229,7 +251,8 @@ def _resolve_run_dir(fv: flags.FlagValues, config: ml_collections.ConfigDict) ->
         name = fv.name or run_dir.name
     else:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = fv.name or f"{config.name}_{config.preset}{'_plan' if fv.plan else ''}_{stamp}"
+        plan = ("_plan" if fv.plan else "") + (f"-{pathlib.Path(fv.target).stem}" if fv.target else "")
+        name = fv.name or f"{config.name}_{config.preset}{plan}_{stamp}"
         run_dir = pathlib.Path(fv.output_root) / "traces" / name
     if (run_dir / "result.json").exists():
         raise UsageError(f"--name: {run_dir} already holds a result; choose another --name (runs never overwrite)")
@@ -241,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fv = _flag_values()
     try:
         config = parse_config_flags(fv, argv)
+        gpu_plan.check_target_flag(fv.target, fv.plan)
         name, run_dir = _resolve_run_dir(fv, config)
     except UsageError as error:
         return fail(str(error))
@@ -252,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     estimate = None if fv.plan else _estimate_message(config)
     if estimate:
         print(f"jaxscale: {estimate}")
-    row = run(config, run_dir, name, plan_only=fv.plan, progress=not fv.quiet)
+    row = run(config, run_dir, name, plan_only=fv.plan, progress=not fv.quiet, target=fv.target)
     result_path = run_dir / "result.json"
     write_row(result_path, row)
     if not fv.quiet:
