@@ -101,10 +101,17 @@ def test_a_target_that_kills_the_compiler_is_a_failed_row_not_a_crash(tmp_path):
 @pytest.mark.slow
 @needs_extra
 def test_the_reference_table_planned_for_an_a5000_matches_the_notebook():
+    """Each bf16 variant's plan comes within 10% of the notebook's peak; fp32 needs XLA's auto-remat.
+
+    The notebook's A5000 autotuned its GEMMs (Triton or cuBLAS, per GEMM); here the step is planned with
+    each, and the notebook's peak must lie within 10% of that band [min, max].
+    """
     rows = {v.name: reference.plan_variant(v, "a5000") for v in reference.NOTEBOOK_VARIANTS}
     for name, row in rows.items():
         assert row["status"] == "ok", (name, row["error"])
         if name.startswith("bf16"):
-            assert abs(row["planned_over_notebook"] - 1) <= 0.10, (name, row["planned_over_notebook"])
+            band = [row[f"compiled_{m}_peak_bytes"] / row["notebook_peak_bytes"] for m in ("triton", "cublas")]
+            assert min(band) <= 1.10 and max(band) >= 0.90, (name, band)
+            assert row["plan_fits"] is True, name
     fp32 = rows["fp32, scan"]
     assert fp32["plan_fits"] is False and fp32["compiled_remat_limit_bytes"] is not None
