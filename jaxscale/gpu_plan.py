@@ -48,6 +48,7 @@ _REMAT_WARNING = re.compile(
     r"Can't reduce memory use below \S+ \((\d+) bytes\) by rematerialization; "
     r"only reduced to \S+ \((\d+) bytes\), down from \S+ \((\d+) bytes\) originally"
 )
+_REMAT_COLUMNS = ("compiled_remat_limit_bytes", "compiled_remat_reached_bytes", "compiled_remat_original_bytes")
 _NOISE = ("cudart_stub.cc", "absl::InitializeLog()")
 
 
@@ -90,12 +91,7 @@ def parse_remat_warning(stderr: str) -> dict[str, int] | None:
     found = _REMAT_WARNING.findall(stderr)
     if not found:
         return None
-    limit, reached, original = (int(n) for n in found[-1])
-    return {
-        "compiled_remat_limit_bytes": limit,
-        "compiled_remat_reached_bytes": reached,
-        "compiled_remat_original_bytes": original,
-    }
+    return dict(zip(_REMAT_COLUMNS, (int(n) for n in found[-1]), strict=True))
 
 
 def _child_env(gemm: str) -> dict[str, str]:
@@ -166,6 +162,8 @@ def plan_for_target(
     Raises:
       targets.UnknownTargetError, ValueError: bad target; PlanError: a compile failed.
     """
+    if gemm not in GEMM_CHOICES:
+        raise ValueError(f"gemm: unknown {gemm!r}; allowed: {', '.join(GEMM_CHOICES)}")
     spec = targets.get_target(target)
     text = targets.target_config_text(spec)
     modes = tuple(GEMM_FLAGS) if gemm == "both" else (gemm,)
@@ -178,7 +176,6 @@ def plan_for_target(
     plan = plans[chosen]
     warning = next((warnings[m] for m in (chosen, *modes) if warnings[m] is not None), None)
     fits, reason = _fits(spec, plan["compiled_peak_bytes"], warning)
-    empty_warning = dict.fromkeys(("limit", "reached", "original"))
     return {
         "params": plan["params"],
         "compile_s": plan["compile_s"],
@@ -186,7 +183,7 @@ def plan_for_target(
         "compiled_backend": f"cuda:{spec.name}",
         "compiled_gemm": chosen,
         **{f"compiled_{m}_peak_bytes": plans[m]["compiled_peak_bytes"] if m in plans else None for m in GEMM_FLAGS},
-        **(warning or {f"compiled_remat_{k}_bytes": None for k in empty_warning}),
+        **(warning or dict.fromkeys(_REMAT_COLUMNS)),
         "plan_target": spec.name,
         "plan_target_device_kind": plan["device_kind"],
         "plan_target_memory_bytes": spec.device_memory_size,

@@ -115,3 +115,16 @@ def test_the_reference_table_planned_for_an_a5000_matches_the_notebook():
             assert row["plan_fits"] is True, name
     fp32 = rows["fp32, scan"]
     assert fp32["plan_fits"] is False and fp32["compiled_remat_limit_bytes"] is not None
+
+
+def test_xlas_rematerialization_warning_is_parsed_to_bytes():
+    line = (
+        "W0000 hlo_rematerialization.cc:3005] Can't reduce memory use below 1.00KiB (1024 bytes) by "
+        "rematerialization; only reduced to 2.00KiB (2048 bytes), down from 3.00KiB (3072 bytes) originally"
+    )
+    assert gpu_plan.parse_remat_warning(f"noise\n{line}\n") == {
+        "compiled_remat_limit_bytes": 1024,
+        "compiled_remat_reached_bytes": 2048,
+        "compiled_remat_original_bytes": 3072,
+    }
+    assert gpu_plan.parse_remat_warning("no warning here") is None
