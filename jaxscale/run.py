@@ -19,7 +19,7 @@ import ml_collections  # noqa: E402
 from absl import flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxscale import flops, memory, profiling, timing, train  # noqa: E402
+from jaxscale import flops, gpu_plan, memory, profiling, targets, timing, train  # noqa: E402
 from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
 from jaxscale.config import flatten  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
@@ -52,6 +52,13 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         "device_memory",
         None,
         "Memory budget such as 24GiB: a step whose compiled plan exceeds it is recorded as oom, not run.",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "target",
+        None,
+        f"With --plan: plan for this GPU instead of this machine, no GPU needed ({', '.join(targets.TARGETS)} "
+        "or a GpuTargetConfig .txtpb); needs the gpu-plan extra. See docs/gpu_planning.md.",
         flag_values=fv,
     )
     flags.DEFINE_bool(
@@ -173,19 +180,26 @@ def run(
     plan_only: bool = False,
     progress: bool = True,
     device_memory_bytes: int | None = None,
+    target: str | None = None,
 ) -> dict:
     """Compiles, runs and measures one config; always returns a result row (status ok|oom|error|nan).
 
     A `device_memory_bytes` budget stands in for a smaller accelerator: a step whose compiled plan exceeds it
-    is recorded as `oom` without running its steps.
+    is recorded as `oom` without running its steps. With `target` (plan only) the compiled_* columns are XLA's
+    plan for that GPU (jaxscale.gpu_plan), and the budget is checked against that plan.
     """
+    if target is not None and not plan_only:
+        raise ValueError("run: a target GPU can only be planned (plan_only=True)")
     row = base_row(config, name, run_dir)
     row["device_memory_budget_bytes"] = device_memory_bytes
     try:
-        compiled, init_fn, abstract_state, row["compile_s"] = compile_step(config)
-        row["params"] = count_params(abstract_state.params)
-        row.update(memory.compiled_memory(compiled))
-        row["compiled_backend"] = jax.default_backend()
+        if target is not None:
+            row.update(gpu_plan.plan_for_target(config, target))
+        else:
+            compiled, init_fn, abstract_state, row["compile_s"] = compile_step(config)
+            row["params"] = count_params(abstract_state.params)
+            row.update(memory.compiled_memory(compiled))
+            row["compiled_backend"] = jax.default_backend()
         check_memory_budget(row, device_memory_bytes)
         if not plan_only:
             execute(config, compiled, init_fn, run_dir, row, progress)
@@ -219,6 +233,8 @@ def summary(row: dict) -> str:
             f"args {_gib(row['compiled_argument_bytes'])} + out {_gib(row['compiled_output_bytes'])} - "
             f"alias {_gib(row['compiled_alias_bytes'])} + temp {_gib(row['compiled_temp_bytes'])}"
         )
+    if row.get("plan_target") is not None:
+        lines.append(gpu_plan.summary_line(row))
     if row.get("step_s_median") is not None:
         lines.append(
             f"  step {row['step_s_median']:.4f} s median, {row['step_s_p90']:.4f} s p90 over "
@@ -263,7 +279,8 @@ def _resolve_run_dir(fv: flags.FlagValues, config: ml_collections.ConfigDict) ->
         name = fv.name or run_dir.name
     else:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = fv.name or f"{config.name}_{config.preset}{'_plan' if fv.plan else ''}_{stamp}"
+        plan = ("_plan" if fv.plan else "") + (f"-{pathlib.Path(fv.target).stem}" if fv.target else "")
+        name = fv.name or f"{config.name}_{config.preset}{plan}_{stamp}"
         run_dir = pathlib.Path(fv.output_root) / "traces" / name
     if (run_dir / "result.json").exists():
         raise UsageError(f"--name: {run_dir} already holds a result; choose another --name (runs never overwrite)")
@@ -275,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fv = _flag_values(argv)
     try:
         config = parse_config_flags(fv, argv)
+        gpu_plan.check_target_flag(fv.target, fv.plan)
         name, run_dir = _resolve_run_dir(fv, config)
         budget = None if fv.device_memory is None else parse_bytes(fv.device_memory, "--device_memory")
     except UsageError as error:
@@ -287,7 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     estimate = None if fv.plan else _estimate_message(config)
     if estimate:
         print(f"jaxscale: {estimate}")
-    row = run(config, run_dir, name, plan_only=fv.plan, progress=not fv.quiet, device_memory_bytes=budget)
+    row = run(
+        config, run_dir, name, plan_only=fv.plan, progress=not fv.quiet, device_memory_bytes=budget, target=fv.target
+    )
     result_path = run_dir / "result.json"
     write_row(result_path, row)
     if not fv.quiet:

@@ -1,0 +1,206 @@
+"""Plans GPU memory for a config on a named GPU target, on any machine (no GPU needed).
+
+`plan_for_target(config, "a5000")` compiles the run's train step for the target in child processes
+(`jaxscale.target_compile`, `JAX_PLATFORMS=cpu`), once per GEMM backend, reads XLA's rematerialization
+warning from their stderr, and returns result-row fields:
+
+- `compiled_{argument,output,temp,alias,peak}_bytes`: XLA's GPU plan (the larger-peak GEMM mode),
+  `compiled_backend` = "cuda:<target>", `compiled_gemm` (which mode they come from),
+  `compiled_triton_peak_bytes` / `compiled_cublas_peak_bytes` (the band), `compile_s`;
+- `plan_target`, `plan_target_device_kind`, `plan_target_memory_bytes` (the target's device memory);
+- `plan_fits` and `plan_fits_reason`; `compiled_remat_{limit,reached,original}_bytes` from XLA's
+  "Can't reduce memory use below ..." warning (None when XLA did not warn).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+import ml_collections
+
+from jaxscale import targets
+from jaxscale.cli import UsageError
+
+# Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
+# autotuner may pick cuBLAS instead. The plans differ, so both are compiled and the band is reported.
+GEMM_FLAGS: dict[str, str] = {
+    "triton": "--xla_gpu_enable_triton_gemm=true",
+    "cublas": "--xla_gpu_enable_triton_gemm=false",
+}
+GEMM_CHOICES = ("both", *GEMM_FLAGS)
+EXTRA_HINT = "pip install -e '.[gpu-plan]'"
+EXTRA_MODULES = ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc")  # the CUDA compiler plugin, and ptxas
+DEFAULT_TIMEOUT_S = 900
+
+_REMAT_WARNING = re.compile(
+    r"Can't reduce memory use below \S+ \((\d+) bytes\) by rematerialization; "
+    r"only reduced to \S+ \((\d+) bytes\), down from \S+ \((\d+) bytes\) originally"
+)
+_REMAT_COLUMNS = ("compiled_remat_limit_bytes", "compiled_remat_reached_bytes", "compiled_remat_original_bytes")
+_NOISE = ("cudart_stub.cc", "absl::InitializeLog()")
+
+
+class PlanError(RuntimeError):
+    """The target compile failed (a crash, a signal or an XLA error); the message is one line."""
+
+
+def missing_extra() -> str | None:
+    """None when the gpu-plan extra is installed, else a one-line message naming it."""
+    missing = [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (
+        f"--target: GPU planning needs the gpu-plan extra ({', '.join(missing)} not installed): {EXTRA_HINT} "
+        f"(jax-cuda12-plugin=={jax.__version__} and nvidia-cuda-nvcc-cu12)"
+    )
+
+
+def check_target_flag(target: str | None, plan: bool) -> None:
+    """Checks `--target` before any work: known target, used with --plan, extra installed.
+
+    Raises:
+      UsageError: one line naming what is wrong (the known targets, or the extra to install).
+    """
+    if target is None:
+        return
+    try:
+        targets.get_target(target)
+    except ValueError as error:  # UnknownTargetError included
+        raise UsageError(str(error)) from None
+    if not plan:
+        raise UsageError(f"--target {target}: only plans (the GPU is not here); add --plan")
+    missing = missing_extra()
+    if missing:
+        raise UsageError(missing)
+
+
+def parse_remat_warning(stderr: str) -> dict[str, int] | None:
+    """The numbers of XLA's last "Can't reduce memory use below ..." warning, or None if there is none."""
+    found = _REMAT_WARNING.findall(stderr)
+    if not found:
+        return None
+    return dict(zip(_REMAT_COLUMNS, (int(n) for n in found[-1]), strict=True))
+
+
+def _child_env(gemm: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin compiles for the target without opening a device
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # keep XLA's warnings, drop its INFO lines
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {GEMM_FLAGS[gemm]}".strip()
+    package_root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _failure(returncode: int, stderr: str) -> str:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        return f"target compile killed by {name} (a malformed target config can do this)"
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not any(n in line for n in _NOISE)]
+    return f"target compile failed (exit {returncode}): " + (lines[-1][:400] if lines else "no message")
+
+
+def compile_in_subprocess(
+    config: ml_collections.ConfigDict, config_text: str, gemm: str, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> tuple[dict[str, Any], str]:
+    """Runs `jaxscale.target_compile` for one GEMM mode; returns (its result, its stderr).
+
+    Raises:
+      PlanError: the child crashed, was killed, timed out or raised.
+    """
+    request = pickle.dumps({"config": config, "target_config_text": config_text})
+    with tempfile.TemporaryDirectory(prefix="jaxscale_plan_") as tmp:
+        result_path = pathlib.Path(tmp) / "plan.json"
+        command = [sys.executable, "-m", "jaxscale.target_compile", str(result_path)]
+        try:
+            done = subprocess.run(
+                command, input=request, capture_output=True, env=_child_env(gemm), timeout=timeout_s, check=False
+            )
+        except subprocess.TimeoutExpired:
+            raise PlanError(f"target compile ({gemm}) took longer than {timeout_s:.0f} s") from None
+        stderr = done.stderr.decode(errors="replace")
+        if done.returncode != 0 or not result_path.exists():
+            raise PlanError(_failure(done.returncode, stderr))
+        return json.loads(result_path.read_text()), stderr
+
+
+def _fits(target: targets.GpuTarget, peak: int, warning: dict[str, int] | None) -> tuple[bool, str | None]:
+    if warning is not None:
+        return False, (
+            f"XLA could not rematerialize below its limit of {warning['compiled_remat_limit_bytes']} bytes "
+            f"(reached {warning['compiled_remat_reached_bytes']}, from {warning['compiled_remat_original_bytes']})"
+        )
+    if peak > target.device_memory_size:
+        return False, f"planned peak {peak} bytes > device memory {target.device_memory_size} bytes"
+    return True, None
+
+
+def plan_for_target(
+    config: ml_collections.ConfigDict, target: str, gemm: str = "both", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> dict[str, Any]:
+    """XLA's memory plan of the run's train step on a GPU target, as result-row fields.
+
+    Args:
+      config: a validated run config (the same the run would execute).
+      target: a name in jaxscale.targets.TARGETS or a GpuTargetConfig .txtpb path.
+      gemm: "both" (default; the reported plan is the larger), "triton" or "cublas".
+      timeout_s: per child compile.
+    Returns:
+      The row fields listed in this module's docstring, plus params and plan_wall_s (all children, seconds).
+    Raises:
+      targets.UnknownTargetError, ValueError: bad target; PlanError: a compile failed.
+    """
+    if gemm not in GEMM_CHOICES:
+        raise ValueError(f"gemm: unknown {gemm!r}; allowed: {', '.join(GEMM_CHOICES)}")
+    spec = targets.get_target(target)
+    text = targets.target_config_text(spec)
+    modes = tuple(GEMM_FLAGS) if gemm == "both" else (gemm,)
+    start = time.perf_counter()
+    plans, warnings = {}, {}
+    for mode in modes:
+        plans[mode], stderr = compile_in_subprocess(config, text, mode, timeout_s)
+        warnings[mode] = parse_remat_warning(stderr)
+    chosen = max(modes, key=lambda m: plans[m]["compiled_peak_bytes"])
+    plan = plans[chosen]
+    warning = next((warnings[m] for m in (chosen, *modes) if warnings[m] is not None), None)
+    fits, reason = _fits(spec, plan["compiled_peak_bytes"], warning)
+    return {
+        "params": plan["params"],
+        "compile_s": plan["compile_s"],
+        **{k: v for k, v in plan.items() if k.startswith("compiled_")},
+        "compiled_backend": f"cuda:{spec.name}",
+        "compiled_gemm": chosen,
+        **{f"compiled_{m}_peak_bytes": plans[m]["compiled_peak_bytes"] if m in plans else None for m in GEMM_FLAGS},
+        **(warning or dict.fromkeys(_REMAT_COLUMNS)),
+        "plan_target": spec.name,
+        "plan_target_device_kind": plan["device_kind"],
+        "plan_target_memory_bytes": spec.device_memory_size,
+        "plan_fits": fits,
+        "plan_fits_reason": reason,
+        "plan_wall_s": time.perf_counter() - start,
+    }
+
+
+def summary_line(row: dict[str, Any]) -> str:
+    """One line for the run summary: fits or not on the target, and the GEMM band."""
+    gib = 2**30
+    band = [row.get(f"compiled_{m}_peak_bytes") for m in GEMM_FLAGS]
+    band_text = " / ".join("-" if b is None else f"{b / gib:.3f}" for b in band)
+    verdict = "fits" if row["plan_fits"] else f"does NOT fit: {row['plan_fits_reason']}"
+    return (
+        f"  target {row['plan_target']} ({row['plan_target_device_kind']}, "
+        f"{row['plan_target_memory_bytes'] / gib:.2f} GiB): {verdict}; "
+        f"peak triton / cublas GEMMs {band_text} GiB"
+    )

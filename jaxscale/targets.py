@@ -1,0 +1,282 @@
+"""GPU targets for deviceless planning: XLA GpuTargetConfig text protos built from a table of NVIDIA GPUs.
+
+Each `GpuTarget` holds the figures XLA's GPU compiler reads (compute capability, SM count, memory size and
+bandwidth, L2, clock) and names their source; the per-architecture limits (threads, shared memory,
+registers) come from `ARCH_LIMITS`. `target_config_text` renders one as the text proto that
+`jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)` takes.
+
+`device_kind` is the string `jax.devices()[0].device_kind` reports on that GPU (XLA's
+`device_description_str`); the peak FLOP/s table (`jaxscale.peaks`) is keyed by it, so the two tables join.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+MIB = 2**20
+
+# Limits of one SM by compute capability: CUDA C++ Programming Guide, "Technical Specifications per Compute
+# Capability" (max threads per SM, shared memory per SM and per block with opt-in), and FP32 lanes per SM
+# from the architecture whitepapers (A100: 64; GA10x, AD10x, GH100: 128).
+ARCH_LIMITS: dict[tuple[int, int], dict[str, int]] = {
+    (8, 0): dict(
+        threads_per_core_limit=2048,
+        shared_memory_per_core=167936,
+        shared_memory_per_block_optin=166912,
+        fpus_per_core=64,
+    ),
+    (8, 6): dict(
+        threads_per_core_limit=1536,
+        shared_memory_per_core=102400,
+        shared_memory_per_block_optin=101376,
+        fpus_per_core=128,
+    ),
+    (8, 9): dict(
+        threads_per_core_limit=1536,
+        shared_memory_per_core=102400,
+        shared_memory_per_block_optin=101376,
+        fpus_per_core=128,
+    ),
+    (9, 0): dict(
+        threads_per_core_limit=2048,
+        shared_memory_per_core=233472,
+        shared_memory_per_block_optin=232448,
+        fpus_per_core=128,
+    ),
+}
+
+# The same on every architecture listed above (same guide).
+COMMON_LIMITS: dict[str, int] = dict(
+    threads_per_block_limit=1024,
+    threads_per_warp=32,
+    shared_memory_per_block=49152,
+    block_dim_limit_x=2**31 - 1,
+    block_dim_limit_y=65535,
+    block_dim_limit_z=65535,
+    registers_per_core_limit=65536,
+    registers_per_block_limit=65536,
+)
+
+# Software versions written into every target: CUDA 12.8 and cuDNN 9.8 (the lowest cuDNN that jax[cuda12]
+# 0.10.2 accepts). The memory plan does not depend on them; XLA reads them to decide what libraries exist.
+RUNTIME_VERSION = (12, 8, 0)
+DNN_VERSION = (9, 8, 0)
+
+_OPENXLA_SPECS = "OpenXLA xla/tools/hlo_opt/gpu_specs/{} (figures read from a real device)"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """One NVIDIA GPU as XLA's compiler sees it.
+
+    Attributes:
+      name: the short name used on the command line (`--target a5000`).
+      device_kind: what `jax.devices()[0].device_kind` reports on this GPU.
+      compute_capability: (major, minor), e.g. (8, 6); picks the limits in ARCH_LIMITS.
+      core_count: streaming multiprocessors (SMs).
+      device_memory_size: bytes of device memory as CUDA reports them (what XLA's memory limit is based on).
+      memory_bandwidth: bytes per second.
+      l2_cache_size: bytes.
+      clock_rate_ghz: SM boost clock.
+      source: where the figures come from.
+    """
+
+    name: str
+    device_kind: str
+    compute_capability: tuple[int, int]
+    core_count: int
+    device_memory_size: int
+    memory_bandwidth: int
+    l2_cache_size: int
+    clock_rate_ghz: float
+    source: str
+    config_text: str | None = None  # a user's own text proto (from a file); None builds it from the fields
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field XLA cannot plan with (zero memory makes its limit 0)."""
+        for field in ("device_memory_size", "core_count", "memory_bandwidth", "l2_cache_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"target {self.name}: {field} must be a positive integer, got {value!r}")
+        if self.config_text is not None:
+            return
+        if not self.clock_rate_ghz > 0:
+            raise ValueError(f"target {self.name}: clock_rate_ghz must be > 0, got {self.clock_rate_ghz!r}")
+        if self.compute_capability not in ARCH_LIMITS:
+            known = ", ".join(f"{a}.{b}" for a, b in ARCH_LIMITS)
+            raise ValueError(f"target {self.name}: compute_capability {self.compute_capability}; known: {known}")
+
+
+TARGETS: dict[str, GpuTarget] = {
+    t.name: t
+    for t in (
+        GpuTarget(
+            name="a5000",
+            device_kind="NVIDIA RTX A5000",
+            compute_capability=(8, 6),
+            core_count=64,
+            device_memory_size=24564 * MIB,
+            memory_bandwidth=768_000_000_000,
+            l2_cache_size=6 * MIB,
+            clock_rate_ghz=1.695,
+            source="NVIDIA RTX A5000 datasheet (8192 CUDA cores = 64 SMs, 768 GB/s, 1695 MHz boost), GA102 L2 6 MB; "
+            "memory = nvidia-smi total 24564 MiB; as in shared/gpu_targets/a5000.txtpb (the reference GPU)",
+        ),
+        GpuTarget(
+            name="a100-40gb",
+            device_kind="NVIDIA A100-SXM4-40GB",
+            compute_capability=(8, 0),
+            core_count=108,
+            device_memory_size=42331013120,
+            memory_bandwidth=1_555_200_000_000,
+            l2_cache_size=40 * MIB,
+            clock_rate_ghz=1.41,
+            source=_OPENXLA_SPECS.format("a100_sxm_40.txtpb"),
+        ),
+        GpuTarget(
+            name="a100-80gb",
+            device_kind="NVIDIA A100-SXM4-80GB",
+            compute_capability=(8, 0),
+            core_count=108,
+            device_memory_size=85100068864,
+            memory_bandwidth=2_039_040_000_000,
+            l2_cache_size=40 * MIB,
+            clock_rate_ghz=1.41,
+            source=_OPENXLA_SPECS.format("a100_sxm_80.txtpb"),
+        ),
+        GpuTarget(
+            name="h100",
+            device_kind="NVIDIA H100 80GB HBM3",
+            compute_capability=(9, 0),
+            core_count=132,
+            device_memory_size=84978434048,
+            memory_bandwidth=3_352_320_000_000,
+            l2_cache_size=50 * MIB,
+            clock_rate_ghz=1.98,
+            source=_OPENXLA_SPECS.format("h100_sxm.txtpb") + "; H100 SXM5",
+        ),
+        GpuTarget(
+            name="h200",
+            device_kind="NVIDIA H200",
+            compute_capability=(9, 0),
+            core_count=132,
+            device_memory_size=143771 * MIB,
+            memory_bandwidth=4_800_000_000_000,
+            l2_cache_size=50 * MIB,
+            clock_rate_ghz=1.98,
+            source="NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, SXM); SMs, L2 and clock as H100 SXM (same GH100 "
+            "configuration); memory = nvidia-smi total 143771 MiB (may exceed what CUDA reports by ~0.5 GiB)",
+        ),
+        GpuTarget(
+            name="l4",
+            device_kind="NVIDIA L4",
+            compute_capability=(8, 9),
+            core_count=58,
+            device_memory_size=23034 * MIB,
+            memory_bandwidth=300_000_000_000,
+            l2_cache_size=48 * MIB,
+            clock_rate_ghz=2.04,
+            source="NVIDIA L4 datasheet (7424 CUDA cores = 58 SMs, 24 GB, 300 GB/s, 2040 MHz boost), Ada whitepaper "
+            "(AD104 L2 48 MB); memory = nvidia-smi total 23034 MiB",
+        ),
+        GpuTarget(
+            name="rtx4090",
+            device_kind="NVIDIA GeForce RTX 4090",
+            compute_capability=(8, 9),
+            core_count=128,
+            device_memory_size=24564 * MIB,
+            memory_bandwidth=1_008_000_000_000,
+            l2_cache_size=72 * MIB,
+            clock_rate_ghz=2.52,
+            source="NVIDIA Ada Lovelace architecture whitepaper, RTX 4090 (128 SMs, 72 MB L2, 1008 GB/s, 2520 MHz "
+            "boost); memory = nvidia-smi total 24564 MiB",
+        ),
+    )
+}
+
+
+class UnknownTargetError(ValueError):
+    """A target name that is neither in TARGETS nor a readable .txtpb file."""
+
+
+def _field(name: str, value: object, indent: str) -> str:
+    if isinstance(value, str):
+        return f'{indent}{name}: "{value}"'
+    if isinstance(value, dict):
+        inner = "\n".join(_field(k, v, indent + "  ") for k, v in value.items())
+        return f"{indent}{name} {{\n{inner}\n{indent}}}"
+    return f"{indent}{name}: {value!r}"
+
+
+def _version(numbers: tuple[int, ...], names: tuple[str, ...]) -> dict[str, int]:
+    return dict(zip(names, numbers, strict=True))
+
+
+def target_config_text(target: GpuTarget) -> str:
+    """The GpuTargetConfig text proto for `target` (validated first)."""
+    target.validate()
+    if target.config_text is not None:
+        return target.config_text
+    major, minor = target.compute_capability
+    device_info = {
+        **COMMON_LIMITS,
+        **ARCH_LIMITS[target.compute_capability],
+        "core_count": target.core_count,
+        "memory_bandwidth": target.memory_bandwidth,
+        "l2_cache_size": target.l2_cache_size,
+        "clock_rate_ghz": target.clock_rate_ghz,
+        "device_memory_size": target.device_memory_size,
+        "cuda_compute_capability": {"major": major, "minor": minor},
+    }
+    message = {
+        "gpu_device_info": device_info,
+        "platform_name": "CUDA",
+        "dnn_version_info": _version(DNN_VERSION, ("major", "minor", "patch")),
+        "runtime_version": _version(RUNTIME_VERSION, ("major", "minor", "patch")),
+        "device_description_str": target.device_kind,
+    }
+    return "\n".join(_field(k, v, "") for k, v in message.items()) + "\n"
+
+
+def _int_field(text: str, name: str) -> int:
+    found = re.search(rf"\b{name}\s*:\s*(\d+)", text)
+    return int(found.group(1)) if found else 0
+
+
+def target_from_file(path: pathlib.Path) -> GpuTarget:
+    """A user's own GpuTargetConfig text proto; `#` comment lines are dropped. Validated like the table's."""
+    text = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")) + "\n"
+    kind = re.search(r'device_description_str\s*:\s*"([^"]*)"', text)
+    target = GpuTarget(
+        name=str(path),
+        device_kind=kind.group(1) if kind else path.stem,
+        compute_capability=(_int_field(text, "major"), _int_field(text, "minor")),
+        core_count=_int_field(text, "core_count"),
+        device_memory_size=_int_field(text, "device_memory_size"),
+        memory_bandwidth=_int_field(text, "memory_bandwidth"),
+        l2_cache_size=_int_field(text, "l2_cache_size"),
+        clock_rate_ghz=0.0,
+        source=f"user file {path}",
+        config_text=text,
+    )
+    target.validate()
+    return target
+
+
+def get_target(name: str) -> GpuTarget:
+    """The target called `name`, or one read from a `.txtpb` file path.
+
+    Raises:
+      UnknownTargetError: one line listing the known targets.
+      ValueError: the file's config cannot be planned with (e.g. device_memory_size missing or 0).
+    """
+    if name in TARGETS:
+        return TARGETS[name]
+    path = pathlib.Path(name)
+    if name.endswith(".txtpb") and path.is_file():
+        return target_from_file(path)
+    raise UnknownTargetError(
+        f"--target: unknown {name!r}; known: {', '.join(TARGETS)} (or a GpuTargetConfig .txtpb file)"
+    )

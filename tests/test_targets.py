@@ -1,0 +1,79 @@
+"""GPU target table: every target renders a text proto XLA accepts, with its device_kind and memory."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxscale import gpu_plan, targets
+
+REQUIRED = ("a5000", "a100-40gb", "a100-80gb", "h100", "h200", "l4", "rtx4090")
+
+
+def test_the_required_targets_exist_with_sources():
+    for name in REQUIRED:
+        target = targets.get_target(name)
+        assert target.source, f"{name} records no source for its figures"
+        assert target.device_kind.startswith("NVIDIA ")
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_text_proto_carries_the_targets_figures(name):
+    target = targets.TARGETS[name]
+    text = targets.target_config_text(target)
+    assert f"device_memory_size: {target.device_memory_size}\n" in text
+    assert f"core_count: {target.core_count}\n" in text
+    assert f'device_description_str: "{target.device_kind}"' in text
+    major, minor = target.compute_capability
+    assert f"cuda_compute_capability {{\n    major: {major}\n    minor: {minor}\n  }}" in text
+
+
+def test_zero_device_memory_is_rejected():
+    broken = dataclasses.replace(targets.TARGETS["a5000"], device_memory_size=0)
+    with pytest.raises(ValueError, match="device_memory_size must be a positive integer"):
+        targets.target_config_text(broken)
+
+
+def test_unknown_target_lists_the_known_ones():
+    with pytest.raises(targets.UnknownTargetError) as caught:
+        targets.get_target("a6000")
+    for name in REQUIRED:
+        assert name in str(caught.value)
+
+
+def test_a_users_txtpb_file_round_trips(tmp_path):
+    path = tmp_path / "my_gpu.txtpb"
+    path.write_text("# my card\n" + targets.target_config_text(targets.TARGETS["l4"]))
+    target = targets.get_target(str(path))
+    assert target.device_kind == "NVIDIA L4"
+    assert target.device_memory_size == targets.TARGETS["l4"].device_memory_size
+    assert "# my card" not in targets.target_config_text(target)
+
+
+def test_a_users_file_without_device_memory_is_rejected(tmp_path):
+    path = tmp_path / "no_memory.txtpb"
+    path.write_text(targets.target_config_text(targets.TARGETS["l4"]).replace("device_memory_size", "#"))
+    with pytest.raises(ValueError, match="device_memory_size"):
+        targets.get_target(str(path))
+
+
+_PROBE = """
+import json, sys
+from jaxscale import target_compile, targets
+kinds = {}
+for name, target in targets.TARGETS.items():
+    sharding = target_compile.target_sharding(targets.target_config_text(target))
+    kinds[name] = next(iter(sharding.mesh.devices.flat)).device_kind
+print(json.dumps(kinds))
+"""
+
+
+@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+def test_xla_accepts_every_target_and_reports_its_device_kind():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, check=True)
+    kinds = json.loads(done.stdout.strip().splitlines()[-1])
+    assert kinds == {name: t.device_kind for name, t in targets.TARGETS.items()}
