@@ -42,6 +42,7 @@ __all__ = [
     "plot_vs_baseline",
     "summary_table",
     "to_markdown",
+    "variant_labels",
     "write_report",
 ]
 

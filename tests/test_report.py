@@ -138,5 +138,5 @@ def test_notebook_runs_headless_on_the_sweep(results_dir, monkeypatch):
     assert outputs[-1]["text"].strip() == sys.prefix  # the kernel ran this interpreter
     images = [output for output in outputs if "image/png" in output.get("data", {})]
     assert len(images) == len(FIGURES)
-    tables = [output["data"]["text/html"] for output in outputs if "text/html" in output.get("data", {})]
-    assert any("bf16_remat" in html and "broken" in html for html in tables)
+    tables = [output["data"]["text/markdown"] for output in outputs if "text/markdown" in output.get("data", {})]
+    assert any("| bf16_remat | ok |" in table and "| broken | error |" in table for table in tables)
