@@ -1,0 +1,299 @@
+"""Figures of a sweep's results DataFrame (jaxscale.sweep.load_results): each function returns a matplotlib Figure.
+
+The figures are built without pyplot (matplotlib.figure.Figure), so they hold no global state, work under any
+backend and can be saved (`fig.savefig`) or shown in a notebook (`display(fig)`). A column a figure needs that
+the results lack (older rows, or a measurement this backend cannot make) is named in the figure, never guessed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from jaxscale.results import best_peak
+
+GIB = 2**30
+# The analytic memory model's parts (bytes), in stacking order, and its peak.
+ANALYTIC_PARTS = (
+    ("analytic_params_bytes", "params"),
+    ("analytic_grads_bytes", "grads"),
+    ("analytic_optimizer_bytes", "optimizer state"),
+    ("analytic_activation_bytes", "activations"),
+)
+ANALYTIC_PEAK = "analytic_peak_bytes"
+# XLA's compiled plan: peak = argument + (output - alias) + temp.
+COMPILED_COLORS = {
+    "arguments": "#4c72b0",
+    "outputs not aliased": "#8172b2",
+    "temp": "#c44e52",
+    "compiled peak": "#4c72b0",
+}
+ANALYTIC_COLORS = ("#55a868", "#a1c9a4", "#dd8452", "#f0c27b")
+
+
+def variant_labels(frame: pd.DataFrame) -> pd.Series:
+    """Variant names, prefixed by the sweep ("sweep/variant") when the frame holds more than one sweep."""
+    names = frame["variant"].fillna(frame.get("name", pd.Series(index=frame.index, dtype=object)))
+    if frame["sweep"].nunique(dropna=True) > 1:
+        return frame["sweep"].astype(str) + "/" + names.astype(str)
+    return names.astype(str)
+
+
+def with_peak(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame with best_peak_bytes / best_peak_source: the device allocator's peak where measured, else XLA's
+    compiled plan (named by backend), as jaxscale.results.best_peak; columns load_results filled are kept."""
+    frame = frame.copy()
+    if "best_peak_bytes" not in frame or "best_peak_source" not in frame:
+        rows = [{k: (None if _missing(v) else v) for k, v in row.items()} for row in frame.to_dict("records")]
+        peaks = [best_peak(row) for row in rows]
+        frame["best_peak_bytes"] = [p for p, _ in peaks]
+        frame["best_peak_source"] = [s for _, s in peaks]
+    frame["best_peak_bytes"] = pd.to_numeric(frame["best_peak_bytes"], errors="coerce")
+    return frame
+
+
+def _missing(value: object) -> bool:
+    return value is None or (isinstance(value, float) and np.isnan(value))
+
+
+def memory_unit(values: pd.Series) -> tuple[int, str]:
+    """(divisor, name): GiB when the largest value is at least 1 GiB, else MiB (tiny test configs)."""
+    largest = pd.to_numeric(values, errors="coerce").max()
+    return (GIB, "GiB") if not pd.isna(largest) and largest >= GIB else (2**20, "MiB")
+
+
+def pareto_front(step_s: pd.Series, peak_bytes: pd.Series) -> pd.Series:
+    """True where no other point is at least as fast and as small and strictly better in one of them."""
+    points = np.column_stack([step_s.to_numpy(float), peak_bytes.to_numpy(float)])
+    on_front = []
+    for point in points:
+        dominated = np.any(np.all(points <= point, axis=1) & np.any(points < point, axis=1))
+        on_front.append(not dominated)
+    return pd.Series(on_front, index=step_s.index)
+
+
+def share_columns(frame: pd.DataFrame) -> list[str]:
+    """The trace analysis' op-category share columns (trace_<category>_share) present in the frame."""
+    return [c for c in frame.columns if c.startswith("trace_") and c.endswith("_share")]
+
+
+def _note(ax: Axes, text: str) -> None:
+    """A caveat in small red type just above the axes (the figure's title is its suptitle)."""
+    ax.set_title(text, loc="left", fontsize=8, color="#7a2020", wrap=True)
+
+
+def _failed_note(frame: pd.DataFrame, labels: pd.Series, shown: pd.Index) -> str | None:
+    left_out = [f"{labels[i]} ({frame.at[i, 'status']})" for i in frame.index if i not in shown]
+    return f"not plotted: {', '.join(left_out)}" if left_out else None
+
+
+def _sweep_colors(frame: pd.DataFrame) -> dict[str, str]:
+    palette = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#8c8c8c")
+    return {sweep: palette[i % len(palette)] for i, sweep in enumerate(frame["sweep"].astype(str).unique())}
+
+
+def _empty(title: str, message: str) -> Figure:
+    figure = Figure(figsize=(7, 2.5), layout="constrained")
+    ax = figure.add_subplot()
+    ax.set_axis_off()
+    ax.set_title(title)
+    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True, fontsize=9, color="#7a2020")
+    return figure
+
+
+def plot_time_vs_memory(frame: pd.DataFrame) -> Figure:
+    """Median step time against peak memory, one point per successful variant, Pareto front marked.
+
+    Args:
+      frame: rows from load_results (one or more sweeps; the front is drawn per sweep).
+
+    Returns:
+      The figure; the x axis names the peak-memory source(s), failed variants are listed in a note.
+    """
+    frame, labels = with_peak(frame), variant_labels(frame)
+    step_s = pd.to_numeric(frame["step_s_median"], errors="coerce")
+    data = frame[(frame["status"] == "ok") & step_s.notna() & frame["best_peak_bytes"].notna()]
+    title = "Step time against peak memory"
+    if data.empty:
+        return _empty(title, "no successful variant with both a step time and a peak memory to plot")
+    figure = Figure(figsize=(8, 5.5), layout="constrained")
+    ax = figure.add_subplot()
+    colors, markers = _sweep_colors(frame), dict(zip(sorted(data["best_peak_source"].unique()), "osD^v", strict=False))
+    divisor, unit = memory_unit(data["best_peak_bytes"])
+    for sweep, group in data.groupby(data["sweep"].astype(str), sort=False):
+        memory, seconds = group["best_peak_bytes"] / divisor, step_s[group.index]
+        for source, marker in markers.items():
+            mine = group["best_peak_source"] == source
+            ax.scatter(memory[mine], seconds[mine], color=colors[sweep], marker=marker, zorder=3,
+                       label=f"{sweep} ({source})")  # fmt: skip
+        front = pareto_front(seconds, memory)
+        order = memory[front].sort_values().index
+        ax.plot(memory[order], seconds[order], color=colors[sweep], lw=1, ls="--", drawstyle="steps-post")
+        ax.scatter(memory[front], seconds[front], s=160, facecolors="none", edgecolors=colors[sweep], zorder=2)
+        for i in group.index:
+            ax.annotate(labels[i], (memory[i], seconds[i]), xytext=(5, 4), textcoords="offset points", fontsize=8)
+    ax.scatter([], [], s=160, facecolors="none", edgecolors="k", label="Pareto front (ringed, dashed)")
+    ax.set_xlabel(f"peak memory ({unit}; source: {', '.join(markers)})")
+    ax.set_ylabel("step time, median (s)")
+    figure.suptitle(title)
+    ax.margins(0.15)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    note = _failed_note(frame, labels, data.index)
+    if note:
+        _note(ax, note)
+    return figure
+
+
+def _barh_by_variant(ax: Axes, frame: pd.DataFrame, values: pd.Series, labels: pd.Series, fmt: str) -> None:
+    """Horizontal bars, first variant on top; a missing value shows the row's status instead of a bar."""
+    colors = _sweep_colors(frame)
+    positions = np.arange(len(frame))[::-1]
+    for y, i in zip(positions, frame.index, strict=True):
+        value = values[i]
+        if pd.isna(value):
+            ax.text(0, y, f" {frame.at[i, 'status']}", va="center", fontsize=8, color="#7a2020")
+            continue
+        baseline = frame.at[i, "variant"] == frame.at[i, "baseline"]
+        ax.barh(y, value, color=colors[str(frame.at[i, "sweep"])], hatch="//" if baseline else None)
+        ax.text(value, y, " " + format(value, fmt), va="center", fontsize=8)
+    ax.set_yticks(positions, [f"{labels[i]}{' (baseline)' if frame.at[i, 'variant'] == frame.at[i, 'baseline'] else ''}"
+                              for i in frame.index])  # fmt: skip
+    ax.margins(x=0.2)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def plot_tokens_per_s(frame: pd.DataFrame) -> Figure:
+    """Tokens per second per variant (from the median step); failures show their status instead of a bar."""
+    figure = Figure(figsize=(8, 1.2 + 0.45 * len(frame)), layout="constrained")
+    ax = figure.add_subplot()
+    values = pd.to_numeric(frame["tokens_per_s"], errors="coerce").where(frame["status"] == "ok")
+    _barh_by_variant(ax, frame, values, variant_labels(frame), ",.0f")
+    devices = ", ".join(str(d) for d in frame.get("device_kind", pd.Series(dtype=object)).dropna().unique())
+    ax.set_xlabel(f"tokens/s (tokens per step / median step time){'; device: ' + devices if devices else ''}")
+    ax.set_title("Throughput per variant")
+    return figure
+
+
+def _compiled_parts(row: pd.Series) -> list[tuple[str, float]]:
+    """XLA's plan as (part, bytes): arguments, outputs not aliased to a donated input, temp; or the peak alone."""
+    names = ("compiled_argument_bytes", "compiled_output_bytes", "compiled_alias_bytes", "compiled_temp_bytes")
+    values = [pd.to_numeric(row.get(n), errors="coerce") for n in names]
+    if any(pd.isna(v) for v in values):
+        return [("compiled peak", float(row["compiled_peak_bytes"]))]
+    argument, output, alias, temp = (float(v) for v in values)
+    return [("arguments", argument), ("outputs not aliased", output - alias), ("temp", temp)]
+
+
+def _stack(ax: Axes, y: float, parts: list[tuple[str, float]], colors: dict[str, str], prefix: str, **bar) -> None:
+    left = 0.0
+    for part, value in parts:
+        if not pd.isna(value):
+            ax.barh(y, value, left=left, color=colors[part], label=f"{prefix}: {part}", **bar)
+            left += value
+
+
+def _memory_bars(ax: Axes, y: float, row: pd.Series, divisor: float, analytic: list[tuple[str, str]]) -> None:
+    """One variant: the compiled plan's stacked bar (below), the analytic parts' (above), and the peak marks."""
+    compiled_y, height = (y - 0.5, 0.9) if analytic else (y, 1.6)
+    compiled = [(part, value / divisor) for part, value in _compiled_parts(row)]
+    _stack(ax, compiled_y, compiled, COMPILED_COLORS, "compiled plan", height=height)
+    parts = [(part, pd.to_numeric(row.get(column), errors="coerce") / divisor) for column, part in analytic]
+    _stack(ax, y + 0.5, parts, dict(zip([p for _, p in ANALYTIC_PARTS], ANALYTIC_COLORS, strict=True)), "analytic",
+           height=0.9)  # fmt: skip
+    analytic_peak = pd.to_numeric(row.get(ANALYTIC_PEAK), errors="coerce")
+    if not pd.isna(analytic_peak):
+        ax.plot([analytic_peak / divisor] * 2, [y + 0.05, y + 0.95], color="k", lw=1.5, label="analytic peak")
+    device_peak = pd.to_numeric(row.get("device_peak_bytes"), errors="coerce")
+    if not pd.isna(device_peak):
+        ax.plot(device_peak / divisor, compiled_y, "kx", ms=9, mew=2, label="device peak (allocator)")
+
+
+def plot_memory_breakdown(frame: pd.DataFrame) -> Figure:
+    """Per variant: the analytic parts (params, grads, optimizer, activations) beside XLA's compiled plan.
+
+    Analytic columns the results lack are named in the figure; the compiled plan is drawn alone then.
+    The device allocator's peak is marked (x) where the backend measured one.
+    """
+    compiled_peak = pd.to_numeric(frame["compiled_peak_bytes"], errors="coerce")
+    data, labels = frame[compiled_peak.notna()], variant_labels(frame)
+    title = "Memory per variant: analytic estimate beside the compiled plan"
+    if data.empty:
+        return _empty(title, "no variant has a compiled memory plan (compiled_peak_bytes) to plot")
+    analytic = [(c, part) for c, part in ANALYTIC_PARTS if c in frame]
+    divisor, unit = memory_unit(compiled_peak)
+    figure = Figure(figsize=(10, 1.6 + 0.8 * len(data)), layout="constrained")
+    ax = figure.add_subplot()
+    positions = np.arange(len(data))[::-1] * 2.5
+    for y, i in zip(positions, data.index, strict=True):
+        _memory_bars(ax, y, data.loc[i], divisor, analytic)
+    ax.set_yticks(positions, [f"{labels[i]}\n({data.at[i, 'status']})" for i in data.index], fontsize=8)
+    backends = ", ".join(str(b) for b in data.get("compiled_backend", pd.Series(dtype=object)).dropna().unique())
+    bars = "upper bar: analytic; lower bar: " if analytic else ""
+    ax.set_xlabel(f"{unit} ({bars}XLA's compiled plan, backend {backends or 'unknown'})")
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.suptitle(title)
+    ax.grid(axis="x", alpha=0.3)
+    missing = [c for c, _ in ANALYTIC_PARTS if c not in frame] + ([ANALYTIC_PEAK] if ANALYTIC_PEAK not in frame else [])
+    if missing:
+        _note(ax, f"not in these results: {', '.join(missing)}")
+    return figure
+
+
+def plot_op_shares(frame: pd.DataFrame) -> Figure:
+    """The trace analysis' op-category shares (trace_<category>_share) as a variant x category grid (percent)."""
+    columns, labels = share_columns(frame), variant_labels(frame)
+    title = "Share of op time by category (trace analysis)"
+    if not columns:
+        return _empty(title, "no trace_*_share columns in these results: they come from the trace analysis "
+                             "of each variant's profiled steps")  # fmt: skip
+    shares = frame[columns].apply(pd.to_numeric, errors="coerce")
+    figure = Figure(figsize=(1.6 + 1.1 * len(columns), 1.4 + 0.45 * len(frame)), layout="constrained")
+    ax = figure.add_subplot()
+    image = ax.imshow(shares.to_numpy(float) * 100, cmap="Blues", vmin=0, vmax=100, aspect="auto")
+    for r, i in enumerate(frame.index):
+        for c, column in enumerate(columns):
+            value = shares.at[i, column]
+            text, color = ("-", "k") if pd.isna(value) else (f"{100 * value:.0f}%", "w" if value > 0.6 else "k")
+            ax.text(c, r, text, ha="center", va="center", fontsize=8, color=color)
+    ax.set_xticks(range(len(columns)), [c[len("trace_") : -len("_share")] for c in columns], rotation=30, ha="right")
+    ax.set_yticks(range(len(frame)), labels)
+    figure.colorbar(image, ax=ax, label="% of profiled op time")
+    ax.set_title(title)
+    return figure
+
+
+def plot_vs_baseline(frame: pd.DataFrame) -> Figure:
+    """Speed-up (throughput ratio) and peak-memory ratio of each variant against its sweep's baseline."""
+    labels = variant_labels(frame)
+    baselines = ", ".join(str(b) for b in frame["baseline"].dropna().unique()) or "none named"
+    figure = Figure(figsize=(11, 1.4 + 0.45 * len(frame)), layout="constrained")
+    speed_ax, memory_ax = figure.subplots(1, 2, sharey=True)
+    speed = pd.to_numeric(frame["throughput_vs_baseline"], errors="coerce")
+    memory = pd.to_numeric(frame["peak_vs_baseline"], errors="coerce")
+    _barh_by_variant(speed_ax, frame, speed, labels, ".2f")
+    _barh_by_variant(memory_ax, frame, memory, labels, ".2f")
+    axes = {speed_ax: "throughput / baseline's (>1: faster)", memory_ax: "peak memory / baseline's (<1: smaller)"}
+    for ax, what in axes.items():
+        ax.axvline(1.0, color="k", lw=1)
+        ax.set_xlabel(what)
+    sources = ", ".join(str(s) for s in frame.get("best_peak_source", pd.Series(dtype=object)).dropna().unique())
+    memory_ax.set_title(f"peak source: {sources or 'none'}", fontsize=9)
+    figure.suptitle(f"Against the baseline ({baselines})")
+    return figure
+
+
+def figures(frame: pd.DataFrame) -> dict[str, Figure]:
+    """Every figure of the report, by file stem: time_vs_memory, tokens_per_s, memory_breakdown, op_shares,
+    vs_baseline."""
+    return {
+        "time_vs_memory": plot_time_vs_memory(frame),
+        "tokens_per_s": plot_tokens_per_s(frame),
+        "memory_breakdown": plot_memory_breakdown(frame),
+        "op_shares": plot_op_shares(frame),
+        "vs_baseline": plot_vs_baseline(frame),
+    }

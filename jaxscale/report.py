@@ -1,0 +1,207 @@
+"""A sweep read without a notebook: `python -m jaxscale.report experiments/results/<sweep>` writes PNGs + report.md.
+
+The figures come from jaxscale.plots (the notebook experiments/compare_sweeps.ipynb calls the same functions);
+this module adds the table, the markdown report and the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+
+import matplotlib
+import pandas as pd
+from absl import flags
+
+from jaxscale.cli import UsageError, fail
+from jaxscale.plots import (
+    ANALYTIC_PARTS,
+    ANALYTIC_PEAK,
+    figures,
+    memory_unit,
+    plot_memory_breakdown,
+    plot_op_shares,
+    plot_time_vs_memory,
+    plot_tokens_per_s,
+    plot_vs_baseline,
+    share_columns,
+    variant_labels,
+    with_peak,
+)
+from jaxscale.results import RESULTS_FILE, load_results
+
+__all__ = [
+    "figures",
+    "notes",
+    "plot_memory_breakdown",
+    "plot_op_shares",
+    "plot_time_vs_memory",
+    "plot_tokens_per_s",
+    "plot_vs_baseline",
+    "summary_table",
+    "to_markdown",
+    "variant_labels",
+    "write_report",
+]
+
+REPORT_FILE = "report.md"
+
+# What each figure shows, written under it in report.md (the notebook says the same in its markdown cells).
+CAPTIONS = {
+    "time_vs_memory": "Median step time against peak memory (its source on the axis). Down and left is better; "
+    "the ringed points joined by the line are the Pareto front: no other variant is both faster and smaller.",
+    "tokens_per_s": "Tokens per second from the median step time; longer is faster. Failed variants show their "
+    "status instead of a bar.",
+    "memory_breakdown": "Per variant, the analytic estimate (params, grads, optimizer state, activations) beside "
+    "XLA's compiled plan (arguments + outputs not aliased to a donated input + temporaries); x marks the device "
+    "allocator's peak where the backend has one.",
+    "op_shares": "Share of the profiled steps' op time by category, from the trace analysis (trace_*_share).",
+    "vs_baseline": "Throughput and peak memory relative to the sweep's baseline variant (1.0 = the same); "
+    "a memory ratio is shown only where both peaks come from the same source.",
+}
+
+
+def _ratio_text(value: float | None, faster: bool) -> str:
+    if value is None or pd.isna(value):
+        return "-"
+    if faster:
+        return f"{value:.2f}x faster" if value >= 1 else f"{1 / value:.2f}x slower"
+    return f"{value:.2f}x memory"
+
+
+def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """The sweep table for people: one row per variant, units in the column names, sources named.
+
+    Args:
+      frame: rows from jaxscale.sweep.load_results (one sweep, or several concatenated).
+
+    Returns:
+      DataFrame with variant, status, step time, tokens/s, compile time, peak memory (GiB) and its source,
+      the analytic peak where known, and the change against the baseline variant; the error of failures.
+    """
+    frame = with_peak(frame)
+    divisor, unit = memory_unit(frame["best_peak_bytes"])
+    table = pd.DataFrame(
+        {
+            "variant": variant_labels(frame),
+            "status": frame["status"],
+            "step s (median)": pd.to_numeric(frame["step_s_median"], errors="coerce"),
+            "tokens/s": pd.to_numeric(frame["tokens_per_s"], errors="coerce"),
+            "compile s": pd.to_numeric(frame["compile_s"], errors="coerce"),
+            f"peak {unit}": pd.to_numeric(frame["best_peak_bytes"], errors="coerce") / divisor,
+            "peak source": frame["best_peak_source"],
+        }
+    )
+    if ANALYTIC_PEAK in frame:
+        table[f"analytic peak {unit}"] = pd.to_numeric(frame[ANALYTIC_PEAK], errors="coerce") / divisor
+    is_baseline = frame["variant"] == frame["baseline"]
+    speed = [_ratio_text(v, True) for v in frame["throughput_vs_baseline"]]
+    memory = [_ratio_text(v, False) for v in frame["peak_vs_baseline"]]
+    table["vs baseline"] = [
+        "baseline" if base else ", ".join(t for t in (s, m) if t != "-") or "-"
+        for base, s, m in zip(is_baseline, speed, memory, strict=True)
+    ]
+    table["error"] = frame["error"].where(frame["status"] != "ok", None)
+    return table
+
+
+def _markdown_cell(value: object, column: str) -> str:
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return "-"
+    if isinstance(value, float):
+        spec = {"step s (median)": ".4f", "tokens/s": ",.0f", "compile s": ".1f"}.get(column, ".3f")
+        return format(value, spec)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    """A DataFrame as a GitHub markdown table (numbers formatted, missing values as '-')."""
+    columns = list(table.columns)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for _, row in table.iterrows():
+        lines.append("| " + " | ".join(_markdown_cell(row[c], c) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def notes(frame: pd.DataFrame) -> list[str]:
+    """Caveats a reader needs: where peak memory came from, and which measured columns are absent."""
+    found, frame = [], with_peak(frame)
+    sources = sorted({s for s in frame["best_peak_source"].dropna()})
+    if sources:
+        found.append(f"Peak memory source: {', '.join(sources)} (the device allocator's peak where the backend "
+                     "has one, else XLA's compiled plan; a CPU plan is only a proxy for a GPU's).")  # fmt: skip
+    device_notes = frame.get("device_peak_note", pd.Series(dtype=object)).dropna().unique()
+    if len(device_notes):
+        found.append(f"Device peak: {device_notes[0]}.")
+    missing = [c for c, _ in ANALYTIC_PARTS if c not in frame]
+    if missing:
+        found.append(f"Not in these results: {', '.join(missing)} (the analytic memory model's columns).")
+    if not share_columns(frame):
+        found.append("Not in these results: trace_*_share columns (the trace analysis' op-category shares).")
+    return found
+
+
+def write_report(results: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Writes each figure as <name>.png and report.md (table, figures, notes) for one sweep.
+
+    Args:
+      results: the sweep's results directory (or its results.jsonl).
+      output_dir: where to write (default: beside the results).
+
+    Returns:
+      The path of report.md.
+
+    Raises:
+      UsageError: no results there, or no rows in them.
+    """
+    results = pathlib.Path(results)
+    jsonl = results / RESULTS_FILE if results.is_dir() else results
+    if not jsonl.is_file():
+        raise UsageError(f"{results}: no sweep results ({RESULTS_FILE}) there; run python -m jaxscale.sweep first")
+    frame = load_results(jsonl)
+    if frame.empty:
+        raise UsageError(f"{jsonl}: holds no result rows yet; run python -m jaxscale.sweep first")
+    output_dir = pathlib.Path(output_dir) if output_dir else jsonl.parent
+    output_dir.mkdir(parents=True, exist_ok=True)
+    sweeps = ", ".join(str(s) for s in frame["sweep"].dropna().unique()) or jsonl.parent.name
+    baselines = ", ".join(str(b) for b in frame["baseline"].dropna().unique()) or "-"
+    lines = [f"# Sweep {sweeps}", "", f"Results: `{jsonl}` ({len(frame)} variants; baseline: {baselines}).", ""]
+    lines += [to_markdown(summary_table(frame)), ""]
+    lines += [f"- {note}" for note in notes(frame)] + [""]
+    for name, figure in figures(frame).items():
+        figure.savefig(output_dir / f"{name}.png", dpi=110)
+        lines += [f"## {name.replace('_', ' ')}", "", f"![{name}]({name}.png)", "", CAPTIONS[name], ""]
+    path = output_dir / REPORT_FILE
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _flag_values() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("output_dir", None, "Where to write the PNGs and report.md (default: beside the results).",
+                        flag_values=fv)  # fmt: skip
+    return fv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: `python -m jaxscale.report RESULTS_DIR [--output_dir DIR]`; exit 0, or 2 on bad input."""
+    matplotlib.use("Agg")  # files only, never a window
+    fv = _flag_values()
+    try:
+        try:
+            rest = fv(list(sys.argv if argv is None else argv))
+        except flags.Error as error:
+            raise UsageError(str(error)) from None
+        if len(rest) != 2:
+            raise UsageError("give one results directory, e.g. python -m jaxscale.report experiments/results/<sweep>")
+        path = write_report(rest[1], fv.output_dir)
+    except UsageError as error:
+        return fail(str(error))
+    print(f"report: {path} (figures beside it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Reading a sweep: the figures, `python -m jaxscale.report` and the notebook, on a tiny sweep run here."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import textwrap
+
+import matplotlib
+import nbformat
+import pandas as pd
+import pytest
+from nbclient import NotebookClient
+
+from jaxscale import report
+from jaxscale.plots import ANALYTIC_PARTS, ANALYTIC_PEAK, pareto_front
+from jaxscale.sweep import load_results, run_sweep
+
+matplotlib.use("Agg")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = REPO / "experiments" / "compare_sweeps.ipynb"
+FIGURES = ("time_vs_memory", "tokens_per_s", "memory_breakdown", "op_shares", "vs_baseline")
+
+# Two variants that run (no trace captured, to stay fast) and one whose config its run process rejects.
+MINI_SWEEP = """
+from jaxscale.config import base_config
+
+BASELINE = "fp32"
+
+
+def get_config(preset=None):
+    config = base_config(preset, name="mini")
+    config.model.num_layers = 1
+    config.train.steps, config.train.warmup_steps, config.profile.steps = 2, 1, 0
+    return config
+
+
+def get_variants(config):
+    return [
+        {"name": "fp32", "model.dtype": "float32"},
+        {"name": "bf16_remat", "model.dtype": "bfloat16", "model.remat": ("Block",)},
+        {"name": "broken", "data.seq_len": 2 * config.model.max_seq_len},
+    ]
+"""
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("report")
+    sweep_file = root / "mini.py"
+    sweep_file.write_text(textwrap.dedent(MINI_SWEEP))
+    outcome = run_sweep(f"{sweep_file}:tiny", output_root=root, progress=False)
+    assert outcome.failed() == ["broken"], outcome.table()
+    return outcome.results_path.parent
+
+
+def axes_texts(figure) -> str:
+    """Every title, label, tick label and text drawn in the figure, as one string."""
+    parts = [figure.get_suptitle()] if hasattr(figure, "get_suptitle") else []
+    for ax in figure.axes:
+        parts += [ax.get_title(loc) for loc in ("left", "center", "right")]
+        parts += [ax.get_xlabel(), ax.get_ylabel(), *(t.get_text() for t in ax.texts)]
+        parts += [t.get_text() for t in (*ax.get_xticklabels(), *ax.get_yticklabels())]
+        legend = ax.get_legend()
+        parts += [t.get_text() for t in legend.get_texts()] if legend else []
+    return "\n".join(parts)
+
+
+def test_report_command_writes_figures_and_markdown(results_dir, capsys):
+    assert report.main(["jaxscale.report", str(results_dir)]) == 0
+    assert "report.md" in capsys.readouterr().out
+    for name in FIGURES:
+        png = (results_dir / f"{name}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5000, name
+        assert f"![{name}]({name}.png)" in (results_dir / "report.md").read_text()
+    text = (results_dir / "report.md").read_text()
+    assert "| variant | status |" in text and "| fp32 | ok |" in text and "| bf16_remat | ok |" in text
+    assert "| broken | error |" in text and "data.seq_len" in text  # the failure's one-line error
+    assert "baseline" in text and ("x faster" in text or "x slower" in text) and "x memory" in text
+    assert "compiled plan (cpu)" in text  # the peak's source, as no CPU device peak exists
+
+
+def test_report_command_rejects_missing_or_empty_results(tmp_path, capsys):
+    assert report.main(["jaxscale.report", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxscale: error:") and "results.jsonl" in err
+    (tmp_path / "results.jsonl").write_text("")
+    assert report.main(["jaxscale.report", str(tmp_path)]) == 2
+    assert "no result rows" in capsys.readouterr().err
+
+
+def test_figures_label_sources_and_failures(results_dir):
+    frame = load_results(results_dir)
+    texts = axes_texts(report.plot_time_vs_memory(frame))
+    assert "compiled plan (cpu)" in texts and "fp32" in texts and "bf16_remat" in texts
+    assert "not plotted: broken (error)" in texts
+    assert "error" in axes_texts(report.plot_tokens_per_s(frame))  # the failure shows its status, not a bar
+    ratios = axes_texts(report.plot_vs_baseline(frame))
+    assert "fp32 (baseline)" in ratios and "1.00" in ratios
+
+
+def test_missing_measurement_columns_are_named_not_fatal(results_dir):
+    frame = load_results(results_dir)
+    frame = frame.drop(columns=[c for c in frame if c.startswith("analytic_") or c.endswith("_share")])
+    memory = axes_texts(report.plot_memory_breakdown(frame))
+    assert "not in these results: analytic_params_bytes" in memory and "compiled plan: temp" in memory
+    assert "no trace_*_share columns" in axes_texts(report.plot_op_shares(frame))
+    # Once the rows carry them they are drawn. These values are stand-ins made from the row's own compiled plan,
+    # only to exercise the drawing; they are not an analytic model or a trace measurement.
+    for (column, _), fraction in zip(ANALYTIC_PARTS, (0.1, 0.1, 0.2, 0.4), strict=True):
+        frame[column] = frame["compiled_peak_bytes"] * fraction
+    frame[ANALYTIC_PEAK] = frame["compiled_peak_bytes"] * 0.8
+    frame["trace_matmul_share"] = [0.5, 0.25, None]
+    memory = axes_texts(report.plot_memory_breakdown(frame))
+    assert "analytic: activations" in memory and "not in these results" not in memory
+    shares = axes_texts(report.plot_op_shares(frame))
+    assert "matmul" in shares and "50%" in shares and "25%" in shares
+    assert "analytic peak MiB" in report.summary_table(frame).columns
+
+
+def test_pareto_front_keeps_only_undominated_points():
+    step_s = pd.Series([1.0, 2.0, 3.0, 3.0, 2.5])
+    peak_bytes = pd.Series([30.0, 20.0, 10.0, 30.0, 20.0])
+    assert pareto_front(step_s, peak_bytes).tolist() == [True, True, True, False, False]
+
+
+def test_notebook_runs_headless_on_the_sweep(results_dir, monkeypatch):
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), "committed with outputs"
+    parameters = next(cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", []))
+    parameters.source = f"RESULTS = [{str(results_dir)!r}]"
+    notebook.cells.append(nbformat.v4.new_code_cell("import sys\nprint(sys.prefix)"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the kernel imports this checkout's jaxscale
+    client = NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}})
+    client.execute()  # raises CellExecutionError on any cell error
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    assert outputs[-1]["text"].strip() == sys.prefix  # the kernel ran this interpreter
+    images = [output for output in outputs if "image/png" in output.get("data", {})]
+    assert len(images) == len(FIGURES)
+    tables = [output["data"]["text/markdown"] for output in outputs if "text/markdown" in output.get("data", {})]
+    assert any("| bf16_remat | ok |" in table and "| broken | error |" in table for table in tables)

@@ -1,0 +1,110 @@
+"""The real TensorBoard server on a trace captured here: the profile plugin is active, lists the run by name, and
+serves the trace viewer's and memory viewer's data for it; `python -m jaxscale.tensorboard` prints its URL."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import urllib.parse
+
+import pytest
+
+from jaxscale import tensorboard
+from jaxscale.tensorboard import fetch, fetch_json
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RUN_NAME = "tb_tiny"
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory) -> pathlib.Path:
+    """traces/ with one run of the bf16 config (layers scanned, no remat), captured by `python -m jaxscale.run`."""
+    root = tmp_path_factory.mktemp("tensorboard")
+    command = [
+        sys.executable, "-m", "jaxscale.run", "--config", "configs/bf16.py:tiny",
+        "--config.train.steps=1", "--config.train.warmup_steps=0", "--output_root", str(root), "--name", RUN_NAME,
+        "--quiet",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    return root / "traces"
+
+
+def plugin_url(server: tensorboard.Server, route: str, **query: str) -> str:
+    """A URL of the profile plugin (tensorboard-plugin-profile / xprof: /data/plugin/profile/<route>)."""
+    return f"{server.url}data/plugin/profile/{route}?{urllib.parse.urlencode(query)}"
+
+
+def test_profiler_lists_the_run_and_serves_its_trace_and_memory_viewer(logdir):
+    with tensorboard.start(logdir) as server:
+        assert server.url.startswith("http://127.0.0.1:")
+        listing = fetch_json(server.url + "data/plugins_listing")
+        assert listing["profile"]["enabled"], "the profile plugin is not active"
+
+        runs = fetch_json(plugin_url(server, "runs"))
+        assert len(runs) == 1 and runs[0].startswith(f"{RUN_NAME}/"), runs  # <run name>/<capture timestamp>
+        run = runs[0]
+        tools = fetch_json(plugin_url(server, "run_tools", run=run))
+        assert {"trace_viewer@", "memory_viewer", "overview_page"} <= set(tools), tools
+
+        hosts = fetch_json(plugin_url(server, "hosts", run=run, tag="trace_viewer@"))
+        host = hosts[0]["hostname"]
+        trace = fetch_json(plugin_url(server, "data", run=run, tag="trace_viewer@", host=host))
+        names = {event.get("name", "") for event in trace["traceEvents"]}
+        assert any(name.startswith("train ") for name in names), "no StepTraceAnnotation 'train <step>' in the trace"
+        assert any(name.startswith("PjitFunction(jit(train_step))") for name in names)
+        # Scanned layers without remat write each layer's activations into the stacked scan output.
+        assert any("dynamic-update-slice" in name for name in names)
+
+        modules = fetch(plugin_url(server, "module_list", run=run)).decode().split(",")
+        step_module = next(m for m in modules if m.startswith("jit_train_step"))
+        memory = fetch_json(
+            plugin_url(server, "data", run=run, tag="memory_viewer", host=host, module_name=step_module)
+        )
+        assert memory["moduleName"] == "jit_train_step" and memory["peakHeapMib"] > 0
+        buffers = memory["maxHeapBySize"]
+        assert buffers and all("shapeString" in b for b in buffers if b.get("instructionName"))
+        scopes = {part for b in buffers for part in b.get("tfOpName", "").split("/")}
+        assert {"accumulate", "minibatch", "blocks"} <= scopes, scopes  # the model's named scopes
+    assert server.process.poll() is not None  # stopped with the context
+
+
+def test_command_prints_url_and_runs_and_stops_on_sigterm(logdir, tmp_path):
+    command = [sys.executable, "-m", "jaxscale.tensorboard", "--logdir", str(logdir)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    watchdog = threading.Timer(180, process.kill)  # never hang the suite if the server never answers
+    watchdog.start()
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C"):
+                break
+        text = "".join(lines)
+        assert "TensorBoard: http://127.0.0.1:" in text and f"  {RUN_NAME}/" in text, (
+            text + (tmp_path / "stderr.txt").read_text()[-2000:]
+        )
+        url = text.split("TensorBoard: ", 1)[1].split("#", 1)[0]
+        assert fetch_json(url + "data/plugins_listing")["profile"]["enabled"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        with pytest.raises(OSError):
+            fetch(url + "data/plugins_listing", timeout_s=5)  # the server went with it
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_command_rejects_a_missing_logdir(tmp_path, capsys):
+    code = tensorboard.main(["jaxscale.tensorboard", "--logdir", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("jaxscale: error: --logdir:")
