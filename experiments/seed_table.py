@@ -2,6 +2,7 @@
 
     python -m jaxscale.sweep --config experiments/seed_table.py:cpu     # all 7 variants on a 2-core CPU
     python -m jaxscale.sweep --config experiments/seed_table.py:seed    # the reference scale (a GPU)
+    python -m jaxscale.sweep --config experiments/seed_table.py:seed --plan --target a5000   # no GPU needed
 
 Every variant is compared with BASELINE, the notebook's first row (float32, scanned, no remat).
 """
@@ -9,6 +10,23 @@ Every variant is compared with BASELINE, the notebook's first row (float32, scan
 from jaxscale.config import base_config
 
 BASELINE = "fp32_scan"
+
+# The peak memory the notebook measured for each row on its RTX A5000, at the reference scale (:seed)
+# only. GiB: the notebook read them from TensorBoard's memory viewer, which prints binary units (it calls
+# a [12, 16, 512, 4096] bfloat16 array "768MB", exactly 768 MiB), so its "14.6GB" is 14.6 GiB. Batch 256
+# was only given as "15GB usage". The sweep joins these into its rows as notebook_peak_bytes, with
+# planned_over_notebook = compiled_peak_bytes / notebook_peak_bytes.
+NOTEBOOK_PEAK_GIB = {
+    "seed": {
+        "fp32_scan": 20.6,  # with XLA's automatic-rematerialization warnings
+        "bf16_scan": 14.6,
+        "bf16_noscan": 8.8,
+        "bf16_scan_remat_mlp_attn": 3.9,
+        "bf16_scan_remat_block": 3.8,
+        "bf16_remat_1minibatch": 6.2,
+        "bf16_remat_batch256": 15.0,  # "15GB usage", rounded
+    }
+}
 
 
 def get_config(preset=None):

@@ -67,13 +67,17 @@ def missing_extra() -> str | None:
     )
 
 
-def check_target_flag(target: str | None, plan: bool) -> None:
-    """Checks `--target` before any work: known target, used with --plan, extra installed.
+def check_target_flag(target: str | None, plan: bool, gemm: str = "both") -> None:
+    """Checks `--target` (and `--gemm`) before any work: known target, used with --plan, extra installed.
 
     Raises:
       UsageError: one line naming what is wrong (the known targets, or the extra to install).
     """
+    if gemm not in GEMM_CHOICES:
+        raise UsageError(f"--gemm: unknown {gemm!r}; allowed: {', '.join(GEMM_CHOICES)}")
     if target is None:
+        if gemm != "both":
+            raise UsageError(f"--gemm {gemm}: picks the GEMMs of a GPU target's plan; add --target (and --plan)")
         return
     try:
         targets.get_target(target)

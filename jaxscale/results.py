@@ -182,8 +182,15 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
     return frame[[*COLUMNS, *(c for c in frame.columns if c not in COLUMNS)]]
 
 
+GIB = 2**30
+
+
 def _cell(value: float | None, spec: str) -> str:
     return "-" if value is None or pd.isna(value) else format(value, spec)
+
+
+def _gib(value: float | None, decimals: int = 3) -> str:
+    return "-" if value is None or pd.isna(value) else f"{value / GIB:.{decimals}f}"
 
 
 def _versus(row: dict) -> str:
@@ -198,31 +205,71 @@ def _versus(row: dict) -> str:
     return ", ".join(parts) or "-"
 
 
+def _fits(row: dict) -> str:
+    return {True: "yes", False: "NO"}.get(row.get("plan_fits"), "-")
+
+
+def _band(row: dict) -> str:
+    triton, cublas = row.get("compiled_triton_peak_bytes"), row.get("compiled_cublas_peak_bytes")
+    return "-" if triton is None and cublas is None else f"{_gib(triton)} / {_gib(cublas)}"
+
+
+# (header, cell, shown when): columns of the printed table; a column is shown when any row has its field.
+_TABLE_COLUMNS = (
+    ("status", lambda r: r.get("status"), None),
+    ("step s (median)", lambda r: _cell(r.get("step_s_median"), ".4f"), "ran"),
+    ("tokens/s", lambda r: _cell(r.get("tokens_per_s"), ",.0f"), "ran"),
+    ("compile s", lambda r: _cell(r.get("compile_s"), ".1f"), None),
+    ("peak GiB", lambda r: _gib(r["best_peak_bytes"]), None),
+    ("peak source", lambda r: r["best_peak_source"] or "-", None),
+    ("triton / cublas GiB", _band, "plan_target"),
+    ("fits", _fits, "plan_target"),
+    ("notebook GiB", lambda r: _gib(r.get("notebook_peak_bytes"), 1), "notebook_peak_bytes"),
+    ("plan / notebook", lambda r: _cell(r.get("planned_over_notebook"), ".2f"), "notebook_peak_bytes"),
+)
+
+
+def _shown(rows: list[dict], when: str | None) -> bool:
+    if when is None:
+        return True
+    if when == "ran":  # step columns: hidden only for a sweep of plans (--plan), where no step runs
+        return not all(r.get("plan_only") for r in rows) or any(r.get("step_s_median") is not None for r in rows)
+    return any(r.get(when) is not None for r in rows)
+
+
+def _notes(rows: list[dict]) -> list[str]:
+    """One line per failed variant (its error) and per planned variant that does not fit its target."""
+    notes = []
+    for r in rows:
+        if r.get("status") != "ok":
+            notes.append(f"  {r.get('variant')}: {r.get('status')}: {r.get('error')}")
+        elif r.get("plan_fits") is False:
+            if r.get("compiled_remat_limit_bytes") is not None:
+                why = (f"XLA's rematerialization reached {_gib(r['compiled_remat_reached_bytes'], 2)} GiB, above "
+                       f"its limit of {_gib(r['compiled_remat_limit_bytes'], 2)} GiB")  # fmt: skip
+            else:
+                why = r.get("plan_fits_reason")
+            notes.append(f"  {r.get('variant')}: does NOT fit on {r.get('plan_target')}: {why}")
+    return notes
+
+
 def format_table(rows: list[dict], order: list[str] | None = None) -> str:
-    """The sweep as a text table: variant, status, step time, tokens/s, compile time, peak memory (its
-    source named), and the change against the baseline variant; failures' errors are listed beneath."""
+    """The sweep as a text table, one line per variant, against the baseline variant.
+
+    Columns: status, step time and tokens/s (not for a sweep of plans), compile time, peak memory with its
+    source, and for GPU-target plans the Triton / cuBLAS band and whether it fits, and where the sweep file
+    gives them the notebook's measured peak and planned / notebook; the change against the baseline last.
+    Failures' errors and plans that do not fit are explained beneath.
+    """
     rows = compare_to_baseline(rows)
     rank = {name: i for i, name in enumerate(order or [])}
     rows.sort(key=lambda r: rank.get(r.get("variant"), len(rank)))
     baseline = next((r.get("baseline") for r in rows if r.get("baseline")), None)
-    header = ("variant", "status", "step s (median)", "tokens/s", "compile s", "peak GiB", "peak source")
-    lines = [(*header, f"vs {baseline}")]
+    columns = [(header, cell) for header, cell, when in _TABLE_COLUMNS if _shown(rows, when)]
+    lines = [("variant", *(header for header, _ in columns), f"vs {baseline}")]
     for r in rows:
-        peak = None if r["best_peak_bytes"] is None else r["best_peak_bytes"] / 2**30
-        lines.append(
-            (
-                r.get("variant") or r.get("name"),
-                r.get("status"),
-                _cell(r.get("step_s_median"), ".4f"),
-                _cell(r.get("tokens_per_s"), ",.0f"),
-                _cell(r.get("compile_s"), ".1f"),
-                _cell(peak, ".3f"),
-                r["best_peak_source"] or "-",
-                _versus(r),
-            )
-        )
+        lines.append((r.get("variant") or r.get("name"), *(cell(r) for _, cell in columns), _versus(r)))
     lines = [tuple(str(cell) for cell in line) for line in lines]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header) + 1)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     text = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in lines]
-    text += [f"  {r.get('variant')}: {r.get('status')}: {r.get('error')}" for r in rows if r.get("status") != "ok"]
-    return "\n".join(text)
+    return "\n".join(text + _notes(rows))

@@ -61,6 +61,13 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         "or a GpuTargetConfig .txtpb); needs the gpu-plan extra. See docs/gpu_planning.md.",
         flag_values=fv,
     )
+    flags.DEFINE_enum(
+        "gemm",
+        "both",
+        gpu_plan.GEMM_CHOICES,
+        "With --target: plan with Triton GEMMs, cuBLAS GEMMs, or both (the band; the larger peak is reported).",
+        flag_values=fv,
+    )
     flags.DEFINE_bool(
         "quiet", False, "No progress bar and no summary; the result path is still printed.", flag_values=fv
     )
@@ -166,6 +173,8 @@ def check_memory_budget(row: dict, budget_bytes: int | None) -> None:
         return
     backend = row["compiled_backend"]
     plan = f"the {backend.upper()} compiler's plan" + (", a proxy for a GPU's" if backend == "cpu" else "")
+    if backend.startswith("cuda:"):
+        plan = f"XLA's GPU plan for target {backend.removeprefix('cuda:')}"
     raise RunError(
         "oom",
         f"compiled peak {peak:,} bytes ({peak / 2**30:.2f} GiB) exceeds the device-memory budget of "
@@ -181,12 +190,13 @@ def run(
     progress: bool = True,
     device_memory_bytes: int | None = None,
     target: str | None = None,
+    gemm: str = "both",
 ) -> dict:
     """Compiles, runs and measures one config; always returns a result row (status ok|oom|error|nan).
 
     A `device_memory_bytes` budget stands in for a smaller accelerator: a step whose compiled plan exceeds it
     is recorded as `oom` without running its steps. With `target` (plan only) the compiled_* columns are XLA's
-    plan for that GPU (jaxscale.gpu_plan), and the budget is checked against that plan.
+    plan for that GPU (jaxscale.gpu_plan, GEMM modes `gemm`), and the budget is checked against that plan.
     """
     if target is not None and not plan_only:
         raise ValueError("run: a target GPU can only be planned (plan_only=True)")
@@ -194,7 +204,7 @@ def run(
     row["device_memory_budget_bytes"] = device_memory_bytes
     try:
         if target is not None:
-            row.update(gpu_plan.plan_for_target(config, target))
+            row.update(gpu_plan.plan_for_target(config, target, gemm=gemm))
         else:
             compiled, init_fn, abstract_state, row["compile_s"] = compile_step(config)
             row["params"] = count_params(abstract_state.params)
@@ -292,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fv = _flag_values(argv)
     try:
         config = parse_config_flags(fv, argv)
-        gpu_plan.check_target_flag(fv.target, fv.plan)
+        gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm)
         name, run_dir = _resolve_run_dir(fv, config)
         budget = None if fv.device_memory is None else parse_bytes(fv.device_memory, "--device_memory")
     except UsageError as error:
@@ -306,7 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if estimate:
         print(f"jaxscale: {estimate}")
     row = run(
-        config, run_dir, name, plan_only=fv.plan, progress=not fv.quiet, device_memory_bytes=budget, target=fv.target
+        config,
+        run_dir,
+        name,
+        plan_only=fv.plan,
+        progress=not fv.quiet,
+        device_memory_bytes=budget,
+        target=fv.target,
+        gemm=fv.gemm,
     )
     result_path = run_dir / "result.json"
     write_row(result_path, row)

@@ -3,19 +3,29 @@
 import json
 
 import pytest
+from conftest import REPO, load_config
 
-from jaxscale import gpu_plan, reference, run, targets
+from jaxscale import gpu_plan, run, targets
+from jaxscale.config import validate
+from jaxscale.results import read_rows
+from jaxscale.sweep import main as sweep_main
+from jaxscale.sweep import run_sweep
+from jaxscale.sweep_file import apply_overrides
 
 needs_extra = pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 
 
-def _tiny(config_file: str, **overrides):
-    return reference.load_config(config_file, "tiny", overrides)
+def _tiny(name: str, **overrides):
+    """configs/<name>.py at `tiny` with dotted overrides, validated."""
+    config = load_config(name, "tiny")
+    apply_overrides(config, overrides, name)
+    validate(config)
+    return config
 
 
 @pytest.fixture(scope="module")
 def remat_scan_plan():
-    return gpu_plan.plan_for_target(_tiny("bf16_remat.py"), "a5000", gemm="triton")
+    return gpu_plan.plan_for_target(_tiny("bf16_remat"), "a5000", gemm="triton")
 
 
 @needs_extra
@@ -38,14 +48,14 @@ def test_run_plans_a_tiny_config_for_an_a5000(tmp_path, capsys):
 
 @needs_extra
 def test_remat_with_scan_lowers_the_planned_temp_bytes(remat_scan_plan):
-    scan_only = gpu_plan.plan_for_target(_tiny("bf16.py"), "a5000", gemm="triton")
+    scan_only = gpu_plan.plan_for_target(_tiny("bf16"), "a5000", gemm="triton")
     assert remat_scan_plan["compiled_temp_bytes"] < scan_only["compiled_temp_bytes"]
     assert remat_scan_plan["compiled_argument_bytes"] == scan_only["compiled_argument_bytes"]
 
 
 @needs_extra
 def test_a_config_far_too_large_does_not_fit_and_says_why():
-    config = _tiny("bf16.py", **{"data.batch_size": 2**16, "train.num_minibatches": 1})
+    config = _tiny("bf16", **{"data.batch_size": 2**16, "train.num_minibatches": 1})
     plan = gpu_plan.plan_for_target(config, "a5000", gemm="triton")
     memory = targets.TARGETS["a5000"].device_memory_size
     assert plan["plan_fits"] is False
@@ -98,23 +108,59 @@ def test_a_target_that_kills_the_compiler_is_a_failed_row_not_a_crash(tmp_path):
     assert row["status"] == "error" and "SIGFPE" in row["error"]
 
 
+@needs_extra
+def test_a_sweep_plans_its_variants_for_a_target_and_a_budget_uses_that_plan(tmp_path, capsys):
+    """`jaxscale.sweep --plan --target a5000`: each variant's row is the target's plan; the table says fits."""
+    spec = f"{REPO / 'experiments' / 'seed_table.py'}:tiny"
+    args = ["sweep", "--config", spec, "--only", "fp32_scan,bf16_scan_remat_block", "--plan", "--target", "a5000",
+            "--gemm", "triton", "--output_root", str(tmp_path), "--quiet"]  # fmt: skip
+    assert sweep_main(args) == 0
+    out = capsys.readouterr().out
+    results = tmp_path / "experiments" / "results" / "seed_table_tiny_plan_a5000_triton" / "results.jsonl"
+    rows = {row["variant"]: row for row in read_rows(results)}
+    assert list(rows) == ["fp32_scan", "bf16_scan_remat_block"]
+    for row in rows.values():
+        assert row["status"] == "ok" and row["plan_only"] is True and row.get("step_s_median") is None
+        assert row["compiled_backend"] == "cuda:a5000" and row["compiled_gemm"] == "triton"
+        assert row["compiled_cublas_peak_bytes"] is None and row["plan_fits"] is True
+        assert row["run_args"] == ["--plan", "--target=a5000", "--gemm=triton"]
+    assert rows["bf16_scan_remat_block"]["compiled_temp_bytes"] < rows["fp32_scan"]["compiled_temp_bytes"]
+    table = out[out.index("variant") :].splitlines()
+    assert "triton / cublas GiB" in table[0] and "fits" in table[0] and "step s" not in table[0]
+    assert all("compiled plan (cuda:a5000)" in line and " yes " in line for line in table[1:3])
+    # A budget between the two plans: the target's plan of fp32 exceeds it, so fp32 becomes oom, not run.
+    budget = rows["bf16_scan_remat_block"]["compiled_peak_bytes"]
+    assert sweep_main([*args, "--only", "fp32_scan", f"--device-memory={budget}"]) == 0
+    fp32 = {row["variant"]: row for row in read_rows(results)}["fp32_scan"]
+    assert fp32["status"] == "oom" and fp32["device_memory_budget_bytes"] == budget
+    assert "XLA's GPU plan for target a5000" in fp32["error"]
+
+
 @pytest.mark.slow
 @needs_extra
-def test_the_reference_table_planned_for_an_a5000_matches_the_notebook():
+def test_the_reference_table_planned_for_an_a5000_matches_the_notebook(tmp_path):
     """Each bf16 variant's plan comes within 10% of the notebook's peak; fp32 needs XLA's auto-remat.
 
-    The notebook's A5000 autotuned its GEMMs (Triton or cuBLAS, per GEMM); here the step is planned with
-    each, and the notebook's peak must lie within 10% of that band [min, max].
+    The reference sweep (experiments/seed_table.py:seed) planned for an A5000, as
+    `python -m jaxscale.sweep --config experiments/seed_table.py:seed --plan --target a5000` does. The
+    notebook's A5000 autotuned its GEMMs (Triton or cuBLAS, per GEMM); here the step is planned with each,
+    and the notebook's peak must lie within 10% of that band [min, max].
     """
-    rows = {v.name: reference.plan_variant(v, "a5000") for v in reference.NOTEBOOK_VARIANTS}
+    outcome = run_sweep(
+        REPO / "experiments" / "seed_table.py", "seed", plan=True, target="a5000", output_root=tmp_path, progress=False
+    )
+    assert outcome.sweep.name == "seed_table_seed_plan_a5000"
+    rows = {row["variant"]: row for row in read_rows(outcome.results_path)}
+    assert len(rows) == 7
     for name, row in rows.items():
         assert row["status"] == "ok", (name, row["error"])
+        assert row["compiled_backend"] == "cuda:a5000" and row["notebook_peak_bytes"] > 0, name
         if name.startswith("bf16"):
             band = [row[f"compiled_{m}_peak_bytes"] / row["notebook_peak_bytes"] for m in ("triton", "cublas")]
             assert min(band) <= 1.10 and max(band) >= 0.90, (name, band)
             assert row["plan_fits"] is True, name
-    fp32 = rows["fp32, scan"]
-    assert fp32["plan_fits"] is False and fp32["compiled_remat_limit_bytes"] is not None
+    fp32 = rows["fp32_scan"]
+    assert fp32["plan_fits"] is False and fp32["compiled_remat_limit_bytes"] > 0
 
 
 def test_xlas_rematerialization_warning_is_parsed_to_bytes():

@@ -16,19 +16,22 @@ import pytest
 
 from jaxscale.cli import UsageError, parse_bytes
 from jaxscale.config import validate
-from jaxscale.results import COLUMNS, ResultsFile, load_results, read_rows
+from jaxscale.results import COLUMNS, ResultsFile, format_table, load_results, read_rows
 from jaxscale.run import RunError, check_memory_budget
 from jaxscale.sweep import load_sweep, run_sweep, select_variants
 from jaxscale.sweep import main as sweep_main
+from jaxscale.sweep_file import plan_suffix
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # Three variants of a one-layer model; "broken" asks for sequences longer than the model allows, so its run
-# process rejects the config (exit 2) and the sweep must record it as a row and go on.
+# process rejects the config (exit 2) and the sweep must record it as a row and go on. "plain" has a peak
+# measured elsewhere (made up here), which the sweep joins into its row.
 MINI_SWEEP = """
 from jaxscale.config import base_config
 
 BASELINE = "plain"
+NOTEBOOK_PEAK_GIB = {"tiny": {"plain": 0.001}}
 
 
 def get_config(preset=None):
@@ -94,6 +97,12 @@ def test_every_variant_runs_and_a_failing_one_is_a_row(finished_sweep):
     assert "data.seq_len" in rows["broken"]["error"] and "\n" not in rows["broken"]["error"]
     assert all(row["sweep"] == "mini_tiny" and row["baseline"] == "plain" for row in rows.values())
     assert rows["plain"]["device_memory_budget_bytes"] == 2**30  # --device-memory reached the run
+    assert rows["plain"]["run_args"] == [f"--device_memory={2**30}"]
+    # NOTEBOOK_PEAK_GIB joined into the row it names, with the plan's ratio to it; not into the others.
+    notebook = rows["plain"]["notebook_peak_bytes"]
+    assert notebook == round(0.001 * 2**30)
+    assert rows["plain"]["planned_over_notebook"] == pytest.approx(rows["plain"]["compiled_peak_bytes"] / notebook)
+    assert "notebook_peak_bytes" not in rows["remat"]
     # Each variant's trace and result lie under traces/<sweep>/<variant>/.
     assert list((root / "traces" / "mini_tiny" / "plain").glob("plugins/profile/*/*.xplane.pb"))
     assert json.loads((root / "traces" / "mini_tiny" / "remat" / "result.json").read_text())["variant"] == "remat"
@@ -102,6 +111,7 @@ def test_every_variant_runs_and_a_failing_one_is_a_row(finished_sweep):
     assert "vs plain" in table and "baseline" in table
     assert ("x faster" in table or "x slower" in table) and "x memory" in table
     assert "broken: error: data.seq_len" in table
+    assert "notebook GiB" in table and "plan / notebook" in table and "fits" not in table  # no GPU target
     csv = (results_path(root).parent / "results.csv").read_text().splitlines()
     assert len(csv) == 4 and csv[0].startswith("sweep,variant,baseline,status")
 
@@ -190,6 +200,27 @@ def test_a_compiled_plan_over_the_device_memory_budget_is_oom():
     assert "source: compiled plan, the CPU compiler's plan, a proxy for a GPU's" in str(raised.value)
 
 
+def test_a_plan_that_does_not_fit_is_ok_but_the_table_says_no():
+    """Without --device-memory a target plan that does not fit stays `ok`; the table shows fits NO and why."""
+    gib = 2**30
+    plan = {"sweep": "s", "baseline": "small", "status": "ok", "plan_only": True, "compiled_backend": "cuda:a5000",
+            "plan_target": "a5000", "compiled_remat_limit_bytes": None, "notebook_peak_bytes": 4 * gib}  # fmt: skip
+    rows = [
+        {**plan, "variant": "small", "compiled_peak_bytes": 3 * gib, "plan_fits": True,
+         "compiled_triton_peak_bytes": 3 * gib, "compiled_cublas_peak_bytes": 2 * gib, "planned_over_notebook": 0.75},
+        {**plan, "variant": "big", "compiled_peak_bytes": 30 * gib, "plan_fits": False,
+         "compiled_triton_peak_bytes": 30 * gib, "compiled_cublas_peak_bytes": None,
+         "plan_fits_reason": "planned peak 32212254720 bytes > device memory 25757220864 bytes"},
+    ]  # fmt: skip
+    lines = format_table(rows, order=["small", "big"]).splitlines()
+    headers = ["variant", "status", "compile s", "peak GiB", "peak source", "triton / cublas GiB", "fits",
+               "notebook GiB", "plan / notebook", "vs small"]  # fmt: skip
+    assert [h.strip() for h in lines[0].split("  ") if h.strip()] == headers  # no step time: nothing ran
+    assert lines[1].split()[-3:] == ["4.0", "0.75", "baseline"] and "3.000 / 2.000" in lines[1]
+    assert lines[2].split()[:2] == ["big", "ok"] and " NO " in lines[2] and "30.000 / -" in lines[2]
+    assert lines[3] == "  big: does NOT fit on a5000: planned peak 32212254720 bytes > device memory 25757220864 bytes"
+
+
 def test_only_and_skip_filters():
     names = ["fp32_scan", "bf16_scan", "bf16_noscan", "bf16_remat"]
     assert select_variants(names) == names
@@ -209,11 +240,29 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         (("--config", spec, "--device-memory", "lots"), "--device-memory: 'lots' is not a positive memory size"),
         (("--config", spec, "--config.model.dtype=float32"), "config changes belong in the sweep's variants"),
         (("--config", spec, "--run_arg=--run_dir=elsewhere"), "--run_arg: '--run_dir=elsewhere' is set by the sweep"),
+        (("--config", spec, "--run_arg=--target=a5000"), "use the sweep's own --target flag"),
+        (("--config", spec, "--target", "a5000"), "--target a5000: only plans (the GPU is not here); add --plan"),
+        (("--config", spec, "--plan", "--gemm", "triton"), "--gemm triton: picks the GEMMs of a GPU target's plan"),
+        (("--config", spec, "--plan", "--target", "a6000"), "--target: unknown 'a6000'; known: a5000, a100-40gb"),
     ]:
         code, out, err = main_in_process(capsys, *args, "--output_root", str(tmp_path))
         assert code == 2 and out == ""
         assert err.startswith("jaxscale: error: ") and err.count("\n") == 1 and message in err
     assert not (tmp_path / "experiments").exists()  # nothing was run or written
+
+
+def test_notebook_peaks_must_name_variants(tmp_path):
+    text = MINI_SWEEP.replace('{"plain": 0.001}', '{"plane": 0.001}')
+    with pytest.raises(UsageError, match=r"NOTEBOOK_PEAK_GIB\['tiny'\]: 'plane' is not a variant at tiny"):
+        load_sweep(f"{write_sweep(tmp_path, text)}:tiny")
+    assert load_sweep(f"{write_sweep(tmp_path)}:cpu").notebook_peak_bytes == {}  # none given for :cpu
+
+
+def test_the_sweep_name_says_plan_and_target():
+    assert plan_suffix(False, None) == ""
+    assert plan_suffix(True, None) == "_plan"
+    assert plan_suffix(True, "a5000") == "_plan_a5000"
+    assert plan_suffix(True, "gpus/my_gpu.txtpb", "triton") == "_plan_my_gpu_triton"
 
 
 def test_a_variant_naming_an_unknown_field_is_refused(tmp_path):
@@ -234,6 +283,7 @@ def test_seed_table_defines_the_notebook_rows_at_every_preset():
         assert configs["bf16_scan_remat_block"].model.remat == ("Block",)
         assert configs["bf16_remat_1minibatch"].train.num_minibatches == 1
     assert "bf16_remat_batch256" in sweep.variant_names  # :seed is the notebook's batch 256
+    assert set(sweep.notebook_peak_bytes) == set(sweep.variant_names)  # the notebook's peaks, at :seed only
 
 
 def test_parse_bytes():
