@@ -1,8 +1,36 @@
-"""Analytic parameter and FLOP counts of the GPT (formulas stated where they are used)."""
+"""FLOPs of a train step: analytic model and hardware FLOPs, XLA's count (loop-aware), and MFU.
+
+Sources, as named in the result row:
+- analytic_*: formulas below, from the config alone.
+- compiled_*: the optimized HLO of the compiled step (XLA's cost analysis, and matmul FLOPs counted
+  with each while-loop body multiplied by its trip count, see jaxscale.hlo).
+- mfu, hfu: analytic FLOPs / measured median step time / peak FLOP/s (jaxscale.peaks).
+"""
 
 from __future__ import annotations
 
+import jax
 import ml_collections
+
+from jaxscale import hlo, peaks
+
+# Forward matmuls recomputed in the backward pass, per remat target and policy. A recomputed tensor that
+# the backward pass does not read is dropped (dead code): the output projection of Attn and the down
+# projection of MLP only feed a dropout and a residual add, whose gradients do not need them, so remat
+# of Attn or MLP alone never recomputes them; remat of the whole Block must recompute the attention
+# output (the MLP's LayerNorm reads it). Checked against the compiled HLO in tests/test_flops.py.
+RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
+    "nothing_saveable": {
+        "Attn": ("qkv", "logits", "values"),
+        "MLP": ("up",),
+        "Block": ("qkv", "logits", "values", "out", "up"),
+    },
+    "dots_saveable": {"Attn": (), "MLP": (), "Block": ()},
+    # Saves dots without batch dimensions (the four projections); the two attention einsums have batch
+    # dims (batch, heads), so they are recomputed.
+    "dots_with_no_batch_dims_saveable": {"Attn": ("logits", "values"), "MLP": (), "Block": ("logits", "values")},
+    "save_qkv_proj": {"Attn": ("logits", "values"), "MLP": ("up",), "Block": ("logits", "values", "out", "up")},
+}
 
 
 def param_count(model: ml_collections.ConfigDict) -> int:
@@ -17,6 +45,17 @@ def param_count(model: ml_collections.ConfigDict) -> int:
     return model.num_layers * per_layer + v * h + s * h + 2 * h + (h * v + v)
 
 
+def non_embedding_params(model: ml_collections.ConfigDict) -> int:
+    """N of the 6N rule: every parameter except the token and positional embeddings (gathers, no matmul)."""
+    return param_count(model) - model.vocab_size * model.hidden_size - model.max_seq_len * model.hidden_size
+
+
+def six_n_flops_per_step(config: ml_collections.ConfigDict) -> float:
+    """The 6N rule: 2N forward + 4N backward FLOPs per token (Kaplan et al. 2020), times tokens per step."""
+    tokens = config.data.batch_size * config.data.seq_len
+    return float(6 * non_embedding_params(config.model) * tokens)
+
+
 def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False) -> float:
     """Model FLOPs of one optimizer step (forward + backward), the PaLM / nanoGPT formula.
 
@@ -25,9 +64,113 @@ def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False
     term counts QK^T and AV over the full T×T square; `causal=True` halves it (the useful half).
     """
     m = config.model
-    matmul_params = param_count(m) - m.vocab_size * m.hidden_size - m.max_seq_len * m.hidden_size
     attention = 12 * m.num_layers * m.hidden_size * config.data.seq_len  # L·(H·Q)·T per token, ×12
     if causal:
         attention /= 2
     tokens = config.data.batch_size * config.data.seq_len
-    return float(tokens * (6 * matmul_params + attention))
+    return float(tokens * (6 * non_embedding_params(m) + attention))
+
+
+def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[str, float]:
+    """Forward matmul FLOPs per token of one layer, by matmul (2 FLOPs per multiply-add), and of the head.
+
+    qkv 2·H·3H, logits (QK^T) 2·T·H, values (AV) 2·T·H, out 2·H·H, up 2·H·eH, down 2·eH·H; head 2·H·V.
+    The attention terms cover the full T×T square, as the reference and 'xla' kernels compute it; a
+    causal cuDNN kernel skips the masked half, so it gets half of them.
+    """
+    m, t = config.model, config.data.seq_len
+    h, e = m.hidden_size, m.mlp_expansion
+    attention = 2 * t * h * (0.5 if m.attention == "cudnn" and m.causal else 1.0)
+    return {
+        "qkv": 6 * h * h,
+        "logits": attention,
+        "values": attention,
+        "out": 2 * h * h,
+        "up": 2 * e * h * h,
+        "down": 2 * e * h * h,
+        "head": 2 * h * m.vocab_size,
+    }
+
+
+def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
+    """Forward matmul FLOPs that remat recomputes in the backward pass (see RECOMPUTED).
+
+    Nested remat (Block together with MLP or Attn) counts the Block's recomputation plus the inner
+    module's again, as JAX's checkpoint semantics imply; XLA may merge such duplicates (it did for the
+    MLP, not for Attn, in JAX 0.10.2), so for nested sets this is an upper bound.
+    """
+    m = config.model
+    per_token = forward_matmul_flops_per_token(config)
+    policy = RECOMPUTED[m.remat_policy]
+    layer = sum(per_token[name] for target in m.remat for name in policy[target])
+    return float(config.data.batch_size * config.data.seq_len * m.num_layers * layer)
+
+
+def hardware_flops_per_step(config: ml_collections.ConfigDict) -> float:
+    """Matmul FLOPs the hardware executes: 3 × forward matmuls (forward, input and weight gradients)
+    plus the forward matmuls remat recomputes. Biases and LayerNorms are not matmuls and not counted."""
+    per_token = forward_matmul_flops_per_token(config)
+    layer = sum(v for k, v in per_token.items() if k != "head")
+    forward = config.data.batch_size * config.data.seq_len * (config.model.num_layers * layer + per_token["head"])
+    return float(3 * forward + recompute_flops_per_step(config))
+
+
+def analytic_columns(config: ml_collections.ConfigDict) -> dict[str, float]:
+    """The analytic FLOP columns of a result row (per optimizer step)."""
+    return {
+        "analytic_6n_flops_per_step": six_n_flops_per_step(config),
+        "analytic_model_flops_per_step": model_flops_per_step(config),
+        "analytic_model_flops_causal_per_step": model_flops_per_step(config, causal=True),
+        "analytic_recompute_flops_per_step": recompute_flops_per_step(config),
+        "analytic_hardware_flops_per_step": hardware_flops_per_step(config),
+    }
+
+
+def _xla_flops(compiled: jax.stages.Compiled) -> float | None:
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, list | tuple):  # older JAX returned one dict per device
+        analysis = analysis[0] if analysis else None
+    return float(analysis["flops"]) if analysis and "flops" in analysis else None
+
+
+def compiled_columns(compiled: jax.stages.Compiled, hlo_text: str | None = None) -> dict[str, object]:
+    """XLA's FLOP count beside a loop-aware recount of the compiled step's matmuls.
+
+    compiled_xla_flops_per_step is `cost_analysis()["flops"]` as XLA reports it: every while-loop body
+    counted once, so a scanned step is under-counted; compiled_xla_flops_lower_bound says when a loop
+    makes it one. compiled_matmul_flops_per_step counts each dot with its loops' trip counts (exact for
+    matmuls); compiled_xla_flops_corrected_per_step adds to XLA's figure the matmul FLOPs its loops
+    missed (non-matmul work inside loops stays counted once, so it is still slightly low).
+    """
+    text = hlo_text if hlo_text is not None else compiled.as_text()
+    count = hlo.count_matmul_flops(hlo.parse(text))
+    xla = _xla_flops(compiled)
+    missed = count.matmul_flops - count.matmul_flops_once
+    return {
+        "compiled_xla_flops_per_step": xla,
+        "compiled_xla_flops_lower_bound": count.while_loops > 0,
+        "compiled_while_loops": count.while_loops,
+        "compiled_matmul_loops": count.matmul_loops,
+        "compiled_unknown_trip_count_loops": count.unknown_trip_counts,
+        "compiled_matmul_flops_per_step": float(count.matmul_flops),
+        "compiled_xla_flops_corrected_per_step": None if xla is None else xla + missed,
+    }
+
+
+def utilization_columns(row: dict, dtype: str, device: jax.Device | None = None) -> dict[str, object]:
+    """MFU = analytic model FLOP/s / peak FLOP/s, and HFU with hardware FLOPs, from a row's median step.
+
+    On a CPU the peak is this machine's measured matmul roofline (peaks.measured_peak), so there MFU reads
+    "fraction of what a large matmul reaches here", not of a datasheet peak.
+    """
+    step_s = row.get("step_s_median")
+    peak, source = peaks.resolve_peak(dtype, device)
+    model, hardware = row.get("analytic_model_flops_per_step"), row.get("analytic_hardware_flops_per_step")
+    achieved = model / step_s if step_s and model else None
+    return {
+        "peak_flops_per_s": peak,
+        "peak_flops_source": source,
+        "achieved_model_flops_per_s": achieved,
+        "mfu": achieved / peak if achieved and peak else None,
+        "hfu": hardware / step_s / peak if step_s and hardware and peak else None,
+    }

@@ -1,11 +1,16 @@
-"""Memory figures, each named by its source: XLA's compiled plan, the device's allocator and the host."""
+"""Memory figures named by source: analytic estimate, XLA's compiled plan, the device's allocator, the host."""
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 
 import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jaxscale import flops
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
@@ -47,3 +52,174 @@ def host_peak_rss_bytes() -> int:
     """Peak resident set size of this process (getrusage; kilobytes on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Analytic estimate: bytes of named tensors, per config (see docs/measurements.md for the derivation).
+
+# Optimizer state in float32 copies of the parameters: Adam's two moments, SGD's momentum trace.
+OPTIMIZER_STATE_COPIES = {"adam": 2, "adamw": 2, "sgd": 1}
+_FLOAT32 = 4  # params, gradients, optimizer state and LayerNorm statistics are float32
+_BOOL = 1  # a dropout keep-mask element
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Sizes that activation memory depends on, for one minibatch: Korthikanti et al.'s s, b, h, a."""
+
+    b: int  # sequences per minibatch
+    s: int  # sequence length
+    h: int  # hidden size
+    a: int  # attention heads
+    e: int  # MLP expansion
+    v: int  # vocabulary
+    p: int  # bytes per activation element (compute dtype)
+    q: int  # bytes per attention-logit element (softmax dtype)
+    mask: int  # bytes per dropout-mask element: 1, or 0 without dropout
+    kernel_casts: bool  # compute dtype differs from the float32 params, so matmuls read cast copies
+    attention: str  # reference | xla | cudnn
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> Dims:
+        m, p = config.model, jnp.dtype(config.model.dtype).itemsize
+        return cls(
+            b=config.data.batch_size // config.train.num_minibatches,
+            s=config.data.seq_len,
+            h=m.hidden_size,
+            a=m.hidden_size // m.head_dim,
+            e=m.mlp_expansion,
+            v=m.vocab_size,
+            p=p,
+            q=jnp.dtype(m.softmax_dtype).itemsize,
+            mask=_BOOL if m.dropout_rate > 0 else 0,
+            kernel_casts=p != _FLOAT32,
+            attention=m.attention,
+        )
+
+
+def attention_residuals(d: Dims, scanned: bool) -> dict[str, int]:
+    """Bytes the attention sub-block keeps for its backward pass, per layer, by tensor.
+
+    Korthikanti et al. (2022), Sec. 4.1, adapted: no dropout on the attention matrix (the GPT drops out
+    only after the output projection), the softmax in its own dtype q (the reference: float32) with the
+    attention weights cast back to the compute dtype p for the AV matmul, and 1-byte dropout masks.
+    `scanned`: inside nn.scan each value JAX's autodiff saves becomes its own stacked loop output,
+    because XLA cannot fuse across the loop boundary: LayerNorm's three float32 intermediates and the
+    softmax-dtype copies of q and k stay; unrolled, XLA recomputes them inside fused kernels.
+    """
+    sbh, as2b = d.s * d.b * d.h, d.a * d.s * d.s * d.b
+    terms = {"ln_output": d.p * sbh, "attention_output": d.p * sbh, "dropout_mask": d.mask * sbh}
+    if d.attention == "cudnn":  # flash attention keeps q, k, v, the output and the log-sum-exp only
+        terms.update(qkv=3 * d.p * sbh, logsumexp=_FLOAT32 * d.a * d.s * d.b)
+    else:
+        terms.update(softmax_exp=d.q * as2b, softmax_weights=d.p * as2b)  # exp(x - max) and its normalized cast
+        q_k = d.q if d.attention == "reference" else d.p
+        terms.update(v=d.p * sbh, q_k=2 * (q_k if scanned else d.p) * sbh)
+    if scanned:
+        terms.update(ln_float32=3 * _FLOAT32 * sbh)
+        terms.update(kernel_casts=4 * d.h * d.h * d.p if d.kernel_casts else 0)
+    else:
+        terms.update(ln_input=d.p * sbh, ln_stats=2 * _FLOAT32 * d.s * d.b)
+    return terms
+
+
+def mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
+    """Bytes the MLP sub-block keeps for its backward pass, per layer, by tensor (Korthikanti's 19sbh
+    at p=2: LayerNorm input and output, GELU input, GELU output = down-projection input, dropout mask).
+    Scanned, the tanh-approximate GELU's four intermediates and LayerNorm's float32 ones are kept too."""
+    sbh = d.s * d.b * d.h
+    terms = {
+        "ln_output": d.p * sbh,
+        "up_output": d.e * d.p * sbh,
+        "gelu_output": d.e * d.p * sbh,
+        "dropout_mask": d.mask * sbh,
+    }
+    if scanned:
+        terms.update(gelu_intermediates=4 * d.e * d.p * sbh, ln_float32=3 * _FLOAT32 * sbh)
+        terms.update(kernel_casts=2 * d.e * d.h * d.h * d.p if d.kernel_casts else 0)
+    else:
+        terms.update(ln_input=d.p * sbh, ln_stats=2 * _FLOAT32 * d.s * d.b)
+    return terms
+
+
+# Outputs of dots that each remat policy keeps besides the checkpointed module's input.
+def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
+    sbh, as2b = d.s * d.b * d.h, d.a * d.s * d.s * d.b
+    projections = {"Attn": 4 * d.p * sbh, "MLP": (d.e + 1) * d.p * sbh}  # qkv + out; up + down
+    saved = {
+        "nothing_saveable": {"Attn": 0, "MLP": 0},
+        "dots_saveable": {"Attn": projections["Attn"] + d.q * as2b + d.p * sbh, "MLP": projections["MLP"]},
+        "dots_with_no_batch_dims_saveable": projections,
+        "save_qkv_proj": {"Attn": 3 * d.p * sbh, "MLP": 0},
+    }[policy]
+    return {**saved, "Block": saved["Attn"] + saved["MLP"]}
+
+
+def head_residuals(d: Dims, causal_mask: bool) -> dict[str, int]:
+    """Bytes outside the layers: token inputs, the embedding's dropout mask, the final LayerNorm, and the
+    logits (compute dtype, their float32 cast, and the float32 softmax the cross-entropy gradient reads).
+    `causal_mask`: the [b, a, s, s] boolean mask that a scan hoists out of the loop and keeps once."""
+    sbh, bsv = d.s * d.b * d.h, d.b * d.s * d.v
+    return {
+        "tokens": 2 * 4 * d.b * d.s,  # int32 inputs and labels
+        "embedding_dropout_mask": d.mask * sbh,
+        "final_ln": 2 * d.p * sbh,
+        "logits": (d.p + 2 * _FLOAT32) * bsv,
+        "causal_mask": _BOOL * d.a * d.s * d.s * d.b if causal_mask else 0,
+    }
+
+
+def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned: bool) -> tuple[int, int]:
+    """(bytes one layer keeps until its backward pass, bytes of one recomputed unit during it).
+
+    A checkpointed module keeps only its input (p·sbh) and the dot outputs its policy saves; its
+    residuals come back during the backward pass as a working set, one unit at a time, fused (XLA
+    optimizes the recompute and its backward as one region, so the fused terms apply even when scanned).
+    """
+    sbh = d.s * d.b * d.h
+    kept = {"Attn": sum(attention_residuals(d, scanned).values()), "MLP": sum(mlp_residuals(d, scanned).values())}
+    fused = {"Attn": sum(attention_residuals(d, False).values()), "MLP": sum(mlp_residuals(d, False).values())}
+    fused["Block"] = fused["Attn"] + fused["MLP"]
+    saved = _policy_saved(d, policy)
+    if "Block" in remat:
+        layer = d.p * sbh + saved["Block"]
+    else:
+        layer = sum(d.p * sbh + saved[unit] if unit in remat else kept[unit] for unit in ("Attn", "MLP"))
+    return layer, max((fused[unit] for unit in remat), default=0)
+
+
+def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
+    """Analytic peak memory of one train step, in bytes, broken down for the result row.
+
+    Peak = params + gradients + optimizer state + activations, at the start of the (last minibatch's)
+    backward pass, when every layer's saved activations are alive:
+      params: 4·N (float32).  optimizer: OPTIMIZER_STATE_COPIES × 4·N.
+      grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1
+        (scanned layers write their gradients into a stacked buffer allocated before the backward loop).
+      activations: L × per-layer bytes (layer_activation_bytes) + one recomputed unit + head_residuals;
+        with accumulate='loop' every minibatch's activations, as both XLA backends schedule the unrolled
+        minibatches' forward passes together (measured; see docs/measurements.md).
+    """
+    m, t = config.model, config.train
+    d, n = Dims.from_config(config), flops.param_count(m)
+    layer, working = layer_activation_bytes(d, tuple(m.remat), m.remat_policy, m.scan_layers)
+    causal_mask = m.scan_layers and m.causal and m.attention == "reference"
+    per_minibatch = m.num_layers * layer + sum(head_residuals(d, causal_mask).values())
+    live = t.num_minibatches if t.accumulate == "loop" else 1
+    row = {
+        "analytic_params_bytes": _FLOAT32 * n,
+        "analytic_grads_bytes": _FLOAT32 * n * (2 if t.num_minibatches > 1 else 1),
+        "analytic_optimizer_bytes": _FLOAT32 * n * OPTIMIZER_STATE_COPIES[config.optimizer.name],
+        "analytic_activation_bytes": live * per_minibatch + working,
+        "analytic_activation_per_layer_bytes": layer,
+    }
+    row["analytic_peak_bytes"] = sum(row[f"analytic_{k}_bytes"] for k in ("params", "grads", "optimizer", "activation"))
+    return row
+
+
+def analytic_columns(config: ml_collections.ConfigDict, compiled_peak_bytes: int | None) -> dict[str, object]:
+    """The analytic breakdown plus compiled_to_analytic_peak_ratio (compiled plan / analytic estimate)."""
+    row: dict[str, object] = dict(analytic_memory(config))
+    peak = row["analytic_peak_bytes"]
+    row["compiled_to_analytic_peak_ratio"] = compiled_peak_bytes / peak if compiled_peak_bytes and peak else None
+    return row

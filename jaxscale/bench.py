@@ -1,0 +1,207 @@
+"""This machine's benchmark: `python -m jaxscale.bench [--preset cpu] [--output PATH]`.
+
+In one process: the matmul roofline (float32 and bfloat16), then for each reference variant at the preset
+its step time, tokens/s and MFU as jaxscale.run measures them, the trace's time shares, and the runner's
+overhead against a bare loop around the same compiled step. Prints a markdown table and saves it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import pathlib
+import platform
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from absl import flags
+
+from jaxscale import measure, memory, peaks, run, train
+from jaxscale.cli import fail
+from jaxscale.config import PRESETS, ConfigError, validate
+
+VARIANTS = ("fp32", "bf16", "bf16_noscan", "bf16_remat", "bf16_remat_block", "bf16_remat_noaccum")
+
+
+def _flag_values() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("preset", "cpu", f"Size preset of every variant: {', '.join(PRESETS)}.", flag_values=fv)
+    flags.DEFINE_list("variants", list(VARIANTS), "Config files (configs/<name>.py) to measure.", flag_values=fv)
+    flags.DEFINE_string("configs_dir", "configs", "Directory holding the variants' config files.", flag_values=fv)
+    flags.DEFINE_integer("steps", None, "Timed steps per variant (default: the preset's train.steps).", flag_values=fv)
+    flags.DEFINE_integer("matmul_size", 2048, "Side of the square matmul of the roofline.", flag_values=fv)
+    flags.DEFINE_string(
+        "output", None, "Markdown file (default experiments/results/bench/bench_<preset>_<time>.md).", flag_values=fv
+    )
+    flags.DEFINE_string("trace_root", "traces/bench", "Where each variant's trace and ops.csv go.", flag_values=fv)
+    return fv
+
+
+def load_variant(configs_dir: str, name: str, preset: str, steps: int | None) -> ml_collections.ConfigDict:
+    """configs/<name>.py at `preset`, validated; `steps` overrides train.steps."""
+    path = pathlib.Path(configs_dir) / f"{name}.py"
+    if not path.exists():
+        raise ConfigError(f"--variants: no config file {path}")
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(preset)
+    if steps is not None:
+        config.train.steps = steps
+    validate(config)
+    return config
+
+
+def bare_step_seconds(config: ml_collections.ConfigDict, compiled, init_fn, steps: int) -> list[float]:
+    """Seconds per call of the compiled step in a loop that does nothing else (after one warm-up call)."""
+    state, metrics = jax.jit(init_fn)(), train.init_metrics()
+    batch = train.make_batch(
+        jax.random.PRNGKey(config.data.seed), config.data.batch_size, config.data.seq_len, config.model.vocab_size
+    )
+    state, metrics = jax.block_until_ready(compiled(state, metrics, batch))
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = jax.block_until_ready(compiled(state, metrics, batch))
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def runner_overhead(config: ml_collections.ConfigDict, compiled, init_fn, rounds: int = 2) -> dict[str, float]:
+    """The runner's step time against a bare loop's, in alternating rounds of half the timed steps each,
+    so that a change of load on a shared machine shifts both alike. Overhead = runner / bare median - 1."""
+    quiet = ml_collections.ConfigDict(config.to_dict())
+    steps = max(2, config.train.steps // 2)
+    quiet.train.update(steps=steps, warmup_steps=0)
+    quiet.profile.steps = 0
+    bare, runner = [], []
+    for _ in range(rounds):
+        bare += bare_step_seconds(config, compiled, init_fn, steps)
+        row: dict = {"name": "overhead", "tokens_per_step": config.data.batch_size * config.data.seq_len}
+        run.execute(quiet, compiled, init_fn, pathlib.Path("."), row, progress=False)
+        runner += row["step_s_all"]
+    bare_median, runner_median = float(np.median(bare)), float(np.median(runner))
+    return {
+        "bare_step_s_median": bare_median,
+        "runner_step_s_median": runner_median,
+        "runner_overhead": runner_median / bare_median - 1,
+    }
+
+
+def measure_variant(config: ml_collections.ConfigDict, trace_dir: pathlib.Path) -> dict:
+    """One variant as jaxscale.run measures it (timed + profiled steps, MFU, trace columns), then the
+    runner's overhead against a bare loop around the same compiled step."""
+    compiled, init_fn, _, compile_s = run.compile_step(config)
+    row = run.base_row(config, trace_dir.name, trace_dir)
+    row["compile_s"] = compile_s
+    row.update(memory.compiled_memory(compiled))
+    row.update(measure.after_compile(config, compiled, row))
+    run.execute(config, compiled, init_fn, trace_dir, row, progress=False)
+    row.update(measure.after_run(config, compiled, row))
+    row.update(runner_overhead(config, compiled, init_fn))
+    return row
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value / scale, spec)
+
+
+# (header, cell) of each column of the variants' table; `fp32` is the float32 roofline in FLOP/s.
+COLUMNS = (
+    ("variant", lambda r, fp32: r["config.name"]),
+    ("step s (median)", lambda r, fp32: _num(r["step_s_median"], ".4f")),
+    ("runner step s", lambda r, fp32: _num(r["runner_step_s_median"], ".4f")),
+    ("bare step s", lambda r, fp32: _num(r["bare_step_s_median"], ".4f")),
+    ("runner overhead", lambda r, fp32: f"{r['runner_overhead']:+.1%}"),
+    ("tokens/s", lambda r, fp32: f"{r['tokens_per_s']:,.0f}"),
+    ("model GFLOP/step", lambda r, fp32: _num(r["analytic_model_flops_per_step"], ".2f", 1e9)),
+    ("model GFLOP/s", lambda r, fp32: _num(r["achieved_model_flops_per_s"], ".1f", 1e9)),
+    ("MFU (own dtype)", lambda r, fp32: _pct(r.get("mfu"))),
+    ("of fp32 roofline", lambda r, fp32: _pct(r["achieved_model_flops_per_s"] / fp32)),
+    ("trace step s", lambda r, fp32: _num(r.get("trace_step_s"), ".4f")),
+    ("matmul", lambda r, fp32: _pct(r.get("trace_matmul_share"))),
+    ("fusion", lambda r, fp32: _pct(r.get("trace_fusion_share"))),
+    ("dyn-update-slice", lambda r, fp32: _pct(r.get("trace_dus_share"))),
+    ("copy", lambda r, fp32: _pct(r.get("trace_copy_share"))),
+    ("control flow", lambda r, fp32: _pct(r.get("trace_control_flow_share"))),
+    ("remat", lambda r, fp32: _pct(r.get("trace_remat_share"))),
+    ("compiled/analytic memory", lambda r, fp32: _num(r.get("compiled_to_analytic_peak_ratio"), ".2f")),
+)
+
+
+def markdown(rooflines: dict[str, tuple[float, str]], rows: list[dict], header: dict[str, str]) -> str:
+    """The benchmark as markdown: context, roofline table, one row per variant."""
+    fp32 = rooflines["float32"][0]
+    lines = [f"# jaxscale bench: preset `{header['preset']}`", ""]
+    lines += [f"- {key}: {value}" for key, value in header.items()]
+    lines += ["", "| matmul roofline | GFLOP/s | source |", "|---|---|---|"]
+    lines += [f"| {dtype} | {value / 1e9:.1f} | {source} |" for dtype, (value, source) in rooflines.items()]
+    lines += ["", "| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r, fp32) for _, cell in COLUMNS) + " |" for r in rows]
+    best = max(rows, key=lambda r: r["achieved_model_flops_per_s"] or 0.0)
+    lines += [
+        "",
+        f"Best: `{best['config.name']}`, {best['achieved_model_flops_per_s'] / fp32:.1%} of the fp32 matmul roofline.",
+        "MFU (own dtype) divides the analytic model FLOP/s (6N + 12·L·H·Q·T per token, full attention) by the",
+        "measured roofline of the run's compute dtype. Runner overhead = median of the runner's step times over",
+        "median of a bare loop's, in alternating rounds; 'step s' is the run's own median (timed steps).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def bench(fv: flags.FlagValues) -> str:
+    """Runs the benchmark described by the flags; returns the markdown it printed and saved."""
+    configs = [load_variant(fv.configs_dir, name, fv.preset, fv.steps) for name in fv.variants]
+    header = {
+        "preset": fv.preset,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.node()}, {os.cpu_count()} CPUs, backend {jax.default_backend()}, "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
+        "load average at start (1/5/15 min)": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+    rooflines = {dtype: peaks.measured_peak(dtype, fv.matmul_size, refresh=True) for dtype in ("float32", "bfloat16")}
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    rows = []
+    for config in configs:
+        print(f"jaxscale bench: {config.name}:{fv.preset} ...", file=sys.stderr, flush=True)
+        rows.append(measure_variant(config, pathlib.Path(fv.trace_root) / f"{config.name}_{fv.preset}_{stamp}"))
+    header["load average at end (1/5/15 min)"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    for dtype, (before, _) in list(rooflines.items()):  # the best of a measurement before and after the variants
+        after, source = peaks.measured_peak(dtype, fv.matmul_size, refresh=True)
+        rooflines[dtype] = (after, source) if after > before else rooflines[dtype]
+        if after <= before:
+            peaks.store_peak(dtype, fv.matmul_size, before)
+    return markdown(rooflines, rows, header)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    fv = _flag_values()
+    try:
+        fv(list(sys.argv if argv is None else argv))
+        if fv.preset not in PRESETS:
+            raise ConfigError(f"--preset: unknown {fv.preset!r}; allowed: {', '.join(PRESETS)}")
+        if fv.matmul_size <= 0 or (fv.steps is not None and fv.steps <= 0):
+            raise ConfigError("--matmul_size and --steps: must be positive integers")
+        text = bench(fv)
+    except (flags.Error, ConfigError) as error:
+        return fail(str(error))
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    output = pathlib.Path(fv.output or f"experiments/results/bench/bench_{fv.preset}_{stamp}.md")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    print(text)
+    print(f"saved: {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

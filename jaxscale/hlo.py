@@ -1,0 +1,249 @@
+"""Reads a compiled step's HLO text: matmul FLOPs with loop trip counts, while loops, and op categories.
+
+XLA's cost analysis counts a while-loop body once. This module walks the call graph of the optimized HLO
+(`compiled.as_text()`), multiplies each loop body by its `known_trip_count`, and counts the FLOPs of every
+dot (2 · output elements · contracted size), so a scanned step's matmul FLOPs can be counted in full.
+The same walk names what each op does (matmul, dynamic-update-slice, copy, ...) for trace analysis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
+_ARRAY = re.compile(r"^\w+\[([\d,]*)\]")
+_CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEE_LIST = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_GEMM_TARGET = re.compile(r"gemm|matmul", re.IGNORECASE)
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "collective-broadcast")
+_MOVES = {"parameter", "copy", "bitcast", "transpose", "reshape", "tuple", "get-tuple-element"}
+CATEGORIES = ("matmul", "fusion", "dynamic_update_slice", "copy", "control_flow", "collective", "other")
+
+
+@dataclasses.dataclass
+class Instruction:
+    """One HLO instruction: its name, opcode, result shape text, operand names and attribute text."""
+
+    name: str
+    opcode: str
+    shape: str
+    operands: list[str]
+    attributes: str
+
+    @property
+    def callees(self) -> list[tuple[str, str]]:
+        """(role, computation) pairs this instruction calls: calls=, body=, to_apply=, branches..."""
+        found = [(m.group(1), m.group(2)) for m in _CALLEE.finditer(self.attributes)]
+        for m in _CALLEE_LIST.finditer(self.attributes):
+            found += [(m.group(1), c.strip().lstrip("%")) for c in m.group(2).split(",") if c.strip()]
+        return found
+
+    @property
+    def op_name(self) -> str:
+        match = _OP_NAME.search(self.attributes)
+        return match.group(1) if match else ""
+
+    @property
+    def trip_count(self) -> int | None:
+        match = _TRIP_COUNT.search(self.attributes)
+        return int(match.group(1)) if match else None
+
+
+@dataclasses.dataclass
+class Module:
+    """Computations by name (each an ordered dict of instructions) and the entry computation's name."""
+
+    computations: dict[str, dict[str, Instruction]]
+    entry: str
+
+
+def _split_balanced(text: str) -> tuple[str, str]:
+    """Splits '(a, (b), c) rest' into ('a, (b), c', 'rest')."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return text[1:i], text[i + 1 :]
+    return text[1:], ""
+
+
+def _parse_instruction(name: str, text: str) -> Instruction | None:
+    if text.startswith("("):
+        inner, rest = _split_balanced(text)
+        shape = f"({inner})"
+    else:
+        shape, _, rest = text.partition(" ")
+    match = _OPCODE.match(rest)
+    if not match:
+        return None
+    operand_text, attributes = _split_balanced(rest[match.end() - 1 :])
+    operands, depth, current = [], 0, ""
+    for char in operand_text + ",":
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            if current.strip():
+                operands.append(current.strip().split(" ")[-1].lstrip("%"))
+            current = ""
+        else:
+            current += char
+    return Instruction(name, match.group(1), shape, operands, attributes)
+
+
+def parse(text: str) -> Module:
+    """Parses `compiled.as_text()` (optimized HLO) into computations of instructions."""
+    computations: dict[str, dict[str, Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            header = _HEADER.match(line)
+            current = None
+            if header and not line.startswith("HloModule"):
+                current = computations.setdefault(header.group(2), {})
+                entry = header.group(2) if header.group(1) else entry
+            continue
+        match = _INSTRUCTION.match(line)
+        if current is not None and match:
+            instruction = _parse_instruction(match.group(2), match.group(3))
+            if instruction is not None:
+                current[instruction.name] = instruction
+    return Module(computations, entry)
+
+
+def dims(shape: str) -> tuple[int, ...]:
+    """Dimensions of an array shape ('bf16[8,32]{1,0}' -> (8, 32)); a tuple shape gives its first element."""
+    match = _ARRAY.match(shape.lstrip("(").strip())
+    return tuple(int(d) for d in match.group(1).split(",") if d) if match else ()
+
+
+def _int_list(attributes: str, key: str) -> list[int]:
+    match = re.search(rf"\b{key}=\{{([\d,]*)\}}", attributes)
+    if match:
+        return [int(d) for d in match.group(1).split(",") if d]
+    match = re.search(rf'"{key}":\[([^\]]*)\]', attributes)  # GPU gemm backend_config (JSON)
+    return [int(d.strip().strip('"')) for d in match.group(1).split(",") if d.strip()] if match else []
+
+
+def is_matmul(instruction: Instruction) -> bool:
+    """A dot, a convolution, or a library GEMM custom call (cuBLAS on GPU)."""
+    if instruction.opcode in ("dot", "convolution"):
+        return True
+    target = _TARGET.search(instruction.attributes) if instruction.opcode == "custom-call" else None
+    return bool(target and _GEMM_TARGET.search(target.group(1)))
+
+
+def matmul_flops(instruction: Instruction, computation: dict[str, Instruction]) -> int:
+    """2 · output elements · contracted elements of one dot or GEMM custom call (0 for anything else).
+
+    Convolutions are not counted (the GPT has none); they are still categorised as matmul work.
+    """
+    if not is_matmul(instruction) or instruction.opcode == "convolution" or not instruction.operands:
+        return 0
+    lhs = computation.get(instruction.operands[0])
+    if lhs is None:
+        return 0
+    key = "lhs_contracting_dims" if instruction.opcode == "dot" else "lhs_contracting_dimensions"
+    lhs_dims = dims(lhs.shape)
+    contracted = math.prod(lhs_dims[i] for i in _int_list(instruction.attributes, key) if i < len(lhs_dims))
+    return 2 * math.prod(dims(instruction.shape)) * contracted
+
+
+@dataclasses.dataclass
+class LoopCount:
+    """Matmul FLOPs of a module counted with loop bodies once (as XLA's cost analysis) and in full."""
+
+    matmul_flops_once: int
+    matmul_flops: int
+    while_loops: int  # every while loop in the module
+    matmul_loops: int  # while loops whose body runs matmuls more than once
+    unknown_trip_counts: int  # while loops without a known_trip_count (their bodies counted once)
+
+
+def count_matmul_flops(module: Module) -> LoopCount:
+    """Matmul FLOPs of one execution of the module, each while body multiplied by its trip count."""
+    stats = {"while": 0, "matmul_loops": 0, "unknown": 0}
+    seen: set[str] = set()
+
+    @functools.cache
+    def total(name: str, full: bool) -> int:
+        computation = module.computations.get(name, {})
+        flops = sum(matmul_flops(i, computation) for i in computation.values())
+        for instruction in computation.values():
+            for role, callee in instruction.callees:
+                times = 1
+                if instruction.opcode == "while" and role == "body":
+                    trip = instruction.trip_count
+                    if full and instruction.name not in seen:
+                        seen.add(instruction.name)
+                        stats["while"] += 1
+                        stats["unknown"] += trip is None
+                        stats["matmul_loops"] += (trip or 1) > 1 and total(callee, False) > 0
+                    times = (trip or 1) if full else 1
+                flops += times * total(callee, full)
+        return flops
+
+    full = total(module.entry, True)
+    return LoopCount(total(module.entry, False), full, stats["while"], stats["matmul_loops"], stats["unknown"])
+
+
+def _opcodes(module: Module, name: str, memo: dict[str, set[str]]) -> set[str]:
+    """Opcodes used in a computation and everything it calls ('gemm' marks a GEMM custom call)."""
+    if name in memo:
+        return memo[name]
+    memo[name] = set()
+    found: set[str] = set()
+    for instruction in module.computations.get(name, {}).values():
+        found.add("gemm" if is_matmul(instruction) else instruction.opcode)
+        for _, callee in instruction.callees:
+            found |= _opcodes(module, callee, memo)
+    memo[name] = found
+    return found
+
+
+def category(instruction: Instruction, module: Module, memo: dict[str, set[str]]) -> str:
+    """What an executed op does, one of CATEGORIES; fusions are named by the work inside them."""
+    opcode = instruction.opcode
+    if opcode in ("while", "call", "conditional"):
+        return "control_flow"
+    inside = {"gemm" if is_matmul(instruction) else opcode}
+    if opcode == "fusion":
+        for _, callee in instruction.callees:
+            inside |= _opcodes(module, callee, memo)
+    base = {op.removesuffix("-start").removesuffix("-done") for op in inside}
+    if "gemm" in inside:
+        return "matmul"
+    if base & set(COLLECTIVES):
+        return "collective"
+    if "dynamic-update-slice" in inside:
+        return "dynamic_update_slice"
+    if opcode in ("copy", "copy-start", "copy-done") or (
+        opcode == "fusion" and inside <= _MOVES | {"fusion"} and inside & {"copy", "transpose"}
+    ):
+        return "copy"
+    return "fusion" if opcode == "fusion" else "other"
+
+
+def is_rematerialized(instruction: Instruction) -> bool:
+    """Recomputed forward work: JAX's checkpoint ('rematted_computation') or XLA's own remat ('.remat')."""
+    return "rematted_computation" in instruction.op_name or ".remat" in instruction.name
+
+
+def op_table(module: Module) -> dict[str, tuple[str, bool]]:
+    """instruction name -> (category, rematerialized) for every instruction outside fused computations."""
+    memo: dict[str, set[str]] = {}
+    fused = {c for comp in module.computations.values() for i in comp.values() for r, c in i.callees if r == "calls"}
+    table = {}
+    for name, computation in module.computations.items():
+        if name in fused:
+            continue
+        for instruction in computation.values():
+            table[instruction.name] = (category(instruction, module, memo), is_rematerialized(instruction))
+    return table

@@ -1,0 +1,82 @@
+"""The measurement columns of a result row: FLOPs and memory estimates beside XLA's, MFU, trace summary.
+
+jaxscale.run calls `after_compile` once the step is compiled (also for --plan) and `after_run` after the
+timed and profiled steps; each returns columns to merge into the row.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pathlib
+
+import jax
+import ml_collections
+
+from jaxscale import flops, memory, traces
+
+
+def after_compile(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled | None, row: dict) -> dict:
+    """Analytic FLOPs and memory, XLA's (loop-aware) FLOP count, and compiled/analytic peak ratio.
+
+    `compiled` is None for a GPU target's plan (compiled in a child process): the ratio then compares the
+    estimate with that plan, and the compiled FLOP columns are left out.
+    """
+    return {
+        **flops.analytic_columns(config),
+        **(flops.compiled_columns(compiled) if compiled is not None else {}),
+        **memory.analytic_columns(config, row.get("compiled_peak_bytes")),
+    }
+
+
+def after_run(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled, row: dict) -> dict:
+    """MFU / HFU from the median step, device/analytic peak ratio, and the trace's summary columns.
+
+    A trace that cannot be analysed does not fail the run: the row gets trace_analysis_error instead.
+    """
+    columns = flops.utilization_columns(row, config.model.dtype)
+    device_peak, _ = memory.device_peak_bytes()
+    analytic = row.get("analytic_peak_bytes")
+    columns["device_to_analytic_peak_ratio"] = device_peak / analytic if device_peak and analytic else None
+    if row.get("trace_dir"):
+        trace_dir = pathlib.Path(row["trace_dir"])
+        try:
+            text = compiled.as_text()
+            with gzip.open(trace_dir / traces.HLO_FILE, "wt") as handle:
+                handle.write(text)
+            summary, _ = traces.analyze(trace_dir, text)
+            columns.update(summary)
+        except Exception as error:  # noqa: BLE001 - any reader failure is reported in the row, not raised
+            columns["trace_analysis_error"] = f"{type(error).__name__}: {error}"[:300]
+    return columns
+
+
+def _fmt(value: float | None, scale: float = 1.0, spec: str = ".3g") -> str:
+    return "n/a" if value is None else format(value / scale, spec)
+
+
+def summary_lines(row: dict) -> list[str]:
+    """Human-readable lines for jaxscale.run's summary: FLOPs, MFU, analytic memory, trace shares."""
+    lines = []
+    if row.get("analytic_model_flops_per_step") is not None:
+        xla = row.get("compiled_xla_flops_per_step")
+        bound = " (lower bound: loops counted once)" if row.get("compiled_xla_flops_lower_bound") else ""
+        lines.append(
+            f"  FLOPs/step: model {_fmt(row['analytic_model_flops_per_step'], 1e9)} G, hardware "
+            f"{_fmt(row.get('analytic_hardware_flops_per_step'), 1e9)} G (analytic); compiled matmuls "
+            f"{_fmt(row.get('compiled_matmul_flops_per_step'), 1e9)} G; XLA {_fmt(xla, 1e9)} G{bound}"
+        )
+        lines.append(
+            f"  analytic peak {_fmt(row.get('analytic_peak_bytes'), 2**30, '.3f')} GiB; compiled/analytic "
+            f"{_fmt(row.get('compiled_to_analytic_peak_ratio'), 1, '.2f')}"
+        )
+    if row.get("mfu") is not None:
+        lines.append(
+            f"  MFU {row['mfu']:.1%}  HFU {_fmt(row.get('hfu'), 0.01, '.1f')}%  (peak: {row['peak_flops_source']})"
+        )
+    if row.get("trace_step_s") is not None:
+        lines.append(
+            f"  trace: step {row['trace_step_s']:.4f} s; matmul {row['trace_matmul_share']:.0%}, fusion "
+            f"{row['trace_fusion_share']:.0%}, dynamic-update-slice {row['trace_dus_share']:.0%}, copy "
+            f"{row['trace_copy_share']:.0%}, remat {_fmt(row.get('trace_remat_share'), 0.01, '.0f')}%"
+        )
+    return lines

@@ -1,0 +1,268 @@
+"""Trace analysis: device time per annotated step, top ops and time shares by category, from a captured trace.
+
+Reads the `*.xplane.pb` that jax.profiler wrote with `jax.profiler.ProfileData` (offline, no protobuf
+parsing here). Every XLA op event carries its HLO instruction name (`hlo_op`), so with the compiled
+step's HLO text (jaxscale.hlo) each op is put in a category and marked when it is recomputed by remat;
+without it, categories fall back to the op's name and the remat share is null.
+CLI: `python -m jaxscale.traces RUN_DIR [--top N]` prints the summary and top ops, writes RUN_DIR/ops.csv.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import dataclasses
+import gzip
+import pathlib
+import re
+import statistics
+import sys
+
+from jax.profiler import ProfileData
+
+from jaxscale import hlo
+
+_CONTAINER = re.compile(r"^(while|call|conditional)\b")
+STEP_ANNOTATION = "train"  # name of the StepTraceAnnotation that jaxscale.profiling puts around each step
+HLO_FILE = "step.hlo.txt.gz"  # the compiled step's HLO text, which jaxscale.run keeps beside the trace
+
+
+@dataclasses.dataclass
+class OpEvent:
+    """One executed XLA op: HLO instruction name, start and duration, time not spent in nested ops."""
+
+    name: str
+    start_ns: float
+    duration_ns: float
+    self_ns: float
+    run_id: int | None
+
+
+def trace_file(trace_dir: pathlib.Path) -> pathlib.Path:
+    """The newest `plugins/profile/<timestamp>/*.xplane.pb` under trace_dir."""
+    files = sorted(pathlib.Path(trace_dir).glob("plugins/profile/*/*.xplane.pb"))
+    if not files:
+        raise FileNotFoundError(f"no plugins/profile/*/*.xplane.pb under {trace_dir}")
+    return files[-1]
+
+
+def _with_self_time(events: list[tuple[str, float, float, int | None]]) -> list[OpEvent]:
+    """Self time of nested events on one thread: a while op contains its body's ops, a call its callee's."""
+    ops: list[OpEvent] = []
+    stack: list[OpEvent] = []
+    for name, start, duration, run_id in sorted(events, key=lambda e: (e[1], -e[2])):
+        while stack and start >= stack[-1].start_ns + stack[-1].duration_ns:
+            stack.pop()
+        op = OpEvent(name, start, duration, duration, run_id)
+        if stack:
+            stack[-1].self_ns -= duration
+        stack.append(op)
+        ops.append(op)
+    return ops
+
+
+def _line_events(line, named_by_line: bool) -> list[tuple[str, float, float, int | None]]:
+    found = []
+    for event in line.events:
+        stats = dict(event.stats)
+        if "hlo_op" in stats or named_by_line:
+            run_id = stats.get("run_id")
+            found.append((str(stats.get("hlo_op", event.name)), event.start_ns, event.duration_ns, run_id))
+    return found
+
+
+def read_trace(path: pathlib.Path) -> tuple[list[OpEvent], list[tuple[float, float]], list[tuple[int, float]]]:
+    """(XLA op events, executions as (start_ns, end_ns), annotated steps as (step_num, start_ns)) of a trace.
+
+    Ops come from the device planes (GPU/TPU: the 'XLA Ops' lines) when they have any, else from the
+    host threads that ran XLA's CPU executable (events with an `hlo_op` stat). An execution of a
+    compiled program is an event of a device's 'XLA Modules' line, or else the span of the ops that
+    share a run_id.
+    """
+    profile = ProfileData.from_file(str(path))
+    device_ops, host_ops, modules, steps = [], [], [], []
+    for plane in profile.planes:
+        for line in plane.lines:
+            if plane.name.startswith("/device:"):
+                device_ops += _with_self_time(_line_events(line, named_by_line=line.name == "XLA Ops"))
+                if line.name == "XLA Modules":
+                    modules += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+            elif plane.name.startswith("/host:"):
+                host_ops += _with_self_time(_line_events(line, named_by_line=False))
+                steps += [
+                    (int(dict(e.stats).get("step_num", -1)), e.start_ns)
+                    for e in line.events
+                    if e.name == STEP_ANNOTATION
+                ]
+    ops = _container_self_time(device_ops or host_ops)
+    return ops, sorted(modules) or _executions_by_run_id(ops), sorted(steps, key=lambda s: s[1])
+
+
+def _container_self_time(ops: list[OpEvent]) -> list[OpEvent]:
+    """Self time of while/call/conditional ops: the part of their span that no other op of the same
+    execution covers, on any thread (a CPU loop hands its body's ops to a thread pool and waits)."""
+    by_run: dict[object, list[OpEvent]] = collections.defaultdict(list)
+    for op in ops:
+        by_run[op.run_id].append(op)
+    for members in by_run.values():
+        for container in (op for op in members if _CONTAINER.match(op.name)):
+            begin, end = container.start_ns, container.start_ns + container.duration_ns
+            inside = sorted(
+                (max(op.start_ns, begin), min(op.start_ns + op.duration_ns, end))
+                for op in members
+                if op is not container and op.start_ns < end and op.start_ns + op.duration_ns > begin
+            )
+            covered, reach = 0.0, begin
+            for lo, hi in inside:
+                covered += max(0.0, hi - max(lo, reach))
+                reach = max(reach, hi)
+            container.self_ns = max(0.0, container.duration_ns - covered)
+    return ops
+
+
+def _executions_by_run_id(ops: list[OpEvent]) -> list[tuple[float, float]]:
+    runs: dict[int, list[float]] = {}
+    for op in ops:
+        if op.run_id is not None:
+            span = runs.setdefault(op.run_id, [op.start_ns, op.start_ns + op.duration_ns])
+            span[0], span[1] = min(span[0], op.start_ns), max(span[1], op.start_ns + op.duration_ns)
+    return sorted((start, end) for start, end in runs.values())
+
+
+def step_times(executions: list[tuple[float, float]], steps: list[tuple[int, float]]) -> dict[int, float]:
+    """Device seconds per annotated step: the summed spans of the executions each step launched.
+
+    Dispatch is asynchronous, so an execution can start after its step's annotation has closed; the
+    executions after the first annotation are therefore dealt to the steps in order, evenly when their
+    number is a multiple of the steps' (one jitted step per annotation), else each to the latest
+    annotation that began before it.
+    """
+    if not steps:
+        return {}
+    launched = [e for e in executions if e[0] >= steps[0][1]]
+    seconds: dict[int, float] = collections.defaultdict(float)
+    per_step, remainder = divmod(len(launched), len(steps))
+    for index, (start, end) in enumerate(launched):
+        if remainder == 0:
+            step = steps[index // per_step][0]
+        else:
+            step = [number for number, begin in steps if begin <= start][-1]
+        seconds[step] += (end - start) / 1e9
+    return dict(seconds)
+
+
+def _name_category(name: str) -> str:
+    """Category from the op's name alone (no HLO at hand): XLA names fusions after what they contain."""
+    rules = (
+        ("control_flow", r"^(while|call|conditional)\b"),
+        ("collective", "|".join(hlo.COLLECTIVES)),
+        ("matmul", r"dot|gemm|matmul|convolution"),
+        ("dynamic_update_slice", r"dynamic-update-slice"),
+        ("copy", r"^copy|transpose"),
+        ("fusion", r"fusion|^wrapped_"),
+    )
+    return next((category for category, pattern in rules if re.search(pattern, name)), "other")
+
+
+def op_table(ops: list[OpEvent], num_steps: int, hlo_text: str | None) -> list[dict[str, object]]:
+    """Per-op rows (name, category, rematerialized, count, self seconds per step, share), largest first."""
+    table = hlo.op_table(hlo.parse(hlo_text)) if hlo_text else {}
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for op in ops:
+        totals[op.name][0] += 1
+        totals[op.name][1] += op.self_ns / 1e9
+    everything = sum(total for _, total in totals.values()) or 1.0
+    rows = []
+    for name, (count, total) in totals.items():
+        category, remat = table.get(name, (_name_category(name), None))
+        rows.append(
+            {
+                "op": name,
+                "category": category,
+                "rematerialized": remat,
+                "occurrences_per_step": count / max(num_steps, 1),
+                "self_s_per_step": total / max(num_steps, 1),
+                "share": total / everything,
+            }
+        )
+    return sorted(rows, key=lambda r: -r["self_s_per_step"])
+
+
+def write_ops_csv(path: pathlib.Path, rows: list[dict[str, object]]) -> None:
+    """Writes the per-op table as CSV (one row per HLO op, largest self time first)."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["op"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def summarize(rows: list[dict[str, object]], step_seconds: dict[int, float]) -> dict[str, object]:
+    """Result-row columns: median step time, op time per step, category and remat shares, top op."""
+    shares = {category: 0.0 for category in hlo.CATEGORIES}
+    for row in rows:
+        shares[row["category"]] += row["share"]
+    known = [r for r in rows if r["rematerialized"] is not None]
+    summary: dict[str, object] = {
+        "trace_steps": len(step_seconds),
+        "trace_step_s": statistics.median(step_seconds.values()) if step_seconds else None,
+        "trace_op_s_per_step": sum(r["self_s_per_step"] for r in rows),
+        **{f"trace_{'dus' if c == 'dynamic_update_slice' else c}_share": s for c, s in shares.items()},
+        "trace_remat_share": sum(r["share"] for r in known if r["rematerialized"]) if known else None,
+        "trace_top_op": rows[0]["op"] if rows else None,
+    }
+    return summary
+
+
+def analyze(
+    trace_dir: pathlib.Path, hlo_text: str | None = None, write_csv: bool = True
+) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """Reads the trace under trace_dir; returns (summary columns, per-op rows) and writes trace_dir/ops.csv.
+
+    Args:
+      trace_dir: a run directory holding plugins/profile/<timestamp>/*.xplane.pb.
+      hlo_text: the compiled step's `as_text()`, for categories and the remat share (optional).
+      write_csv: write ops.csv beside the trace.
+    """
+    ops, executions, steps = read_trace(trace_file(trace_dir))
+    step_seconds = step_times(executions, steps)
+    rows = op_table(ops, len(step_seconds) or 1, hlo_text)
+    summary = summarize(rows, step_seconds)
+    if write_csv:
+        path = pathlib.Path(trace_dir) / "ops.csv"
+        write_ops_csv(path, rows)
+        summary["trace_ops_csv"] = str(path)
+    return summary, rows
+
+
+def main(argv: list[str]) -> int:
+    """`python -m jaxscale.traces RUN_DIR [--top N]`: summary, top ops and ops.csv of a captured trace."""
+    args = argv[1:]
+    top = 15
+    if "--top" in args:
+        index = args.index("--top")
+        top = int(args[index + 1])
+        del args[index : index + 2]
+    if len(args) != 1:
+        print("jaxscale: error: usage: python -m jaxscale.traces RUN_DIR [--top N]", file=sys.stderr)
+        return 2
+    run_dir = pathlib.Path(args[0])
+    hlo_path = run_dir / HLO_FILE
+    try:
+        hlo_text = gzip.decompress(hlo_path.read_bytes()).decode() if hlo_path.exists() else None
+        summary, rows = analyze(run_dir, hlo_text)
+    except FileNotFoundError as error:
+        print(f"jaxscale: error: RUN_DIR: {error}", file=sys.stderr)
+        return 2
+    for key, value in summary.items():
+        print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"\n{'op':48s} {'category':22s} {'remat':>5s} {'ms/step':>9s} {'share':>6s}")
+    for row in rows[:top]:
+        print(
+            f"{row['op'][:48]:48s} {row['category']:22s} {str(row['rematerialized'])[:5]:>5s} "
+            f"{row['self_s_per_step'] * 1e3:9.3f} {row['share']:6.1%}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,64 @@
+"""jaxscale.flops: analytic model and hardware FLOPs against XLA's count and the compiled matmuls."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import load_config
+
+from jaxscale import flops, hlo, run
+
+
+def _columns(config) -> tuple[dict, dict, str]:
+    compiled, *_ = run.compile_step(config)
+    text = compiled.as_text()
+    return flops.analytic_columns(config), flops.compiled_columns(compiled, text), text
+
+
+def test_formulas_at_the_reference_scale():
+    config = load_config("bf16", "seed")
+    m, tokens = config.model, 64 * 512
+    assert flops.param_count(m) == 155_877_376  # the notebook's parameter count
+    six_n = flops.six_n_flops_per_step(config)
+    attention = 12 * m.num_layers * m.hidden_size * config.data.seq_len * tokens  # 12·L·H·Q·T per token
+    assert flops.model_flops_per_step(config) == pytest.approx(six_n + attention)
+    assert flops.model_flops_per_step(config, causal=True) == pytest.approx(six_n + attention / 2)
+    assert flops.recompute_flops_per_step(config) == 0  # no remat
+
+
+def test_unrolled_step_xla_count_agrees_with_analytic():
+    config = load_config("bf16_noscan")  # no scanned layers, minibatches in an unrolled loop
+    config.train.accumulate = "loop"
+    config.model.update(hidden_size=512, head_dim=128, dropout_rate=0.0)  # matmuls dominate, as at scale
+    analytic, compiled, _ = _columns(config)
+    assert compiled["compiled_matmul_loops"] == 0
+    xla = compiled["compiled_xla_flops_per_step"]
+    assert xla == pytest.approx(analytic["analytic_model_flops_per_step"], rel=0.05)
+    assert compiled["compiled_matmul_flops_per_step"] == pytest.approx(analytic["analytic_hardware_flops_per_step"])
+
+
+@pytest.mark.parametrize(
+    "remat, policy",
+    [(("MLP", "Attn"), "nothing_saveable"), (("Block",), "nothing_saveable"), (("MLP", "Attn"), "save_qkv_proj")],
+)
+def test_scanned_step_loop_undercount_is_flagged_and_remat_recompute_is_counted(remat, policy):
+    config = load_config("bf16_remat")  # layers and minibatches scanned
+    config.model.update(remat=remat, remat_policy=policy, dropout_rate=0.0)
+    analytic, compiled, text = _columns(config)
+    hardware = analytic["analytic_hardware_flops_per_step"]
+    assert analytic["analytic_recompute_flops_per_step"] > 0
+    assert compiled["compiled_xla_flops_lower_bound"] and compiled["compiled_matmul_loops"] >= 2
+    assert compiled["compiled_xla_flops_per_step"] < 0.6 * hardware  # XLA counts each loop body once
+    assert compiled["compiled_matmul_flops_per_step"] == pytest.approx(hardware)  # every dot, trip counts applied
+    assert compiled["compiled_xla_flops_corrected_per_step"] >= compiled["compiled_matmul_flops_per_step"]
+    recomputed = [name for name, (category, remat) in hlo.op_table(hlo.parse(text)).items() if remat]
+    assert recomputed  # the trace analysis can tell recomputed ops from the others
+
+
+def test_mfu_divides_model_flops_per_second_by_the_peak(monkeypatch):
+    monkeypatch.setattr(flops.peaks, "resolve_peak", lambda dtype, device=None: (1e12, "test peak"))
+    row = {"step_s_median": 0.5, "analytic_model_flops_per_step": 2e11, "analytic_hardware_flops_per_step": 3e11}
+    columns = flops.utilization_columns(row, "bfloat16")
+    assert columns["mfu"] == pytest.approx(0.4) and columns["hfu"] == pytest.approx(0.6)
+    assert columns["peak_flops_source"] == "test peak"
+    monkeypatch.setattr(flops.peaks, "resolve_peak", lambda dtype, device=None: (None, "unknown device"))
+    assert flops.utilization_columns(row, "bfloat16")["mfu"] is None  # never divided by a guessed peak
