@@ -168,7 +168,11 @@ class LoopCount:
 
 
 def count_matmul_flops(module: Module) -> LoopCount:
-    """Matmul FLOPs of one execution of the module, each while body multiplied by its trip count."""
+    """Matmul FLOPs of one execution of the module, each while body multiplied by its trip count.
+
+    A loop without a known_trip_count is counted once (and reported); every branch of a conditional is
+    counted, an upper bound where branches differ (the GPT step has none).
+    """
     stats = {"while": 0, "matmul_loops": 0, "unknown": 0}
     seen: set[str] = set()
 

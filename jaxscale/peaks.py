@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import time
 import warnings
 
@@ -24,37 +25,42 @@ import jax.numpy as jnp
 class Peak:
     """Dense matmul peaks of one accelerator in FLOP/s (None where no figure is published)."""
 
-    match: tuple[str, ...]  # lower-case substrings that device_kind must all contain
+    pattern: str  # regular expression that the lower-cased device_kind must match (re.search)
     bfloat16: float | None
     float16: float | None
     tf32: float | None  # NVIDIA TensorFloat-32 tensor cores (what XLA uses for float32 dots by default)
     float32: float | None  # full-precision float32 (CUDA cores on NVIDIA)
     source: str
 
+    @property
+    def is_tpu(self) -> bool:
+        return self.pattern.startswith("^tpu")
+
 
 _NV = "NVIDIA datasheet"
-# Most specific first: the first entry whose substrings all occur in device_kind wins.
+_TPU = "Google Cloud TPU docs (system architecture)"
+# Most specific first: the first entry whose pattern matches device_kind wins. Word boundaries keep an
+# L40S from reading as an L4; unknown kinds (GH200, TPU v4 lite, ...) match nothing and get no peak.
 PEAKS: tuple[Peak, ...] = (
-    Peak(("h100", "pcie"), 756.5e12, 756.5e12, 378e12, 51.2e12, f"{_NV}, H100 PCIe (sparse figures / 2)"),
-    Peak(("h100", "nvl"), 835.5e12, 835.5e12, 417.5e12, 60e12, f"{_NV}, H100 NVL (sparse figures / 2)"),
-    Peak(("h100",), 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H100 SXM5 (sparse figures / 2)"),
-    Peak(("h200", "nvl"), 835.5e12, 835.5e12, 417.5e12, 60e12, f"{_NV}, H200 NVL (sparse figures / 2)"),
-    Peak(("h200",), 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H200 SXM (sparse figures / 2)"),
-    Peak(("a100",), 312e12, 312e12, 156e12, 19.5e12, f"{_NV}, A100 SXM4/PCIe (dense figures)"),
+    Peak(r"\bh100\b.*\bpcie\b", 756.5e12, 756.5e12, 378e12, 51.2e12, f"{_NV}, H100 PCIe (sparse figures / 2)"),
+    Peak(r"\bh100\b.*\bnvl\b", 835.5e12, 835.5e12, 417.5e12, 60e12, f"{_NV}, H100 NVL (sparse figures / 2)"),
+    Peak(r"\bh100\b", 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H100 SXM5 (sparse figures / 2)"),
+    Peak(r"\bh200\b.*\bnvl\b", 835.5e12, 835.5e12, 417.5e12, 60e12, f"{_NV}, H200 NVL (sparse figures / 2)"),
+    Peak(r"\bh200\b", 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H200 SXM (sparse figures / 2)"),
+    Peak(r"\ba100\b", 312e12, 312e12, 156e12, 19.5e12, f"{_NV}, A100 SXM4/PCIe (dense figures)"),
     Peak(
-        ("a5000",),
+        r"\ba5000\b",
         111.1e12,
         111.1e12,
         55.6e12,
         27.8e12,
         f"{_NV}, RTX A5000: 222.2 TFLOPS tensor (sparse) / 2; TF32 at half the FP16 tensor rate (GA102)",
     ),
-    Peak(("l4",), 121e12, 121e12, 60e12, 30.3e12, f"{_NV}, L4 (sparse figures / 2)"),
-    Peak(("tpu v4",), 275e12, None, None, None, "Google Cloud TPU docs, v4: 275 TFLOPS bf16 per chip"),
-    Peak(("tpu v5 lite",), 197e12, None, None, None, "Google Cloud TPU docs, v5e: 197 TFLOPS bf16 per chip"),
-    Peak(("tpu v5e",), 197e12, None, None, None, "Google Cloud TPU docs, v5e: 197 TFLOPS bf16 per chip"),
-    Peak(("tpu v5",), 459e12, None, None, None, "Google Cloud TPU docs, v5p: 459 TFLOPS bf16 per chip"),
-    Peak(("tpu v6",), 918e12, None, None, None, "Google Cloud TPU docs, v6e: 918 TFLOPS bf16 per chip"),
+    Peak(r"\bl4\b", 121e12, 121e12, 60e12, 30.3e12, f"{_NV}, L4 (sparse figures / 2)"),
+    Peak(r"^tpu v4$", 275e12, None, None, None, f"{_TPU}, v4: 275 TFLOPS bf16 per chip"),
+    Peak(r"^tpu v5( lite|e)$", 197e12, None, None, None, f"{_TPU}, v5e: 197 TFLOPS bf16 per chip"),
+    Peak(r"^tpu v5p?$", 459e12, None, None, None, f"{_TPU}, v5p: 459 TFLOPS bf16 per chip"),
+    Peak(r"^tpu v6( lite|e)$", 918e12, None, None, None, f"{_TPU}, v6e: 918 TFLOPS bf16 per chip"),
 )
 
 _FULL_FP32_PRECISIONS = ("highest", "float32", "fp32")
@@ -62,8 +68,8 @@ _FULL_FP32_PRECISIONS = ("highest", "float32", "fp32")
 
 def find_peak(device_kind: str) -> Peak | None:
     """The table entry for a jax Device.device_kind (e.g. 'NVIDIA H100 80GB HBM3', 'TPU v5 lite'), or None."""
-    kind = device_kind.lower()
-    return next((p for p in PEAKS if all(s in kind for s in p.match)), None)
+    kind = device_kind.strip().lower()
+    return next((p for p in PEAKS if re.search(p.pattern, kind)), None)
 
 
 def peak_flops(device_kind: str, dtype: str, precision: str | None = None) -> tuple[float | None, str]:
@@ -83,7 +89,7 @@ def peak_flops(device_kind: str, dtype: str, precision: str | None = None) -> tu
     if peak is None:
         return None, f"no datasheet peak for device_kind {device_kind!r}"
     full = (precision or "").lower() in _FULL_FP32_PRECISIONS
-    if dtype == "float32" and "tpu" in peak.match[0]:
+    if dtype == "float32" and peak.is_tpu:
         if full:
             return None, f"{peak.source}; no published full-precision float32 peak"
         return peak.bfloat16, f"{peak.source}; float32 dots run as one bfloat16 pass at DEFAULT precision"
@@ -143,7 +149,7 @@ def measured_peak(dtype: str, size: int = 2048, refresh: bool = False) -> tuple[
     if refresh or key not in cache:
         cache = store_peak(dtype, size, measure_matmul_flops(dtype, size))
     entry = cache[key]
-    source = f"measured: jitted {size}x{size} {dtype} matmul, best of 5, {entry['measured_at']} (cache {path})"
+    source = f"measured: jitted {size}x{size} {dtype} matmul, best of >=5 runs, {entry['measured_at']} (cache {path})"
     return float(entry["flops_per_s"]), source
 
 

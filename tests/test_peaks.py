@@ -22,6 +22,8 @@ from jaxscale import peaks
         ("TPU v4", "bfloat16", 275e12),
         ("TPU v5 lite", "bfloat16", 197e12),
         ("TPU v5", "bfloat16", 459e12),
+        ("TPU v5p", "bfloat16", 459e12),
+        ("TPU v6 lite", "bfloat16", 918e12),
         ("NVIDIA A100-PCIE-40GB", "float32", 156e12),  # TF32 tensor cores at XLA's default precision
     ],
 )
@@ -36,6 +38,8 @@ def test_full_precision_float32_and_unknown_devices():
     assert peaks.peak_flops("TPU v4", "float32", precision="highest")[0] is None
     value, source = peaks.peak_flops("Some Future Accelerator", "bfloat16")
     assert value is None and "no datasheet peak" in source
+    for lookalike in ("NVIDIA L40S", "TPU v4 lite", "NVIDIA GH200 480GB"):  # not in the table: no borrowed peak
+        assert peaks.peak_flops(lookalike, "bfloat16")[0] is None, lookalike
     assert peaks.peak_flops("cpu", "float32")[0] is None  # a CPU gets a measured roofline instead
 
 
