@@ -7,8 +7,10 @@ overhead against a bare loop around the same compiled step. Prints a markdown ta
 
 from __future__ import annotations
 
+import ast
 import datetime
 import importlib.util
+import json
 import os
 import pathlib
 import platform
@@ -35,6 +37,9 @@ def _flag_values() -> flags.FlagValues:
     flags.DEFINE_string("configs_dir", "configs", "Directory holding the variants' config files.", flag_values=fv)
     flags.DEFINE_integer("steps", None, "Timed steps per variant (default: the preset's train.steps).", flag_values=fv)
     flags.DEFINE_integer("matmul_size", 2048, "Side of the square matmul of the roofline.", flag_values=fv)
+    flags.DEFINE_list(
+        "set", [], "Overrides for every variant, e.g. model.hidden_size=512,data.batch_size=8.", flag_values=fv
+    )
     flags.DEFINE_string(
         "output", None, "Markdown file (default experiments/results/bench/bench_<preset>_<time>.md).", flag_values=fv
     )
@@ -42,8 +47,30 @@ def _flag_values() -> flags.FlagValues:
     return fv
 
 
-def load_variant(configs_dir: str, name: str, preset: str, steps: int | None) -> ml_collections.ConfigDict:
-    """configs/<name>.py at `preset`, validated; `steps` overrides train.steps."""
+def _override(config: ml_collections.ConfigDict, assignment: str) -> None:
+    """Applies one `group.field=value` (value parsed as a Python literal, else kept as a string)."""
+    field, _, text = assignment.partition("=")
+    group, _, key = field.partition(".")
+    if (
+        not text
+        or group not in config
+        or not isinstance(config[group], ml_collections.ConfigDict)
+        or key not in config[group]
+    ):
+        raise ConfigError(
+            f"--set: {assignment!r} must be group.field=value with an existing field, e.g. model.hidden_size=512"
+        )
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    config[group][key] = value
+
+
+def load_variant(
+    configs_dir: str, name: str, preset: str, steps: int | None, overrides: Sequence[str] = ()
+) -> ml_collections.ConfigDict:
+    """configs/<name>.py at `preset` with `overrides` applied, validated; `steps` overrides train.steps."""
     path = pathlib.Path(configs_dir) / f"{name}.py"
     if not path.exists():
         raise ConfigError(f"--variants: no config file {path}")
@@ -53,6 +80,8 @@ def load_variant(configs_dir: str, name: str, preset: str, steps: int | None) ->
     config = module.get_config(preset)
     if steps is not None:
         config.train.steps = steps
+    for assignment in overrides:
+        _override(config, assignment)
     validate(config)
     return config
 
@@ -116,47 +145,52 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return _pct(numerator / denominator) if numerator and denominator else "n/a"
+
+
 def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "n/a" if value is None else format(value / scale, spec)
 
 
-# (header, cell) of each column of the variants' table; `fp32` is the float32 roofline in FLOP/s.
+# (header, cell) of each column of the variants' table; `roof` maps a dtype to its best roofline (FLOP/s).
 COLUMNS = (
-    ("variant", lambda r, fp32: r["config.name"]),
-    ("step s (median)", lambda r, fp32: _num(r["step_s_median"], ".4f")),
-    ("runner step s", lambda r, fp32: _num(r["runner_step_s_median"], ".4f")),
-    ("bare step s", lambda r, fp32: _num(r["bare_step_s_median"], ".4f")),
-    ("runner overhead", lambda r, fp32: f"{r['runner_overhead']:+.1%}"),
-    ("tokens/s", lambda r, fp32: f"{r['tokens_per_s']:,.0f}"),
-    ("model GFLOP/step", lambda r, fp32: _num(r["analytic_model_flops_per_step"], ".2f", 1e9)),
-    ("model GFLOP/s", lambda r, fp32: _num(r["achieved_model_flops_per_s"], ".1f", 1e9)),
-    ("MFU (own dtype)", lambda r, fp32: _pct(r.get("mfu"))),
-    ("of fp32 roofline", lambda r, fp32: _pct(r["achieved_model_flops_per_s"] / fp32)),
-    ("adjacent fp32 roofline GFLOP/s", lambda r, fp32: _num(r["adjacent_fp32_roofline_flops_per_s"], ".1f", 1e9)),
+    ("variant", lambda r, roof: r["config.name"]),
+    ("step s (median)", lambda r, roof: _num(r["step_s_median"], ".4f")),
+    ("runner step s", lambda r, roof: _num(r["runner_step_s_median"], ".4f")),
+    ("bare step s", lambda r, roof: _num(r["bare_step_s_median"], ".4f")),
+    ("runner overhead", lambda r, roof: f"{r['runner_overhead']:+.1%}"),
+    ("tokens/s", lambda r, roof: f"{r['tokens_per_s']:,.0f}"),
+    ("model GFLOP/step", lambda r, roof: _num(r["analytic_model_flops_per_step"], ".2f", 1e9)),
+    ("model GFLOP/s", lambda r, roof: _num(r["achieved_model_flops_per_s"], ".1f", 1e9)),
+    ("MFU (own dtype)", lambda r, roof: _ratio(r["achieved_model_flops_per_s"], roof.get(r["config.model.dtype"]))),
+    ("of fp32 roofline", lambda r, roof: _ratio(r["achieved_model_flops_per_s"], roof["float32"])),
+    ("adjacent fp32 roofline GFLOP/s", lambda r, roof: _num(r["adjacent_fp32_roofline_flops_per_s"], ".1f", 1e9)),
     (
         "of adjacent roofline",
-        lambda r, fp32: _pct(r["achieved_model_flops_per_s"] / r["adjacent_fp32_roofline_flops_per_s"]),
+        lambda r, roof: _pct(r["achieved_model_flops_per_s"] / r["adjacent_fp32_roofline_flops_per_s"]),
     ),
-    ("trace step s", lambda r, fp32: _num(r.get("trace_step_s"), ".4f")),
-    ("matmul", lambda r, fp32: _pct(r.get("trace_matmul_share"))),
-    ("fusion", lambda r, fp32: _pct(r.get("trace_fusion_share"))),
-    ("dyn-update-slice", lambda r, fp32: _pct(r.get("trace_dus_share"))),
-    ("copy", lambda r, fp32: _pct(r.get("trace_copy_share"))),
-    ("control flow", lambda r, fp32: _pct(r.get("trace_control_flow_share"))),
-    ("remat", lambda r, fp32: _pct(r.get("trace_remat_share"))),
-    ("compiled/analytic memory", lambda r, fp32: _num(r.get("compiled_to_analytic_peak_ratio"), ".2f")),
+    ("trace step s", lambda r, roof: _num(r.get("trace_step_s"), ".4f")),
+    ("matmul", lambda r, roof: _pct(r.get("trace_matmul_share"))),
+    ("fusion", lambda r, roof: _pct(r.get("trace_fusion_share"))),
+    ("dyn-update-slice", lambda r, roof: _pct(r.get("trace_dus_share"))),
+    ("copy", lambda r, roof: _pct(r.get("trace_copy_share"))),
+    ("control flow", lambda r, roof: _pct(r.get("trace_control_flow_share"))),
+    ("remat", lambda r, roof: _pct(r.get("trace_remat_share"))),
+    ("compiled/analytic memory", lambda r, roof: _num(r.get("compiled_to_analytic_peak_ratio"), ".2f")),
 )
 
 
 def markdown(rooflines: dict[str, tuple[float, str]], rows: list[dict], header: dict[str, str]) -> str:
     """The benchmark as markdown: context, roofline table, one row per variant."""
-    fp32 = rooflines["float32"][0]
+    roof = {dtype: value for dtype, (value, _) in rooflines.items()}
+    fp32 = roof["float32"]
     lines = [f"# jaxscale bench: preset `{header['preset']}`", ""]
     lines += [f"- {key}: {value}" for key, value in header.items()]
     lines += ["", "| matmul roofline | GFLOP/s | source |", "|---|---|---|"]
     lines += [f"| {dtype} | {value / 1e9:.1f} | {source} |" for dtype, (value, source) in rooflines.items()]
     lines += ["", "| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r, fp32) for _, cell in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r, roof) for _, cell in COLUMNS) + " |" for r in rows]
     best = max(rows, key=lambda r: r["achieved_model_flops_per_s"] or 0.0)
     lines += [
         "",
@@ -164,24 +198,25 @@ def markdown(rooflines: dict[str, tuple[float, str]], rows: list[dict], header: 
         f"roofline, {best['achieved_model_flops_per_s'] / best['adjacent_fp32_roofline_flops_per_s']:.1%} of the "
         "one measured around it.",
         "MFU (own dtype) divides the analytic model FLOP/s (6N + 12·L·H·Q·T per token, full attention) by the",
-        "measured roofline of the run's compute dtype. Runner overhead: median over alternating rounds of the",
-        "runner's median step over a bare loop's; 'step s' is the run's own median over its timed steps. The fp32",
+        "best measured roofline of the run's compute dtype (above). Runner overhead: median over alternating",
+        "rounds of the runner's median step over a bare loop's; 'step s' is the run's own median. The fp32",
         "roofline is measured around every variant too (adjacent: the better of before and after), because on a",
         "shared machine the load changes within minutes; the table's roofline is the best of all of them.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def bench(fv: flags.FlagValues) -> str:
-    """Runs the benchmark described by the flags; returns the markdown it printed and saved.
+def bench(fv: flags.FlagValues) -> tuple[str, list[dict]]:
+    """Runs the benchmark described by the flags; returns its markdown and the variants' result rows.
 
     The float32 roofline is measured again right before and after each variant; the variant's "adjacent"
     roofline is the better of the two (on a shared machine, load changes within minutes), and the table's
     float32 roofline is the best of all measurements, so "of fp32 roofline" is the stricter figure.
     """
-    configs = [load_variant(fv.configs_dir, name, fv.preset, fv.steps) for name in fv.variants]
+    configs = [load_variant(fv.configs_dir, name, fv.preset, fv.steps, fv.set) for name in fv.variants]
     header = {
         "preset": fv.preset,
+        "overrides": ", ".join(fv.set) or "none",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs, backend {jax.default_backend()}, "
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
@@ -205,7 +240,7 @@ def bench(fv: flags.FlagValues) -> str:
     for dtype, value in best.items():  # cache the best, so later runs' MFU uses it
         peaks.store_peak(dtype, fv.matmul_size, value)
         rooflines[dtype] = peaks.measured_peak(dtype, fv.matmul_size)
-    return markdown(rooflines, rows, header)
+    return markdown(rooflines, rows, header), rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,15 +251,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--preset: unknown {fv.preset!r}; allowed: {', '.join(PRESETS)}")
         if fv.matmul_size <= 0 or (fv.steps is not None and fv.steps <= 0):
             raise ConfigError("--matmul_size and --steps: must be positive integers")
-        text = bench(fv)
+        text, rows = bench(fv)
     except (flags.Error, ConfigError) as error:
         return fail(str(error))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     output = pathlib.Path(fv.output or f"experiments/results/bench/bench_{fv.preset}_{stamp}.md")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
+    output.with_suffix(".jsonl").write_text("".join(json.dumps(row, default=str) + "\n" for row in rows))
     print(text)
-    print(f"saved: {output}")
+    print(f"saved: {output} (rows: {output.with_suffix('.jsonl')})")
     return 0
 
 

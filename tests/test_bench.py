@@ -17,6 +17,7 @@ def test_bench_writes_a_markdown_table(tmp_path, monkeypatch, capsys):
             "--variants=bf16_noscan",
             "--steps=2",
             "--matmul_size=128",
+            "--set=model.dropout_rate=0.0",
             f"--configs_dir={REPO / 'configs'}",
             f"--output={output}",
             f"--trace_root={tmp_path / 'traces'}",
@@ -29,6 +30,9 @@ def test_bench_writes_a_markdown_table(tmp_path, monkeypatch, capsys):
     row = [line for line in text.splitlines() if line.startswith("| bf16_noscan |")]
     assert len(row) == 1 and "%" in row[0]  # MFU and runner overhead
     assert list((tmp_path / "traces").glob("*/ops.csv"))
+    assert "overrides: model.dropout_rate=0.0" in text
+    rows = (tmp_path / "bench.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and '"config.model.dropout_rate": 0.0' in rows[0]
 
 
 def test_bench_rejects_an_unknown_variant_and_preset(tmp_path):
@@ -37,4 +41,5 @@ def test_bench_rejects_an_unknown_variant_and_preset(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("jaxscale: error: --variants:")
     assert "Traceback" not in proc.stderr
     assert bench.main(["bench", "--preset=huge"]) == 2
+    assert bench.main(["bench", "--preset=tiny", "--set=model.no_such_field=3"]) == 2
     assert not (tmp_path / "b.md").exists()
