@@ -54,17 +54,29 @@ def _fmt(value: float | None, scale: float = 1.0, spec: str = ".3g") -> str:
     return "n/a" if value is None else format(value / scale, spec)
 
 
+def _flop(value: float | None) -> str:
+    """FLOPs with a unit: 179 MFLOP, 103 GFLOP, 32.6 TFLOP."""
+    if value is None:
+        return "n/a"
+    scale, unit = next(((s, u) for s, u in ((1e12, "T"), (1e9, "G"), (1e6, "M")) if value >= s), (1.0, ""))
+    return f"{value / scale:.3g} {unit}FLOP"
+
+
 def summary_lines(row: dict) -> list[str]:
     """Human-readable lines for jaxscale.run's summary: FLOPs, MFU, analytic memory, trace shares."""
     lines = []
     if row.get("analytic_model_flops_per_step") is not None:
-        xla = row.get("compiled_xla_flops_per_step")
-        bound = " (lower bound: loops counted once)" if row.get("compiled_xla_flops_lower_bound") else ""
-        lines.append(
-            f"  FLOPs/step: model {_fmt(row['analytic_model_flops_per_step'], 1e9)} G, hardware "
-            f"{_fmt(row.get('analytic_hardware_flops_per_step'), 1e9)} G (analytic); compiled matmuls "
-            f"{_fmt(row.get('compiled_matmul_flops_per_step'), 1e9)} G; XLA {_fmt(xla, 1e9)} G{bound}"
+        text = (
+            f"  per step: model {_flop(row['analytic_model_flops_per_step'])}, hardware "
+            f"{_flop(row.get('analytic_hardware_flops_per_step'))} (analytic)"
         )
+        if row.get("compiled_matmul_flops_per_step") is not None:
+            bound = ", a lower bound: loop bodies counted once" if row.get("compiled_xla_flops_lower_bound") else ""
+            text += (
+                f"; compiled matmuls {_flop(row['compiled_matmul_flops_per_step'])}; XLA's cost analysis "
+                f"{_flop(row.get('compiled_xla_flops_per_step'))}{bound}"
+            )
+        lines.append(text)
         lines.append(
             f"  analytic peak {_fmt(row.get('analytic_peak_bytes'), 2**30, '.3f')} GiB; compiled/analytic "
             f"{_fmt(row.get('compiled_to_analytic_peak_ratio'), 1, '.2f')}"

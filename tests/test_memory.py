@@ -8,7 +8,7 @@ import itertools
 import pytest
 from conftest import load_config
 
-from jaxscale import flops, memory, run
+from jaxscale import flops, gpu_plan, memory, run
 
 # The notebook's measured GPU peaks for the bf16 variants (DESIGN.md, reference table), in GB.
 NOTEBOOK_PEAK_GB = {
@@ -81,3 +81,13 @@ def test_ratio_column_compares_compiled_with_analytic():
     columns = memory.analytic_columns(config, compiled_peak_bytes=2 * analytic)
     assert columns["compiled_to_analytic_peak_ratio"] == pytest.approx(2.0)
     assert memory.analytic_columns(config, compiled_peak_bytes=None)["compiled_to_analytic_peak_ratio"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+@pytest.mark.parametrize("name", sorted(NOTEBOOK_PEAK_GB))
+def test_reference_scale_estimate_matches_the_a5000_plan(name, tmp_path):
+    """The estimate against XLA's deviceless A5000 plan (both GEMM modes, the larger) at :seed, ~20 s each."""
+    row = run.run(load_config(name, "seed"), tmp_path, name, plan_only=True, progress=False, target="a5000")
+    assert row["status"] == "ok", row["error"]
+    assert row["compiled_to_analytic_peak_ratio"] == pytest.approx(1.0, rel=0.10)

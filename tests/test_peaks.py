@@ -7,7 +7,7 @@ import json
 import jax
 import pytest
 
-from jaxscale import peaks
+from jaxscale import peaks, targets
 
 
 @pytest.mark.parametrize(
@@ -19,6 +19,7 @@ from jaxscale import peaks
         ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
         ("NVIDIA RTX A5000", "bfloat16", 111.1e12),
         ("NVIDIA L4", "bfloat16", 121e12),
+        ("NVIDIA GeForce RTX 4090", "bfloat16", 165.2e12),
         ("TPU v4", "bfloat16", 275e12),
         ("TPU v5 lite", "bfloat16", 197e12),
         ("TPU v5", "bfloat16", 459e12),
@@ -31,6 +32,13 @@ def test_datasheet_peaks_by_device_kind(device_kind, dtype, expected):
     value, source = peaks.peak_flops(device_kind, dtype)
     assert value == expected
     assert source  # every figure names where it comes from
+
+
+@pytest.mark.parametrize("name", sorted(targets.TARGETS))
+def test_every_planning_target_has_a_peak(name):
+    """One table for both: each GPU target of deviceless planning finds its peak by device_kind."""
+    value, source = peaks.peak_flops(targets.TARGETS[name].device_kind, "bfloat16")
+    assert value is not None, source
 
 
 def test_full_precision_float32_and_unknown_devices():
