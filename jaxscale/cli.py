@@ -43,6 +43,18 @@ def define_config_flag(
     )
 
 
+def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str] | None) -> list[str]:
+    """Parses argv (sys.argv when None) into flag_values; returns the positional arguments, program first.
+
+    Raises:
+      UsageError: absl's message for an unknown flag or a bad value, on one line.
+    """
+    try:
+        return flag_values(list(sys.argv if argv is None else argv))
+    except flags.Error as error:
+        raise UsageError(str(error)) from None
+
+
 def _config_path(argv: Sequence[str], name: str) -> str | None:
     for i, arg in enumerate(argv):
         if arg == f"--{name}" and i + 1 < len(argv):

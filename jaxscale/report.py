@@ -15,7 +15,7 @@ import matplotlib
 import pandas as pd
 from absl import flags
 
-from jaxscale.cli import UsageError, fail
+from jaxscale.cli import UsageError, fail, parse_flags
 from jaxscale.plots import (
     ANALYTIC_PARTS,
     ANALYTIC_PEAK,
@@ -190,10 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     matplotlib.use("Agg")  # files only, never a window
     fv = _flag_values()
     try:
-        try:
-            rest = fv(list(sys.argv if argv is None else argv))
-        except flags.Error as error:
-            raise UsageError(str(error)) from None
+        rest = parse_flags(fv, argv)
         if len(rest) != 2:
             raise UsageError("give one results directory, e.g. python -m jaxscale.report experiments/results/<sweep>")
         path = write_report(rest[1], fv.output_dir)

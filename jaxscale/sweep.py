@@ -23,7 +23,7 @@ from absl import flags
 from tqdm import tqdm
 
 from jaxscale import gpu_plan, targets, variant_process
-from jaxscale.cli import UsageError, fail, parse_bytes
+from jaxscale.cli import UsageError, fail, parse_bytes, parse_flags
 from jaxscale.config import flatten
 from jaxscale.results import ResultsFile, format_table, load_results, read_rows
 from jaxscale.run import write_row
@@ -239,8 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     fv = _flag_values()
     try:
         try:
-            rest = fv(list(sys.argv if argv is None else argv))
-        except flags.Error as error:
+            rest = parse_flags(fv, argv)
+        except UsageError as error:
             hint = "; config changes belong in the sweep's variants" if "config." in str(error) else ""
             raise UsageError(f"{error}{hint}") from None
         if len(rest) > 1:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from jaxscale.cli import UsageError, fail
+from jaxscale.cli import UsageError, fail, parse_flags
 
 HOST = "127.0.0.1"  # loopback only: a profile shows file paths and source lines
 DEFAULT_TIMEOUT_S = 90.0
@@ -167,10 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line: starts TensorBoard, prints the URL and runs, serves until Ctrl-C; exit 0, 1, or 2 (bad input)."""
     fv = _flag_values()
     try:
-        try:
-            rest = fv(list(sys.argv if argv is None else argv))
-        except flags.Error as error:
-            raise UsageError(str(error)) from None
+        rest = parse_flags(fv, argv)
         if len(rest) > 1:
             raise UsageError(f"unexpected argument {rest[1]!r}; use --logdir DIR")
         server = start(fv.logdir, fv.port, fv.timeout)
