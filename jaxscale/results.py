@@ -222,6 +222,9 @@ _TABLE_COLUMNS = (
     ("compile s", lambda r: _cell(r.get("compile_s"), ".1f"), None),
     ("peak GiB", lambda r: _gib(r["best_peak_bytes"]), None),
     ("peak source", lambda r: r["best_peak_source"] or "-", None),
+    ("analytic GiB", lambda r: _gib(r.get("analytic_peak_bytes")), "analytic_peak_bytes"),
+    ("MFU", lambda r: _cell(r.get("mfu"), ".1%"), "mfu"),
+    ("trace DUS", lambda r: _cell(r.get("trace_dus_share"), ".1%"), "trace_dus_share"),
     ("triton / cublas GiB", _band, "plan_target"),
     ("fits", _fits, "plan_target"),
     ("notebook GiB", lambda r: _gib(r.get("notebook_peak_bytes"), 1), "notebook_peak_bytes"),
@@ -257,7 +260,8 @@ def format_table(rows: list[dict], order: list[str] | None = None) -> str:
     """The sweep as a text table, one line per variant, against the baseline variant.
 
     Columns: status, step time and tokens/s (not for a sweep of plans), compile time, peak memory with its
-    source, and for GPU-target plans the Triton / cuBLAS band and whether it fits, and where the sweep file
+    source, the analytic peak estimate, MFU and the trace's dynamic-update-slice share where rows have
+    them, and for GPU-target plans the Triton / cuBLAS band and whether it fits, and where the sweep file
     gives them the notebook's measured peak and planned / notebook; the change against the baseline last.
     Failures' errors and plans that do not fit are explained beneath.
     """
