@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from matplotlib import ticker
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
@@ -132,8 +133,13 @@ def plot_time_vs_memory(frame: pd.DataFrame) -> Figure:
         order = memory[front].sort_values().index
         ax.plot(memory[order], seconds[order], color=colors[sweep], lw=1, ls="--", drawstyle="steps-post")
         ax.scatter(memory[front], seconds[front], s=160, facecolors="none", edgecolors=colors[sweep], zorder=2)
-        for i in group.index:
-            ax.annotate(labels[i], (memory[i], seconds[i]), xytext=(5, 4), textcoords="offset points", fontsize=8)
+        _annotate_without_overlap(ax, memory, seconds, labels[group.index])
+    if memory_span(data["best_peak_bytes"]) > 4 or step_s[data.index].max() > 4 * step_s[data.index].min():
+        ax.set_xscale("log")  # clustered variants beside an outlier (e.g. a 4x batch) stay readable
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers, not 6x10^0
+            axis.set_major_formatter(ticker.StrMethodFormatter("{x:g}"))
+            axis.set_minor_formatter(ticker.StrMethodFormatter("{x:g}"))
     ax.scatter([], [], s=160, facecolors="none", edgecolors="k", label="Pareto front (ringed, dashed)")
     ax.set_xlabel(f"peak memory ({unit}; source: {', '.join(markers)})")
     ax.set_ylabel("step time, median (s)")
@@ -145,6 +151,22 @@ def plot_time_vs_memory(frame: pd.DataFrame) -> Figure:
     if note:
         _note(ax, note)
     return figure
+
+
+def memory_span(values: pd.Series) -> float:
+    """Largest over smallest of positive values (1.0 when there are none)."""
+    positive = values[values > 0]
+    return float(positive.max() / positive.min()) if not positive.empty else 1.0
+
+
+def _annotate_without_overlap(ax: Axes, xs: pd.Series, ys: pd.Series, labels: pd.Series) -> None:
+    """Labels each point; a label whose point is close to an already-labelled one moves down a line."""
+    placed: list[tuple[float, float]] = []
+    for i in ys.sort_values(ascending=False).index:
+        near = sum(abs(xs[i] - x) <= 0.08 * max(abs(x), 1e-12) and abs(ys[i] - y) <= 0.08 * max(abs(y), 1e-12)
+                   for x, y in placed)  # fmt: skip
+        placed.append((xs[i], ys[i]))
+        ax.annotate(labels[i], (xs[i], ys[i]), xytext=(6, 4 - 10 * near), textcoords="offset points", fontsize=8)
 
 
 def _barh_by_variant(ax: Axes, frame: pd.DataFrame, values: pd.Series, labels: pd.Series, fmt: str) -> None:
