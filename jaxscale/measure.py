@@ -87,7 +87,7 @@ def summary_lines(row: dict) -> list[str]:
         )
     if row.get("trace_step_s") is not None:
         lines.append(
-            f"  trace: step {row['trace_step_s']:.4f} s; matmul {row['trace_matmul_share']:.0%}, fusion "
+            f"  trace analysis: step {row['trace_step_s']:.4f} s; matmul {row['trace_matmul_share']:.0%}, fusion "
             f"{row['trace_fusion_share']:.0%}, dynamic-update-slice {row['trace_dus_share']:.0%}, copy "
             f"{row['trace_copy_share']:.0%}, remat {_fmt(row.get('trace_remat_share'), 0.01, '.0f')}%"
         )
