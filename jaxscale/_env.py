@@ -14,5 +14,13 @@ def quiet_native_logs() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     accelerators = ("/dev/nvidiactl", "/dev/accel0")
     if "JAX_PLATFORMS" not in os.environ and not any(os.path.exists(p) for p in accelerators):
-        if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
+        if installed("jax_plugins.xla_cuda12"):
             os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it; False when a parent package is missing."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # find_spec imports the parents: jax_plugins is absent without the CUDA plugin
+        return False

@@ -14,7 +14,6 @@ warning from their stderr, and returns result-row fields:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -30,7 +29,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxscale import targets
+from jaxscale import _env, targets
 from jaxscale.cli import UsageError
 
 # Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
@@ -58,7 +57,7 @@ class PlanError(RuntimeError):
 
 def missing_extra() -> str | None:
     """None when the gpu-plan extra is installed, else a one-line message naming it."""
-    missing = [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
+    missing = [m for m in EXTRA_MODULES if not _env.installed(m)]
     if not missing:
         return None
     return (

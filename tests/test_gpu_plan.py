@@ -1,6 +1,7 @@
 """Planning GPU memory for a target on a CPU-only machine: the plan, remat's effect, not fitting, bad input."""
 
 import json
+import pathlib
 
 import pytest
 from conftest import REPO, load_config
@@ -174,3 +175,15 @@ def test_xlas_rematerialization_warning_is_parsed_to_bytes():
         "compiled_remat_original_bytes": 3072,
     }
     assert gpu_plan.parse_remat_warning("no warning here") is None
+
+
+def test_without_the_extra_target_is_one_line_naming_it(monkeypatch, capsys, tmp_path):
+    """A base install (no jax_plugins package at all) gets the extra's name, not a ModuleNotFoundError."""
+    monkeypatch.setattr(gpu_plan, "EXTRA_MODULES", ("jaxscale_absent_parent.xla_cuda12",))
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    assert "gpu-plan" in gpu_plan.missing_extra()
+    code = run.main(["jaxscale.run", "--config", "configs/bf16.py:tiny", "--plan", "--target", "a5000",
+                     "--output_root", str(tmp_path)])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("jaxscale: error: --target: GPU planning needs the gpu-plan extra")
+    assert "\n" not in err
