@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import datetime
-import importlib.util
 import json
 import os
 import pathlib
@@ -24,8 +23,9 @@ import numpy as np
 from absl import flags
 
 from jaxscale import measure, memory, peaks, run, train
-from jaxscale.cli import fail
-from jaxscale.config import PRESETS, ConfigError, validate
+from jaxscale.cli import UsageError, fail, parse_flags
+from jaxscale.config import PRESETS, ConfigError, load_config_file, validate
+from jaxscale.sweep_file import apply_overrides
 
 VARIANTS = ("fp32", "bf16", "bf16_noscan", "bf16_remat", "bf16_remat_block", "bf16_remat_noaccum")
 
@@ -50,21 +50,13 @@ def _flag_values() -> flags.FlagValues:
 def _override(config: ml_collections.ConfigDict, assignment: str) -> None:
     """Applies one `group.field=value` (value parsed as a Python literal, else kept as a string)."""
     field, _, text = assignment.partition("=")
-    group, _, key = field.partition(".")
-    if (
-        not text
-        or group not in config
-        or not isinstance(config[group], ml_collections.ConfigDict)
-        or key not in config[group]
-    ):
-        raise ConfigError(
-            f"--set: {assignment!r} must be group.field=value with an existing field, e.g. model.hidden_size=512"
-        )
+    if not text or "." not in field:
+        raise ConfigError(f"--set: {assignment!r} must be group.field=value, e.g. model.hidden_size=512")
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         value = text
-    config[group][key] = value
+    apply_overrides(config, {field: value}, "--set")  # names an unknown field and what is allowed
 
 
 def load_variant(
@@ -74,10 +66,7 @@ def load_variant(
     path = pathlib.Path(configs_dir) / f"{name}.py"
     if not path.exists():
         raise ConfigError(f"--variants: no config file {path}")
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(preset)
+    config = load_config_file(path, preset)
     if steps is not None:
         config.train.steps = steps
     for assignment in overrides:
@@ -246,13 +235,13 @@ def bench(fv: flags.FlagValues) -> tuple[str, list[dict]]:
 def main(argv: Sequence[str] | None = None) -> int:
     fv = _flag_values()
     try:
-        fv(list(sys.argv if argv is None else argv))
+        parse_flags(fv, argv)
         if fv.preset not in PRESETS:
             raise ConfigError(f"--preset: unknown {fv.preset!r}; allowed: {', '.join(PRESETS)}")
         if fv.matmul_size <= 0 or (fv.steps is not None and fv.steps <= 0):
             raise ConfigError("--matmul_size and --steps: must be positive integers")
         text, rows = bench(fv)
-    except (flags.Error, ConfigError) as error:
+    except (UsageError, ConfigError) as error:
         return fail(str(error))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     output = pathlib.Path(fv.output or f"experiments/results/bench/bench_{fv.preset}_{stamp}.md")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from collections.abc import Sequence
@@ -10,7 +9,7 @@ from collections.abc import Sequence
 from absl import flags
 from ml_collections import config_flags
 
-from jaxscale.config import ConfigError, validate
+from jaxscale.config import ConfigError, load_config_file, validate
 
 EXIT_BAD_INPUT = 2
 
@@ -64,18 +63,9 @@ def _config_path(argv: Sequence[str], name: str) -> str | None:
     return None
 
 
-def _load_config_file(spec: str):
-    """Imports a config file directly (no overrides) to explain what was wrong with an override."""
-    path, _, preset = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("_jaxscale_config_probe", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(preset) if preset else module.get_config()
-
-
 def _explain_unknown_field(argv: Sequence[str], name: str) -> str:
-    spec = _config_path(argv, name)
-    config = _load_config_file(spec)
+    path, _, preset = _config_path(argv, name).partition(":")
+    config = load_config_file(path, preset)  # without the overrides, to see which one names no field
     for arg in argv:
         if not arg.startswith(f"--{name}."):
             continue

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import pathlib
+import types
+
 import jax
 import ml_collections
 
@@ -112,6 +117,21 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     for group, values in PRESETS[preset].items():
         c[group].update(values)
     return c
+
+
+def import_file(path: str | os.PathLike) -> types.ModuleType:
+    """Imports a Python file (a config or sweep file) as a module of its own, not on sys.path."""
+    path = pathlib.Path(path)
+    spec = importlib.util.spec_from_file_location(f"_jaxscale_file_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_config_file(path: str | os.PathLike, preset: str | None = None) -> ml_collections.ConfigDict:
+    """`get_config(preset)` of a config file, or `get_config()` (the backend's default preset) for None."""
+    module = import_file(path)
+    return module.get_config(preset) if preset else module.get_config()
 
 
 def _check(ok: bool, field: str, message: str) -> None:

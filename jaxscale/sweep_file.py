@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
-import importlib.util
 import itertools
 import os
 import pathlib
@@ -22,7 +21,7 @@ from collections.abc import Sequence
 import ml_collections
 
 from jaxscale.cli import UsageError
-from jaxscale.config import ConfigError
+from jaxscale.config import ConfigError, import_file
 
 __all__ = ["Sweep", "Variant", "apply_overrides", "cli_value", "expand_grid", "load_sweep", "plan_suffix",
            "select_variants"]  # fmt: skip
@@ -112,10 +111,8 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, obje
 def _import_sweep_file(path: pathlib.Path):
     if not path.is_file():
         raise UsageError(f"--config: sweep file {str(path)!r} not found")
-    module_spec = importlib.util.spec_from_file_location(f"_jaxscale_sweep_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
+        module = import_file(path)
     except Exception as error:  # any error in the user's file is bad input
         raise UsageError(f"--config: {path}: {type(error).__name__}: {error}") from None
     missing = [attr for attr in ("get_config", "get_variants", "BASELINE") if not hasattr(module, attr)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -10,7 +9,7 @@ import sys
 
 import pytest
 
-import jaxscale  # noqa: F401  (sets the backend environment before JAX is imported)
+from jaxscale.config import load_config_file  # importing jaxscale sets the backend environment first
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -18,10 +17,7 @@ CONFIGS = REPO / "configs"
 
 def load_config(name: str, preset: str = "tiny"):
     """get_config(preset) of configs/<name>.py, the same function the command line calls."""
-    spec = importlib.util.spec_from_file_location(f"config_{name}", CONFIGS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(preset)
+    return load_config_file(CONFIGS / f"{name}.py", preset)
 
 
 def run_cli(*args: str, cwd: pathlib.Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
