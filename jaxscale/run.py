@@ -95,13 +95,15 @@ def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path
 
 
 def compile_step(config: ml_collections.ConfigDict):
-    """Lowers and compiles the train step for abstract inputs; returns (compiled, init_fn, seconds)."""
+    """Lowers and compiles the train step for abstract inputs.
+
+    Returns:
+      (compiled, init_fn, abstract train state, lower + compile seconds).
+    """
     init_fn = train.make_init_fn(config)
-    abstract_state = jax.eval_shape(init_fn)
-    abstract_metrics = jax.eval_shape(train.init_metrics)
+    abstract_state, abstract_metrics, abstract_batch = train.abstract_inputs(config, init_fn)
     start = time.perf_counter()
-    lowered = train.make_train_step(config).lower(abstract_state, abstract_metrics, train.batch_shape(config))
-    compiled = lowered.compile()
+    compiled = train.make_train_step(config).lower(abstract_state, abstract_metrics, abstract_batch).compile()
     return compiled, init_fn, abstract_state, time.perf_counter() - start
 
 

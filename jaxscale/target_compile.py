@@ -39,9 +39,7 @@ def abstract_inputs(config: ml_collections.ConfigDict, sharding: NamedSharding) 
     def place(tree: Any) -> Any:
         return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
 
-    state = jax.eval_shape(train.make_init_fn(config))
-    metrics = jax.eval_shape(train.init_metrics)
-    return place(state), place(metrics), place(train.batch_shape(config))
+    return place(train.abstract_inputs(config))
 
 
 def compile_for_target(config: ml_collections.ConfigDict, target_config_text: str) -> dict[str, Any]:

@@ -45,6 +45,15 @@ def batch_shape(config: ml_collections.ConfigDict) -> Batch:
     return Batch(inputs=shape, labels=shape)
 
 
+def abstract_inputs(config: ml_collections.ConfigDict, init_fn: Callable[[], TrainState] | None = None):
+    """(state, metrics, batch) of the train step as ShapeDtypeStructs, for ahead-of-time lowering.
+
+    Pass the `init_fn` whose real state the compiled step will be called with (see make_init_fn).
+    """
+    state = jax.eval_shape(init_fn or make_init_fn(config))
+    return state, jax.eval_shape(init_metrics), batch_shape(config)
+
+
 def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """The reference optimizer: warm-up to the peak, then exponential decay; Adam by default."""
     schedule = optax.warmup_exponential_decay_schedule(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import load_config
 
-from jaxscale import memory, train
+from jaxscale import memory, run, train
 from jaxscale.config import base_config
 
 
@@ -85,11 +85,7 @@ def test_train_step_donates_state_accumulates_metrics_and_learns():
 
 
 def _temp_bytes(config) -> int:
-    abstract = jax.eval_shape(train.make_init_fn(config))
-    lowered = train.make_train_step(config).lower(
-        abstract, jax.eval_shape(train.init_metrics), train.batch_shape(config)
-    )
-    return memory.compiled_memory(lowered.compile())["compiled_temp_bytes"]
+    return memory.compiled_memory(run.compile_step(config)[0])["compiled_temp_bytes"]
 
 
 def test_remat_with_scan_shrinks_the_compiled_plan():
@@ -117,11 +113,7 @@ def test_named_scopes_reach_the_compiled_program(scan_layers, accumulate):
     """Traces and HLO name the model's parts, so a profile reads block_1 / attn / mlp / accumulate / optimizer."""
     config = base_config("tiny", "scopes")
     config.model.scan_layers, config.train.accumulate = scan_layers, accumulate
-    abstract = jax.eval_shape(train.make_init_fn(config))
-    lowered = train.make_train_step(config).lower(
-        abstract, jax.eval_shape(train.init_metrics), train.batch_shape(config)
-    )
-    op_names = "\n".join(re.findall(r'op_name="([^"]+)"', lowered.compile().as_text()))
+    op_names = "\n".join(re.findall(r'op_name="([^"]+)"', run.compile_step(config)[0].as_text()))
     expected = ["jit(train_step)/accumulate/", "jit(train_step)/optimizer/", "/attn/", "/mlp/", "/embed/", "/head/"]
     expected += ["/blocks/", "/minibatch/"] if scan_layers else ["/block_1/", "/minibatch_1/"]
     for scope in expected:
