@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import pathlib
 
 
 def quiet_native_logs() -> None:
@@ -24,3 +25,9 @@ def installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # find_spec imports the parents: jax_plugins is absent without the CUDA plugin
         return False
+
+
+def with_package_on_path(env: dict[str, str]) -> dict[str, str]:
+    """`env` with this checkout of jaxscale first on PYTHONPATH, so a child process imports the same code."""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)}

@@ -22,10 +22,11 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from jaxscale import measure, memory, peaks, run, train
+from jaxscale import run, train
 from jaxscale.cli import UsageError, fail, parse_flags
 from jaxscale.config import PRESETS, ConfigError, load_config_file, validate
-from jaxscale.sweep_file import apply_overrides
+from jaxscale.measure import columns, memory, peaks
+from jaxscale.sweep.sweep_file import apply_overrides
 
 VARIANTS = ("fp32", "bf16", "bf16_noscan", "bf16_remat", "bf16_remat_block", "bf16_remat_noaccum")
 
@@ -123,9 +124,9 @@ def measure_variant(config: ml_collections.ConfigDict, trace_dir: pathlib.Path) 
     row = run.base_row(config, trace_dir.name, trace_dir)
     row["compile_s"] = compile_s
     row.update(memory.compiled_memory(compiled))
-    row.update(measure.after_compile(config, compiled, row))
+    row.update(columns.after_compile(config, compiled, row))
     run.execute(config, compiled, init_fn, trace_dir, row, progress=False)
-    row.update(measure.after_run(config, compiled, row))
+    row.update(columns.after_run(config, compiled, row))
     row.update(runner_overhead(config, compiled, init_fn))
     return row
 

@@ -19,10 +19,12 @@ import ml_collections  # noqa: E402
 from absl import flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxscale import flops, gpu_plan, measure, memory, profiling, targets, timing, train  # noqa: E402
+from jaxscale import train  # noqa: E402
 from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
 from jaxscale.config import flatten  # noqa: E402
+from jaxscale.measure import columns, flops, memory, profiling, timing  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
+from jaxscale.plan import gpu_plan, targets  # noqa: E402
 
 # Rough sustained FLOP/s per backend, used only to warn before a long run (never reported as a measurement).
 _ASSUMED_FLOPS_FOR_ESTIMATE = {"cpu": 5e10, "gpu": 5e13, "tpu": 5e13}
@@ -212,11 +214,11 @@ def run(
             row["params"] = count_params(abstract_state.params)
             row.update(memory.compiled_memory(compiled))
             row["compiled_backend"] = jax.default_backend()
-        row.update(measure.after_compile(config, None if target else compiled, row))
+        row.update(columns.after_compile(config, None if target else compiled, row))
         check_memory_budget(row, device_memory_bytes)
         if not plan_only:
             execute(config, compiled, init_fn, run_dir, row, progress)
-            row.update(measure.after_run(config, compiled, row))
+            row.update(columns.after_run(config, compiled, row))
         row["status"] = "ok"
     except RunError as error:
         row["status"], row["error"] = error.status, str(error)
@@ -255,7 +257,7 @@ def summary(row: dict) -> str:
             f"{len(row['step_s_all'])} steps   {row['tokens_per_s']:,.0f} tokens/s"
         )
         lines.append(f"  loss {row['loss']:.4f} (first step {row['loss_first']:.4f})   accuracy {row['accuracy']:.4f}")
-    lines += measure.summary_lines(row)
+    lines += columns.summary_lines(row)
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
     lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}")
     if row.get("trace_dir"):

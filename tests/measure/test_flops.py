@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import load_config
 
-from jaxscale import flops, hlo, run
+from jaxscale import run
+from jaxscale.measure import flops, hlo
 
 
 def _columns(config) -> tuple[dict, dict, str]:

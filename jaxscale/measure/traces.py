@@ -4,7 +4,7 @@ Reads the `*.xplane.pb` that jax.profiler wrote with `jax.profiler.ProfileData` 
 parsing here). Every XLA op event carries its HLO instruction name (`hlo_op`), so with the compiled
 step's HLO text (jaxscale.hlo) each op is put in a category and marked when it is recomputed by remat;
 without it, categories fall back to the op's name and the remat share is null.
-CLI: `python -m jaxscale.traces RUN_DIR [--top N]` prints the summary and top ops, writes RUN_DIR/ops.csv.
+CLI: `python -m jaxscale.measure.traces RUN_DIR [--top N]` prints the summary and top ops, writes RUN_DIR/ops.csv.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 from jax.profiler import ProfileData
 
-from jaxscale import hlo
+from jaxscale.measure import hlo
 
 _CONTAINER = re.compile(r"^(while|call|conditional)\b")
 STEP_ANNOTATION = "train"  # name of the StepTraceAnnotation that jaxscale.profiling puts around each step
@@ -235,7 +235,7 @@ def analyze(
 
 
 def main(argv: list[str]) -> int:
-    """`python -m jaxscale.traces RUN_DIR [--top N]`: summary, top ops and ops.csv of a captured trace."""
+    """`python -m jaxscale.measure.traces RUN_DIR [--top N]`: summary, top ops and ops.csv of a captured trace."""
     args = argv[1:]
     top = 15
     if "--top" in args:
@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
         top = int(args[index + 1])
         del args[index : index + 2]
     if len(args) != 1:
-        print("jaxscale: error: usage: python -m jaxscale.traces RUN_DIR [--top N]", file=sys.stderr)
+        print("jaxscale: error: usage: python -m jaxscale.measure.traces RUN_DIR [--top N]", file=sys.stderr)
         return 2
     run_dir = pathlib.Path(args[0])
     hlo_path = run_dir / HLO_FILE

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from jaxscale import hlo, peaks
+from jaxscale.measure import hlo, peaks
 
 # Forward matmuls recomputed in the backward pass, per remat target and policy. A recomputed tensor that
 # the backward pass does not read is dropped (dead code): the output projection of Attn and the down

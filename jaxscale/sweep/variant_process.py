@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-import jaxscale
+from jaxscale import _env
 from jaxscale.run import classify_failure
 
 # Exec'd first on Linux: the run gets SIGKILL when the sweep process dies (even by kill -9), so no orphan
@@ -35,10 +35,7 @@ class Finished:
 
 def _environment() -> dict[str, str]:
     """This environment, with this checkout of jaxscale first on the path (the run imports the same code)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    root = str(pathlib.Path(jaxscale.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
+    return _env.with_package_on_path(dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
 def launch(python_args: list[str], log_path: pathlib.Path, timeout_s: float | None) -> Finished:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jaxscale import flops
+from jaxscale.measure import flops
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:

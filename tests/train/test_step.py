@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from conftest import load_config
 
-from jaxscale import memory, run, train
+from jaxscale import run, train
 from jaxscale.config import base_config
+from jaxscale.measure import memory
 
 
 def _setup(dropout: float = 0.0):

@@ -9,7 +9,8 @@ import pathlib
 import pytest
 from conftest import load_config
 
-from jaxscale import flops, hlo, run, traces
+from jaxscale import run
+from jaxscale.measure import flops, hlo, traces
 
 
 def _row(name: str, tmp: pathlib.Path) -> dict:

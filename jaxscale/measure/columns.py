@@ -12,7 +12,7 @@ import pathlib
 import jax
 import ml_collections
 
-from jaxscale import flops, memory, traces
+from jaxscale.measure import flops, memory, traces
 
 
 def after_compile(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled | None, row: dict) -> dict:

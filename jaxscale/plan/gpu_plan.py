@@ -29,8 +29,9 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxscale import _env, targets
+from jaxscale import _env
 from jaxscale.cli import UsageError
+from jaxscale.plan import targets
 
 # Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
 # autotuner may pick cuBLAS instead. The plans differ, so both are compiled and the band is reported.
@@ -102,9 +103,7 @@ def _child_env(gemm: str) -> dict[str, str]:
     env["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin compiles for the target without opening a device
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # keep XLA's warnings, drop its INFO lines
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {GEMM_FLAGS[gemm]}".strip()
-    package_root = str(pathlib.Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    return env
+    return _env.with_package_on_path(env)
 
 
 def _failure(returncode: int, stderr: str) -> str:
@@ -126,7 +125,7 @@ def compile_in_subprocess(
     request = pickle.dumps({"config": config, "target_config_text": config_text})
     with tempfile.TemporaryDirectory(prefix="jaxscale_plan_") as tmp:
         result_path = pathlib.Path(tmp) / "plan.json"
-        command = [sys.executable, "-m", "jaxscale.target_compile", str(result_path)]
+        command = [sys.executable, "-m", "jaxscale.plan.target_compile", str(result_path)]
         try:
             done = subprocess.run(
                 command, input=request, capture_output=True, env=_child_env(gemm), timeout=timeout_s, check=False

@@ -12,13 +12,13 @@ import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
-from jaxscale import report
-from jaxscale.plots import ANALYTIC_PARTS, ANALYTIC_PEAK, pareto_front
-from jaxscale.sweep import load_results, run_sweep
+from jaxscale.report import markdown as report
+from jaxscale.report.plots import ANALYTIC_PARTS, ANALYTIC_PEAK, pareto_front
+from jaxscale.sweep.runner import load_results, run_sweep
 
 matplotlib.use("Agg")
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "experiments" / "compare_sweeps.ipynb"
 FIGURES = ("time_vs_memory", "tokens_per_s", "memory_breakdown", "op_shares", "vs_baseline")
 

@@ -7,7 +7,8 @@ import json
 import jax
 import pytest
 
-from jaxscale import peaks, targets
+from jaxscale.measure import peaks
+from jaxscale.plan import targets
 
 
 @pytest.mark.parametrize(

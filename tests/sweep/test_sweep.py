@@ -16,13 +16,13 @@ import pytest
 
 from jaxscale.cli import UsageError, parse_bytes
 from jaxscale.config import validate
-from jaxscale.results import COLUMNS, ResultsFile, format_table, load_results, read_rows
 from jaxscale.run import RunError, check_memory_budget
-from jaxscale.sweep import load_sweep, run_sweep, select_variants
-from jaxscale.sweep import main as sweep_main
-from jaxscale.sweep_file import plan_suffix
+from jaxscale.sweep.results import COLUMNS, ResultsFile, format_table, load_results, read_rows
+from jaxscale.sweep.runner import load_sweep, run_sweep, select_variants
+from jaxscale.sweep.runner import main as sweep_main
+from jaxscale.sweep.sweep_file import plan_suffix
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # Three variants of a one-layer model; "broken" asks for sequences longer than the model allows, so its run
 # process rejects the config (exit 2) and the sweep must record it as a row and go on. "plain" has a peak

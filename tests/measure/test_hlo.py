@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxscale import hlo
+from jaxscale.measure import hlo
 
 # A loop of 3 iterations whose body runs one [8,16]x[16,4] dot (2*8*4*16 = 1024 FLOPs) inside a fusion,
 # and an entry that runs one [8,16]x[16,4] dot directly, a copy, and a dynamic-update-slice fusion.

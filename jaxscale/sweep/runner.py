@@ -22,12 +22,13 @@ import pandas as pd
 from absl import flags
 from tqdm import tqdm
 
-from jaxscale import gpu_plan, targets, variant_process
 from jaxscale.cli import UsageError, fail, parse_bytes, parse_flags
 from jaxscale.config import flatten
-from jaxscale.results import ResultsFile, format_table, load_results, read_rows
+from jaxscale.plan import gpu_plan, targets
 from jaxscale.run import write_row
-from jaxscale.sweep_file import Sweep, Variant, cli_value, expand_grid, load_sweep, plan_suffix, select_variants
+from jaxscale.sweep import variant_process
+from jaxscale.sweep.results import ResultsFile, format_table, load_results, read_rows
+from jaxscale.sweep.sweep_file import Sweep, Variant, cli_value, expand_grid, load_sweep, plan_suffix, select_variants
 
 __all__ = [
     "Sweep", "SweepOutcome", "Variant", "expand_grid", "load_results", "load_sweep", "run_sweep", "select_variants",

@@ -6,12 +6,13 @@ import pathlib
 import pytest
 from conftest import REPO, load_config
 
-from jaxscale import gpu_plan, run, targets
+from jaxscale import run
 from jaxscale.config import validate
-from jaxscale.results import read_rows
-from jaxscale.sweep import main as sweep_main
-from jaxscale.sweep import run_sweep
-from jaxscale.sweep_file import apply_overrides
+from jaxscale.plan import gpu_plan, targets
+from jaxscale.sweep.results import read_rows
+from jaxscale.sweep.runner import main as sweep_main
+from jaxscale.sweep.runner import run_sweep
+from jaxscale.sweep.sweep_file import apply_overrides
 
 needs_extra = pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 
@@ -180,7 +181,7 @@ def test_xlas_rematerialization_warning_is_parsed_to_bytes():
 def test_without_the_extra_target_is_one_line_naming_it(monkeypatch, capsys, tmp_path):
     """A base install (no jax_plugins package at all) gets the extra's name, not a ModuleNotFoundError."""
     monkeypatch.setattr(gpu_plan, "EXTRA_MODULES", ("jaxscale_absent_parent.xla_cuda12",))
-    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])
     assert "gpu-plan" in gpu_plan.missing_extra()
     code = run.main(["jaxscale.run", "--config", "configs/bf16.py:tiny", "--plan", "--target", "a5000",
                      "--output_root", str(tmp_path)])  # fmt: skip

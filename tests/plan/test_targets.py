@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxscale import gpu_plan, targets
+from jaxscale.plan import gpu_plan, targets
 
 REQUIRED = ("a5000", "a100-40gb", "a100-80gb", "h100", "h200", "l4", "rtx4090")
 
@@ -62,7 +62,7 @@ def test_a_users_file_without_device_memory_is_rejected(tmp_path):
 
 _PROBE = """
 import json, sys
-from jaxscale import target_compile, targets
+from jaxscale.plan import target_compile, targets
 kinds = {}
 for name, target in targets.TARGETS.items():
     sharding = target_compile.target_sharding(targets.target_config_text(target))

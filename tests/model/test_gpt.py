@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import load_config
 
-from jaxscale import flops, train
+from jaxscale import train
 from jaxscale.config import base_config
+from jaxscale.measure import flops
 from jaxscale.model import count_params, unstack_scanned_params
 
 REFERENCE_PARAMS = 155_877_376

@@ -1,6 +1,6 @@
 """Compiles the train step for a GPU target without a GPU: the child process behind `jaxscale.gpu_plan`.
 
-Run as `python -m jaxscale.target_compile RESULT.json` with a pickled {"config", "target_config_text"} on
+Run as `python -m jaxscale.plan.target_compile RESULT.json` with a pickled {"config", "target_config_text"} on
 stdin and `JAX_PLATFORMS=cpu` in the environment; it writes the compiled plan as JSON to RESULT.json. XLA
 logs (its rematerialization warning among them) go to this process's stderr, which the parent reads.
 It runs in its own process because a malformed target config can kill it with a signal (SIGFPE).
@@ -19,7 +19,8 @@ import ml_collections
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale import memory, train
+from jaxscale import train
+from jaxscale.measure import memory
 from jaxscale.model import count_params
 
 

@@ -16,7 +16,7 @@ import pandas as pd
 from absl import flags
 
 from jaxscale.cli import UsageError, fail, parse_flags
-from jaxscale.plots import (
+from jaxscale.report.plots import (
     ANALYTIC_PARTS,
     ANALYTIC_PEAK,
     figures,
@@ -30,7 +30,7 @@ from jaxscale.plots import (
     variant_labels,
     with_peak,
 )
-from jaxscale.results import RESULTS_FILE, load_results
+from jaxscale.sweep.results import RESULTS_FILE, load_results
 
 __all__ = [
     "figures",

@@ -8,7 +8,9 @@ import itertools
 import pytest
 from conftest import load_config
 
-from jaxscale import flops, gpu_plan, memory, run
+from jaxscale import run
+from jaxscale.measure import flops, memory
+from jaxscale.plan import gpu_plan
 
 # The notebook's measured GPU peaks for the bf16 variants (DESIGN.md, reference table), in GB.
 NOTEBOOK_PEAK_GB = {

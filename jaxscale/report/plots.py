@@ -13,7 +13,7 @@ from matplotlib import ticker
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from jaxscale.results import best_peak
+from jaxscale.sweep.results import best_peak
 
 GIB = 2**30
 # The analytic memory model's parts (bytes), in stacking order, and its peak.

@@ -1,0 +1,35 @@
+"""Training: train state, next-token loss, gradient accumulation and the jitted step (see step.py)."""
+
+from jaxscale.train.step import (
+    Batch,
+    Metrics,
+    TrainState,
+    abstract_inputs,
+    accumulate_gradients,
+    batch_shape,
+    init_metrics,
+    make_batch,
+    make_init_fn,
+    make_model,
+    make_optimizer,
+    make_train_step,
+    next_token_loss,
+    train_step,
+)
+
+__all__ = [
+    "Batch",
+    "Metrics",
+    "TrainState",
+    "abstract_inputs",
+    "accumulate_gradients",
+    "batch_shape",
+    "init_metrics",
+    "make_batch",
+    "make_init_fn",
+    "make_model",
+    "make_optimizer",
+    "make_train_step",
+    "next_token_loss",
+    "train_step",
+]

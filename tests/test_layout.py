@@ -1,0 +1,90 @@
+"""The package's floors: a module imports from its own floor or below, never above (see README, Layout)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import jaxscale
+
+PACKAGE = pathlib.Path(jaxscale.__file__).resolve().parent
+
+# Bottom up. A module is placed by its longest matching prefix; the package root's __init__/__main__ sit on top.
+FLOORS: dict[str, int] = {
+    "jaxscale._env": 0,
+    "jaxscale.config": 0,
+    "jaxscale.cli": 0,
+    "jaxscale.measure": 0,
+    "jaxscale.model": 1,
+    "jaxscale.train": 2,
+    "jaxscale.plan": 3,
+    "jaxscale.run": 4,
+    "jaxscale.sweep": 5,
+    "jaxscale.bench": 6,
+    "jaxscale.report": 6,
+    "jaxscale.tensorboard": 6,
+    "jaxscale": 7,
+}
+
+
+def floor(module: str) -> int:
+    """The floor of a dotted module name (its longest prefix in FLOORS)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in FLOORS:
+            return FLOORS[prefix]
+    raise AssertionError(f"{module} has no floor; add it to FLOORS")
+
+
+def module_name(path: pathlib.Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(relative.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: pathlib.Path) -> list[str]:
+    """Every jaxscale module a file imports (`from jaxscale.x import y` counts y when it is a submodule)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.startswith("jaxscale")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxscale"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                is_module = (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").exists() or (
+                    PACKAGE.parent / sub.replace(".", "/")
+                ).is_dir()
+                found.append(sub if is_module else node.module)
+    return found
+
+
+def test_imports_point_down_only():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 30  # the walk sees the subpackages
+    upward = []
+    for path in files:
+        name = module_name(path)
+        if name in ("jaxscale", "jaxscale.__main__"):
+            continue
+        for imported in imported_modules(path):
+            if floor(imported) > floor(name):
+                upward.append(f"{name} (floor {floor(name)}) imports {imported} (floor {floor(imported)})")
+    assert not upward, "\n".join(upward)
+
+
+def test_every_module_has_a_floor_and_a_docstring():
+    for path in PACKAGE.rglob("*.py"):
+        floor(module_name(path))
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
+
+
+def test_floor_check_catches_an_upward_import(tmp_path):
+    # The check itself can fail: a measurement module importing the sweep runner would be flagged.
+    source = tmp_path / "flops.py"
+    source.write_text("from jaxscale.sweep import runner\nfrom jaxscale.measure.hlo import parse\n")
+    imported = imported_modules(source)
+    assert imported == ["jaxscale.sweep.runner", "jaxscale.measure.hlo"]
+    assert floor(imported[0]) > floor("jaxscale.measure.flops") == floor(imported[1])
