@@ -22,13 +22,29 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from jaxscale import run, train
-from jaxscale.cli import UsageError, fail, parse_flags
+from jaxscale import compile_cache, run, train
+from jaxscale.cli import Usage, UsageError, define_cache_flag, fail, parse_flags, print_help, wants_help
 from jaxscale.config import PRESETS, ConfigError, load_config_file, validate
 from jaxscale.measure import columns, memory, peaks
 from jaxscale.sweep.sweep_file import apply_overrides
 
 VARIANTS = ("fp32", "bf16", "bf16_noscan", "bf16_remat", "bf16_remat_block", "bf16_remat_noaccum")
+
+USAGE = Usage(
+    command="python -m jaxscale.bench [--preset cpu] [--variants ...] [--set group.field=value,...] [flags]",
+    summary="This machine's benchmark in one process: the float32 and bfloat16 matmul rooflines, then each "
+    "reference variant's step time, tokens/s, MFU, trace shares and the runner's overhead, as a markdown table.",
+    examples=(
+        "python -m jaxscale.bench",
+        "python -m jaxscale.bench --preset tiny --variants bf16_noscan --steps 2",
+        "python -m jaxscale.bench --set model.hidden_size=512,model.head_dim=64,data.batch_size=8",
+    ),
+    notes=(
+        "Variants are config files configs/<name>.py; their fields are described in jaxscale/config.py "
+        "(python -m jaxscale.run --config configs/<name>.py:<preset> --show_config lists them). The table "
+        "and its rows (.jsonl) are saved; see docs/measurements.md, 'The benchmark'.",
+    ),
+)
 
 
 def _flag_values() -> flags.FlagValues:
@@ -45,6 +61,7 @@ def _flag_values() -> flags.FlagValues:
         "output", None, "Markdown file (default experiments/results/bench/bench_<preset>_<time>.md).", flag_values=fv
     )
     flags.DEFINE_string("trace_root", "traces/bench", "Where each variant's trace and ops.csv go.", flag_values=fv)
+    define_cache_flag(fv)
     return fv
 
 
@@ -120,9 +137,11 @@ def runner_overhead(config: ml_collections.ConfigDict, compiled, init_fn, rounds
 def measure_variant(config: ml_collections.ConfigDict, trace_dir: pathlib.Path) -> dict:
     """One variant as jaxscale.run measures it (timed + profiled steps, MFU, trace columns), then the
     runner's overhead against a bare loop around the same compiled step."""
-    compiled, init_fn, _, compile_s = run.compile_step(config)
+    with compile_cache.watch() as cache:
+        compiled, init_fn, _, compile_s = run.compile_step(config)
     row = run.base_row(config, trace_dir.name, trace_dir)
     row["compile_s"] = compile_s
+    row.update(cache.columns())
     row.update(memory.compiled_memory(compiled))
     row.update(columns.after_compile(config, compiled, row))
     run.execute(config, compiled, init_fn, trace_dir, row, progress=False)
@@ -235,12 +254,16 @@ def bench(fv: flags.FlagValues) -> tuple[str, list[dict]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     fv = _flag_values()
+    if wants_help(argv):
+        return print_help(USAGE, fv)
     try:
         parse_flags(fv, argv)
         if fv.preset not in PRESETS:
             raise ConfigError(f"--preset: unknown {fv.preset!r}; allowed: {', '.join(PRESETS)}")
         if fv.matmul_size <= 0 or (fv.steps is not None and fv.steps <= 0):
             raise ConfigError("--matmul_size and --steps: must be positive integers")
+        compile_cache.set_enabled(fv.compilation_cache)
+        compile_cache.configure()
         text, rows = bench(fv)
     except (UsageError, ConfigError) as error:
         return fail(str(error))

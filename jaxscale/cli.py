@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from absl import flags
 from ml_collections import config_flags
 
+from jaxscale import compile_cache
 from jaxscale.config import ConfigError, load_config_file, validate
 
 EXIT_BAD_INPUT = 2
@@ -16,6 +19,74 @@ EXIT_BAD_INPUT = 2
 
 class UsageError(Exception):
     """Bad input from the command line; printed as one line, exit code 2."""
+
+
+HELP_FLAGS = ("-h", "--help", "-help", "--helpfull", "--helpshort")
+CONFIG_FIELDS_NOTE = (
+    "Config fields: every field, with what it means, is in jaxscale/config.py (base_config); --show_config "
+    "lists them for the given config and preset with their current values (after --config.* overrides). "
+    "Override any field as --config.GROUP.FIELD=VALUE, e.g. --config.model.remat='(\"Block\",)'."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """What `--help` prints for one entry point, besides its flags."""
+
+    command: str  # the synopsis, e.g. "python -m jaxscale.report RESULTS_DIR [flags]"
+    summary: str  # what it does, one line
+    examples: tuple[str, ...]
+    notes: tuple[str, ...] = ()  # paragraphs after the flags
+
+
+def wants_help(argv: Sequence[str] | None) -> bool:
+    """Whether the command line asks for help (-h, --help, ...) before any `--`."""
+    args = list(sys.argv if argv is None else argv)[1:]
+    if "--" in args:
+        args = args[: args.index("--")]
+    return any(arg in HELP_FLAGS for arg in args)
+
+
+def _default_text(value: object) -> str:
+    if value is None or value == []:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _flag_lines(flag_values: flags.FlagValues) -> list[str]:
+    lines = []
+    for name in flag_values:
+        flag = flag_values[name]
+        if flag.name != name:  # a short name of a flag listed under its long one
+            continue
+        spelled = f"--[no]{name}" if flag.flag_type() == "bool" else f"--{name}"
+        choices = getattr(flag.parser, "enum_values", None)
+        if choices:
+            spelled += f" <{'|'.join(choices)}>"
+        text = " ".join(str(flag.help).split())
+        if choices:  # absl puts the choices in front of an enum's help; they are shown beside the name
+            text = text.removeprefix(f"<{'|'.join(choices)}>: ")
+        lines.append(f"  {spelled}  (default: {_default_text(flag.default)})")
+        lines += textwrap.wrap(text, 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return lines
+
+
+def help_text(usage: Usage, flag_values: flags.FlagValues) -> str:
+    """The `--help` page: usage, the one-line summary, examples, every flag with its default and help, notes."""
+    lines = [f"usage: {usage.command}", "", *textwrap.wrap(usage.summary, 104), "", "examples:"]
+    lines += [f"  {example}" for example in usage.examples]
+    lines += ["", "flags:", *_flag_lines(flag_values), "  -h, --help", "      Show this help and exit."]
+    for note in usage.notes:
+        lines += ["", *textwrap.wrap(note, 104)]
+    return "\n".join(lines)
+
+
+def print_help(usage: Usage, flag_values: flags.FlagValues) -> int:
+    """Prints help_text to stdout; returns exit code 0."""
+    print(help_text(usage, flag_values))
+    return 0
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
@@ -39,6 +110,19 @@ def define_config_flag(
         flag_values=flag_values,
         lock_config=True,
         sys_argv=list(argv),
+    )
+
+
+def define_cache_flag(flag_values: flags.FlagValues) -> None:
+    """Defines --[no]compilation_cache; its default follows JAXSCALE_COMPILATION_CACHE (on unless 0)."""
+    flags.DEFINE_bool(
+        "compilation_cache",
+        compile_cache.enabled(),
+        "Reuse compiled programs: JAX's persistent compilation cache and the GPU-target plan cache, in "
+        "$JAXSCALE_CACHE_DIR (default ~/.cache/jaxscale) under xla/ and plans/. --nocompilation_cache "
+        "compiles afresh, as does the environment variable JAXSCALE_COMPILATION_CACHE=0; child processes "
+        "follow.",
+        flag_values=flag_values,
     )
 
 

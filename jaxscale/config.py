@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import io
 import os
 import pathlib
+import re
+import tokenize
 import types
 
 import jax
@@ -189,6 +193,40 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _check(o.transition_steps > 0, "optimizer.transition_steps", f"must be > 0, got {o.transition_steps}")
     _check(o.grad_clip_norm >= 0, "optimizer.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
+
+
+@functools.cache
+def field_comments() -> dict[str, str]:
+    """'group.field' -> the comment on that field's line in base_config (this file's source), e.g.
+    'model.hidden_size' -> 'width of the residual stream'."""
+    source = pathlib.Path(__file__).read_text()
+    lines = source.splitlines()
+    comments = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type != tokenize.COMMENT:
+            continue
+        assigned = re.match(r"\s*c\.([\w.]+)\s*=", lines[token.start[0] - 1])
+        if assigned:
+            comments[assigned.group(1)] = token.string.lstrip("#").strip()
+    return comments
+
+
+def describe(config: ml_collections.ConfigDict) -> str:
+    """Every field of a config as `group.field = value  # what it means`, one per line, in config order.
+
+    A field whose value differs from base_config at the same preset (set by the config file, a sweep
+    variant or a --config.* override) ends with `[base: <value>]`.
+    """
+    comments = field_comments()
+    base = flatten(base_config(config.preset, config.name), prefix="")
+    rows = []
+    for field, value in flatten(config, prefix="").items():
+        shown = tuple(value) if isinstance(value, list) else value
+        changed = field in base and base[field] != value
+        note = f"  [base: {tuple(base[field]) if isinstance(base[field], list) else base[field]!r}]" if changed else ""
+        rows.append((f"{field} = {shown!r}", f"# {comments.get(field, '(no description)')}{note}"))
+    width = max(len(left) for left, _ in rows)
+    return "\n".join(f"{left.ljust(width)}  {right}" for left, right in rows)
 
 
 def flatten(config: ml_collections.ConfigDict, prefix: str = "config.") -> dict[str, object]:

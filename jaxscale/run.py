@@ -14,17 +14,47 @@ import sys
 import time
 from collections.abc import Sequence
 
-import jax  # noqa: E402
-import ml_collections  # noqa: E402
-from absl import flags  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import jax
+import ml_collections
+from absl import flags
+from tqdm import tqdm
 
-from jaxscale import train  # noqa: E402
-from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
-from jaxscale.config import flatten  # noqa: E402
-from jaxscale.measure import columns, flops, memory, profiling, timing  # noqa: E402
-from jaxscale.model import count_params  # noqa: E402
-from jaxscale.plan import gpu_plan, targets  # noqa: E402
+from jaxscale import compile_cache, train
+from jaxscale.cli import (
+    CONFIG_FIELDS_NOTE,
+    Usage,
+    UsageError,
+    define_cache_flag,
+    define_config_flag,
+    fail,
+    parse_bytes,
+    parse_config_flags,
+    print_help,
+    wants_help,
+)
+from jaxscale.config import describe, flatten
+from jaxscale.measure import columns, flops, memory, profiling, timing
+from jaxscale.model import count_params
+from jaxscale.plan import gpu_plan, targets
+
+USAGE = Usage(
+    command="python -m jaxscale.run --config CONFIG.py[:PRESET] [--config.GROUP.FIELD=VALUE ...] [flags]",
+    summary="Compiles, runs and measures one config (step time, memory, FLOPs and MFU, a profiler trace) and "
+    "writes the result row as JSON; --plan compiles only, --plan --target plans for a GPU you do not have.",
+    examples=(
+        "python -m jaxscale.run --config configs/bf16_remat.py:cpu",
+        "python -m jaxscale.run --config configs/bf16_remat.py:cpu --config.train.steps=20 --config.model.num_layers=2",
+        "python -m jaxscale.run --config configs/bf16_remat.py:seed --plan --target a5000",
+        "python -m jaxscale.run --config configs/bf16_remat.py:cpu --show_config",
+    ),
+    notes=(
+        "Presets: seed (the reference scale), cpu (about a second a step on 2 cores), tiny (tests); without one "
+        "the run picks seed on a GPU/TPU and cpu on the CPU. Configs: configs/*.py.",
+        CONFIG_FIELDS_NOTE,
+        "Output: <output_root>/traces/<run name>/result.json and the trace beside it; the row's columns are "
+        "described in README.md and docs/measurements.md.",
+    ),
+)
 
 # Rough sustained FLOP/s per backend, used only to warn before a long run (never reported as a measurement).
 _ASSUMED_FLOPS_FOR_ESTIMATE = {"cpu": 5e10, "gpu": 5e13, "tpu": 5e13}
@@ -73,6 +103,14 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     flags.DEFINE_bool(
         "quiet", False, "No progress bar and no summary; the result path is still printed.", flag_values=fv
     )
+    flags.DEFINE_bool(
+        "show_config",
+        False,
+        "Print every config field (after the preset and --config.* overrides) with its value and its "
+        "description from jaxscale/config.py, then exit without compiling.",
+        flag_values=fv,
+    )
+    define_cache_flag(fv)
     return fv
 
 
@@ -210,7 +248,9 @@ def run(
         if target is not None:
             row.update(gpu_plan.plan_for_target(config, target, gemm=gemm))
         else:
-            compiled, init_fn, abstract_state, row["compile_s"] = compile_step(config)
+            with compile_cache.watch() as cache:
+                compiled, init_fn, abstract_state, row["compile_s"] = compile_step(config)
+            row.update(cache.columns())
             row["params"] = count_params(abstract_state.params)
             row.update(memory.compiled_memory(compiled))
             row["compiled_backend"] = jax.default_backend()
@@ -237,12 +277,19 @@ def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.3f} GiB"
 
 
+def _cache_text(row: dict) -> str:
+    if row.get("compile_cache_hit"):
+        return f" (from the compilation cache; it saved {row['compile_cache_saved_s']:.1f} s)"
+    return "" if row.get("compile_cache_hit") is None else " (compiled: not in the compilation cache)"
+
+
 def summary(row: dict) -> str:
     """A short human-readable account of a result row."""
     lines = [f"run {row['name']}: {row['status']}" + (f" ({row['error']})" if row["error"] else "")]
     if row.get("params") is not None:
         lines.append(
             f"  params {row['params']:,}   tokens/step {row['tokens_per_step']:,}   compile {row['compile_s']:.1f} s"
+            + _cache_text(row)
         )
         lines.append(
             f"  compiled plan ({row['compiled_backend']}): peak {_gib(row['compiled_peak_bytes'])} = "
@@ -305,10 +352,17 @@ def _resolve_run_dir(fv: flags.FlagValues, config: ml_collections.ConfigDict) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: one run; exit 0 (ok), 1 (the run failed: its row says why) or 2 (bad input)."""
     argv = list(sys.argv if argv is None else argv)
     fv = _flag_values(argv)
+    if wants_help(argv):
+        return print_help(USAGE, fv)
     try:
         config = parse_config_flags(fv, argv)
+        if fv.show_config:
+            print(describe(config))
+            return 0
+        compile_cache.set_enabled(fv.compilation_cache)
         gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm)
         name, run_dir = _resolve_run_dir(fv, config)
         budget = None if fv.device_memory is None else parse_bytes(fv.device_memory, "--device_memory")
@@ -322,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     estimate = None if fv.plan else _estimate_message(config)
     if estimate:
         print(f"jaxscale: {estimate}")
+    compile_cache.configure()
     row = run(
         config,
         run_dir,

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from jaxscale.cli import UsageError, fail, parse_flags
+from jaxscale.cli import Usage, UsageError, fail, parse_flags, print_help, wants_help
 
 HOST = "127.0.0.1"  # loopback only: a profile shows file paths and source lines
 DEFAULT_TIMEOUT_S = 90.0
@@ -155,6 +155,21 @@ def start(logdir: str | os.PathLike, port: int | None = None, timeout_s: float =
     return server
 
 
+USAGE = Usage(
+    command="python -m jaxscale.tensorboard [--logdir traces] [--port N] [--timeout S]",
+    summary="Starts TensorBoard with the Profile plugin on the lab's traces, bound to 127.0.0.1, and prints its "
+    "URL and the profile runs it lists; serves until Ctrl-C.",
+    examples=(
+        "python -m jaxscale.tensorboard",
+        "python -m jaxscale.tensorboard --logdir traces/seed_table_cpu --port 6006",
+    ),
+    notes=(
+        "Each run's trace is <logdir>/<run>/plugins/profile/<timestamp>/; a sweep variant's run is "
+        "<sweep>/<variant>. What to look at first: docs/tensorboard.md.",
+    ),  # fmt: skip
+)
+
+
 def _flag_values() -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_string("logdir", "traces", "Traces root (runs in <run>/plugins/profile/<timestamp>/).", flag_values=fv)
@@ -166,6 +181,8 @@ def _flag_values() -> flags.FlagValues:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: starts TensorBoard, prints the URL and runs, serves until Ctrl-C; exit 0, 1, or 2 (bad input)."""
     fv = _flag_values()
+    if wants_help(argv):
+        return print_help(USAGE, fv)
     try:
         rest = parse_flags(fv, argv)
         if len(rest) > 1:

@@ -1,15 +1,25 @@
-"""Shared test helpers: real config files, shrunk to the `tiny` preset."""
+"""Shared test helpers: real config files, shrunk to the `tiny` preset; a private cache directory."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
-from jaxscale.config import load_config_file  # importing jaxscale sets the backend environment first
+# Before jaxscale is imported: the tests (and the processes they start) never read or write the user's
+# cache (~/.cache/jaxscale: compiled programs, plans, CPU rooflines), and compile afresh unless a test
+# turns the compilation cache on in a directory of its own (tests/test_compile_cache.py).
+os.environ["JAXSCALE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxscale-test-cache-")
+atexit.register(shutil.rmtree, os.environ["JAXSCALE_CACHE_DIR"], ignore_errors=True)
+os.environ["JAXSCALE_COMPILATION_CACHE"] = "0"
+
+from jaxscale.config import load_config_file  # noqa: E402  (importing jaxscale sets the backend environment)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

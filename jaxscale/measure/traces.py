@@ -18,8 +18,10 @@ import re
 import statistics
 import sys
 
+from absl import flags
 from jax.profiler import ProfileData
 
+from jaxscale.cli import Usage, UsageError, fail, parse_flags, print_help, wants_help
 from jaxscale.measure import hlo
 
 _CONTAINER = re.compile(r"^(while|call|conditional)\b")
@@ -234,29 +236,51 @@ def analyze(
     return summary, rows
 
 
+USAGE = Usage(
+    command="python -m jaxscale.measure.traces RUN_DIR [--top N]",
+    summary="Analyses a captured trace: device time per annotated step, time shares by op category (matmul, "
+    "fusion, dynamic-update-slice, copy, control flow, collective, remat) and the top ops; writes RUN_DIR/ops.csv.",
+    examples=(
+        "python -m jaxscale.measure.traces traces/bf16_remat_cpu_20261121-101500",
+        "python -m jaxscale.measure.traces traces/seed_table_cpu/bf16_scan --top 30",
+    ),
+    notes=(
+        "RUN_DIR is a run's directory (holding plugins/profile/<timestamp>/*.xplane.pb and, from jaxscale.run, "
+        "step.hlo.txt.gz for categories and the remat share). CPU and GPU traces alike; the columns are "
+        "described in docs/measurements.md, 'Trace analysis'.",
+    ),  # fmt: skip
+)
+
+
+def _flag_values() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_integer("top", 15, "How many of the ops with the most self time to print.", lower_bound=0,
+                         flag_values=fv)  # fmt: skip
+    return fv
+
+
 def main(argv: list[str]) -> int:
     """`python -m jaxscale.measure.traces RUN_DIR [--top N]`: summary, top ops and ops.csv of a captured trace."""
-    args = argv[1:]
-    top = 15
-    if "--top" in args:
-        index = args.index("--top")
-        top = int(args[index + 1])
-        del args[index : index + 2]
-    if len(args) != 1:
-        print("jaxscale: error: usage: python -m jaxscale.measure.traces RUN_DIR [--top N]", file=sys.stderr)
-        return 2
-    run_dir = pathlib.Path(args[0])
+    fv = _flag_values()
+    if wants_help(argv):
+        return print_help(USAGE, fv)
+    try:
+        rest = parse_flags(fv, argv)
+        if len(rest) != 2:
+            raise UsageError("give one RUN_DIR, e.g. python -m jaxscale.measure.traces traces/<run> [--top N]")
+    except UsageError as error:
+        return fail(str(error))
+    run_dir = pathlib.Path(rest[1])
     hlo_path = run_dir / HLO_FILE
     try:
         hlo_text = gzip.decompress(hlo_path.read_bytes()).decode() if hlo_path.exists() else None
         summary, rows = analyze(run_dir, hlo_text)
     except FileNotFoundError as error:
-        print(f"jaxscale: error: RUN_DIR: {error}", file=sys.stderr)
-        return 2
+        return fail(f"RUN_DIR: {error}")
     for key, value in summary.items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     print(f"\n{'op':48s} {'category':22s} {'remat':>5s} {'ms/step':>9s} {'share':>6s}")
-    for row in rows[:top]:
+    for row in rows[: fv.top]:
         print(
             f"{row['op'][:48]:48s} {row['category']:22s} {str(row['rematerialized'])[:5]:>5s} "
             f"{row['self_s_per_step'] * 1e3:9.3f} {row['share']:6.1%}"

@@ -9,7 +9,9 @@ warning from their stderr, and returns result-row fields:
   `compiled_triton_peak_bytes` / `compiled_cublas_peak_bytes` (the band), `compile_s`;
 - `plan_target`, `plan_target_device_kind`, `plan_target_memory_bytes` (the target's device memory);
 - `plan_fits` and `plan_fits_reason`; `compiled_remat_{limit,reached,original}_bytes` from XLA's
-  "Can't reduce memory use below ..." warning (None when XLA did not warn).
+  "Can't reduce memory use below ..." warning (None when XLA did not warn);
+- `compile_cache_hit`, `compile_cache_saved_s`: whether the plans came from the plan cache
+  (jaxscale.compile_cache; this module writes a child's plan and its stderr there after a compile).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import pathlib
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +32,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxscale import _env
+from jaxscale import _env, compile_cache
 from jaxscale.cli import UsageError
 from jaxscale.plan import targets
 
@@ -41,7 +44,9 @@ GEMM_FLAGS: dict[str, str] = {
 }
 GEMM_CHOICES = ("both", *GEMM_FLAGS)
 EXTRA_HINT = "pip install -e '.[gpu-plan]'"
-EXTRA_MODULES = ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc")  # the CUDA compiler plugin, and ptxas
+# The CUDA compiler plugin (any one of them), and ptxas (from the pip CUDA packages, or on the PATH).
+EXTRA_MODULES = _env.CUDA_PLUGINS
+PTXAS_MODULES = ("nvidia.cuda_nvcc", "nvidia.cu13")
 DEFAULT_TIMEOUT_S = 900
 
 _REMAT_WARNING = re.compile(
@@ -49,7 +54,6 @@ _REMAT_WARNING = re.compile(
     r"only reduced to \S+ \((\d+) bytes\), down from \S+ \((\d+) bytes\) originally"
 )
 _REMAT_COLUMNS = ("compiled_remat_limit_bytes", "compiled_remat_reached_bytes", "compiled_remat_original_bytes")
-_NOISE = ("cudart_stub.cc", "absl::InitializeLog()")
 
 
 class PlanError(RuntimeError):
@@ -58,7 +62,11 @@ class PlanError(RuntimeError):
 
 def missing_extra() -> str | None:
     """None when the gpu-plan extra is installed, else a one-line message naming it."""
-    missing = [m for m in EXTRA_MODULES if not _env.installed(m)]
+    missing = []
+    if not any(_env.installed(m) for m in EXTRA_MODULES):
+        missing.append(" or ".join(EXTRA_MODULES))
+    if not any(_env.installed(m) for m in PTXAS_MODULES) and shutil.which("ptxas") is None:
+        missing.append("ptxas (" + " or ".join(PTXAS_MODULES) + ")")
     if not missing:
         return None
     return (
@@ -110,7 +118,7 @@ def _failure(returncode: int, stderr: str) -> str:
     if returncode < 0:
         name = signal.Signals(-returncode).name
         return f"target compile killed by {name} (a malformed target config can do this)"
-    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not any(n in line for n in _NOISE)]
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not _env.is_native_noise(line)]
     return f"target compile failed (exit {returncode}): " + (lines[-1][:400] if lines else "no message")
 
 
@@ -135,7 +143,11 @@ def compile_in_subprocess(
         stderr = done.stderr.decode(errors="replace")
         if done.returncode != 0 or not result_path.exists():
             raise PlanError(_failure(done.returncode, stderr))
-        return json.loads(result_path.read_text()), stderr
+        result = json.loads(result_path.read_text())
+    if result.get("compile_cache_hit") is False:  # compiled now: keep the plan and XLA's warnings for next time
+        kept = {k: v for k, v in result.items() if not k.startswith("compile_cache_")}
+        compile_cache.write_plan(result["plan_key"], kept, stderr)
+    return result, stderr
 
 
 def _fits(target: targets.GpuTarget, peak: int, warning: dict[str, int] | None) -> tuple[bool, str | None]:
@@ -178,9 +190,12 @@ def plan_for_target(
     plan = plans[chosen]
     warning = next((warnings[m] for m in (chosen, *modes) if warnings[m] is not None), None)
     fits, reason = _fits(spec, plan["compiled_peak_bytes"], warning)
+    hits = [plans[m].get("compile_cache_hit") for m in modes]
     return {
         "params": plan["params"],
         "compile_s": plan["compile_s"],
+        "compile_cache_hit": None if None in hits else all(hits),
+        "compile_cache_saved_s": plan.get("compile_cache_saved_s") if all(hits) and None not in hits else None,
         **{k: v for k, v in plan.items() if k.startswith("compiled_")},
         "compiled_backend": f"cuda:{spec.name}",
         "compiled_gemm": chosen,

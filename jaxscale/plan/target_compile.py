@@ -1,14 +1,17 @@
-"""Compiles the train step for a GPU target without a GPU: the child process behind `jaxscale.gpu_plan`.
+"""Compiles the train step for a GPU target without a GPU: the child process behind `jaxscale.plan.gpu_plan`.
 
 Run as `python -m jaxscale.plan.target_compile RESULT.json` with a pickled {"config", "target_config_text"} on
 stdin and `JAX_PLATFORMS=cpu` in the environment; it writes the compiled plan as JSON to RESULT.json. XLA
 logs (its rematerialization warning among them) go to this process's stderr, which the parent reads.
 It runs in its own process because a malformed target config can kill it with a signal (SIGFPE).
+A plan already in the plan cache (jaxscale.compile_cache; the parent writes it) is not compiled again:
+its stored stderr is written to stderr, as the compile wrote it, and the result says compile_cache_hit.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 import time
@@ -19,9 +22,18 @@ import ml_collections
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale import train
+from jaxscale import compile_cache, train
+from jaxscale.cli import fail, wants_help
 from jaxscale.measure import memory
 from jaxscale.model import count_params
+
+USAGE = (
+    "usage: python -m jaxscale.plan.target_compile RESULT.json < REQUEST.pickle\n\n"
+    "The child process of GPU planning (jaxscale.plan.gpu_plan starts it; run `python -m jaxscale.run --plan "
+    "--target a5000` instead). Reads a pickled {'config': ConfigDict, 'target_config_text': str} from stdin, "
+    "compiles the train step for that GPU target without a GPU (JAX_PLATFORMS=cpu, the gpu-plan extra) and "
+    "writes XLA's memory plan as JSON to RESULT.json; XLA's warnings go to stderr."
+)
 
 
 def target_sharding(target_config_text: str) -> NamedSharding:
@@ -50,25 +62,48 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
       config: a validated run config.
       target_config_text: an XLA GpuTargetConfig text proto (see jaxscale.targets).
     Returns:
-      compiled_{argument,output,temp,alias,peak}_bytes of XLA's GPU plan, compile_s (lower + compile,
-      seconds), params and the device_kind the compile-only device reports.
+      compiled_{argument,output,temp,alias,peak}_bytes of XLA's GPU plan, compile_s (lower + compile, or lower
+      + cache read on a hit, seconds), params, the device_kind the compile-only device reports, plan_key,
+      compile_cache_hit (None: cache off) and compile_cache_saved_s.
     """
     sharding = target_sharding(target_config_text)
     state, metrics, batch = abstract_inputs(config, sharding)
     start = time.perf_counter()
-    compiled = train.make_train_step(config).lower(state, metrics, batch).compile()
+    lowered = train.make_train_step(config).lower(state, metrics, batch)
+    key = compile_cache.plan_key(lowered.as_text(), target_config_text, os.environ.get("XLA_FLAGS", ""))
+    cached = compile_cache.read_plan(key)
+    if cached is not None:
+        sys.stderr.write(cached["stderr"])  # XLA's warnings, as the compile that made the plan wrote them
+        sys.stderr.flush()
+        seconds = time.perf_counter() - start
+        saved = max(0.0, cached["result"]["compile_s"] - seconds)
+        return {**cached["result"], "compile_s": seconds, "compile_cache_hit": True, "compile_cache_saved_s": saved}
+    compiled = lowered.compile()
     seconds = time.perf_counter() - start
     return {
         **memory.compiled_memory(compiled),
         "compile_s": seconds,
         "params": count_params(state.params),
         "device_kind": next(iter(sharding.mesh.devices.flat)).device_kind,
+        "plan_key": key,
+        "compile_cache_hit": False if compile_cache.enabled() else None,
+        "compile_cache_saved_s": None,
     }
 
 
 def main(argv: list[str]) -> int:
     """Child entry point: pickled request on stdin, JSON result to argv[1]."""
-    request = pickle.loads(sys.stdin.buffer.read())
+    if wants_help(argv):
+        print(USAGE)
+        return 0
+    if len(argv) != 2 or sys.stdin.isatty():
+        return fail("give RESULT.json and a pickled request on stdin; see --help (this is planning's child process)")
+    try:
+        request = pickle.loads(sys.stdin.buffer.read())
+    except Exception as error:  # noqa: BLE001 - any unreadable request is bad input
+        return fail(f"stdin: not a pickled planning request ({type(error).__name__}); see --help")
+    # JAX's own cache cannot load a deviceless executable back (see jaxscale.compile_cache): not used here.
+    jax.config.update("jax_enable_compilation_cache", False)
     result = compile_for_target(request["config"], request["target_config_text"])
     with open(argv[1], "w") as handle:
         json.dump(result, handle)

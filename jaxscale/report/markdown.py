@@ -15,7 +15,7 @@ import matplotlib
 import pandas as pd
 from absl import flags
 
-from jaxscale.cli import UsageError, fail, parse_flags
+from jaxscale.cli import Usage, UsageError, fail, parse_flags, print_help, wants_help
 from jaxscale.report.plots import (
     ANALYTIC_PARTS,
     ANALYTIC_PEAK,
@@ -178,6 +178,18 @@ def write_report(results: str | os.PathLike, output_dir: str | os.PathLike | Non
     return path
 
 
+USAGE = Usage(
+    command="python -m jaxscale.report RESULTS_DIR [--output_dir DIR]",
+    summary="Writes a sweep's figures (PNG) and report.md (the table, the figures and what each shows) from its "
+    "results directory; the notebook experiments/compare_sweeps.ipynb draws the same figures.",
+    examples=(
+        "python -m jaxscale.report experiments/results/seed_table_cpu",
+        "python -m jaxscale.report experiments/results/seed_table_seed_plan_a5000 --output_dir /tmp/report",
+    ),
+    notes=("RESULTS_DIR is a sweep's experiments/results/<sweep>/ (holding results.jsonl). See docs/report.md.",),
+)
+
+
 def _flag_values() -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_string("output_dir", None, "Where to write the PNGs and report.md (default: beside the results).",
@@ -189,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line: `python -m jaxscale.report RESULTS_DIR [--output_dir DIR]`; exit 0, or 2 on bad input."""
     matplotlib.use("Agg")  # files only, never a window
     fv = _flag_values()
+    if wants_help(argv):
+        return print_help(USAGE, fv)
     try:
         rest = parse_flags(fv, argv)
         if len(rest) != 2:

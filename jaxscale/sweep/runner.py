@@ -22,8 +22,18 @@ import pandas as pd
 from absl import flags
 from tqdm import tqdm
 
-from jaxscale.cli import UsageError, fail, parse_bytes, parse_flags
-from jaxscale.config import flatten
+from jaxscale import compile_cache
+from jaxscale.cli import (
+    Usage,
+    UsageError,
+    define_cache_flag,
+    fail,
+    parse_bytes,
+    parse_flags,
+    print_help,
+    wants_help,
+)
+from jaxscale.config import describe, flatten
 from jaxscale.plan import gpu_plan, targets
 from jaxscale.run import write_row
 from jaxscale.sweep import variant_process
@@ -39,6 +49,26 @@ _RESERVED_RUN_FLAGS = ("--config", "--name", "--run_dir", "--output_root", "--qu
 # Run flags that are the sweep's own flags (they name the sweep, so they may not come through run_args).
 _SWEEP_RUN_FLAGS = ("--plan", "--noplan", "--target", "--gemm", "--device_memory", "--device-memory")
 DEFAULT_TIMEOUT_S = 1800.0
+
+USAGE = Usage(
+    command="python -m jaxscale.sweep --config SWEEP.py:PRESET [flags]",
+    summary="Runs every variant of a sweep file, each in its own `python -m jaxscale.run` process, into one "
+    "results table (resumable: finished variants are skipped); --plan [--target GPU] compiles only.",
+    examples=(
+        "python -m jaxscale.sweep --config experiments/seed_table.py:cpu",
+        "python -m jaxscale.sweep --config experiments/seed_table.py:cpu --only 'bf16_*' --rerun",
+        "python -m jaxscale.sweep --config experiments/seed_table.py:seed --plan --target a5000",
+        "python -m jaxscale.sweep --config experiments/seed_table.py:cpu --show_config",
+    ),
+    notes=(
+        "A sweep file (experiments/*.py; see experiments/README.md and docs/sweep.md) gives get_config(preset), "
+        "get_variants(config) (named variants as dotted config overrides) and BASELINE. Rows go to "
+        "<output_root>/experiments/results/<sweep>/results.jsonl (and .csv), traces to <output_root>/traces/<sweep>/.",
+        "Config fields: every field, with what it means, is in jaxscale/config.py (base_config). A sweep changes "
+        "fields in its variants, not on the command line; --show_config lists the sweep's base config at the "
+        "preset (values and descriptions) and each variant's overrides.",
+    ),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,14 +260,32 @@ def _flag_values() -> flags.FlagValues:
     )  # fmt: skip
     flags.DEFINE_string("output_root", ".", "Root of experiments/results/ and traces/.", flag_values=fv)
     flags.DEFINE_string("name", None, "Sweep name (default: <file stem>_<preset>).", flag_values=fv)
-    flags.DEFINE_multi_string("run_arg", [], "Extra jaxscale.run flag for every run.", flag_values=fv)
+    flags.DEFINE_multi_string("run_arg", [], "Extra jaxscale.run flag for every run", flag_values=fv)
     flags.DEFINE_bool("quiet", False, "No progress bar or per-variant lines; the table is printed.", flag_values=fv)
+    flags.DEFINE_bool(
+        "show_config", False, "Print the sweep's base config (every field, its value and description) and each "
+        "variant's overrides, then exit without running anything.", flag_values=fv,
+    )  # fmt: skip
+    define_cache_flag(fv)
     return fv
+
+
+def show_config(spec: str) -> str:
+    """The base config of a sweep file at its preset (config.describe) and each variant's overrides."""
+    sweep = load_sweep(spec)
+    lines = [f"sweep {sweep.name}: base config (get_config({sweep.preset!r}))", describe(sweep.base), "",
+             f"variants (baseline {sweep.baseline}):"]  # fmt: skip
+    for variant in sweep.variants:
+        overrides = ", ".join(f"{k}={cli_value(v, k)}" for k, v in variant.overrides.items()) or "(the base)"
+        lines.append(f"  {variant.name}: {overrides}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: runs the sweep, prints its table; exit 0, 1 (--strict and a failed variant), 2 (bad input)."""
     fv = _flag_values()
+    if wants_help(argv):
+        return print_help(USAGE, fv)
     try:
         try:
             rest = parse_flags(fv, argv)
@@ -250,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("--config is required, e.g. --config experiments/seed_table.py:cpu")
         if fv.timeout < 0:
             raise UsageError(f"--timeout: must be >= 0 seconds (0: no limit), got {fv.timeout:g}")
+        if fv.show_config:
+            print(show_config(fv.config))
+            return 0
+        compile_cache.set_enabled(fv.compilation_cache)  # the variants' processes inherit it
         outcome = run_sweep(
             fv.config,
             only=fv.only,

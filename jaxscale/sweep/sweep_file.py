@@ -50,6 +50,7 @@ class Sweep:
     baseline: str
     variants: tuple[Variant, ...]
     notebook_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # variant -> measured peak
+    base: ml_collections.ConfigDict | None = None  # get_config(preset), before any variant's overrides
 
     @property
     def variant_names(self) -> list[str]:
@@ -194,7 +195,7 @@ def load_sweep(
         raise UsageError(f"{path}: BASELINE {module.BASELINE!r} is not a variant; variants: {', '.join(names)}")
     sweep_name = _check_name(name or f"{path.stem}_{preset}{name_suffix}", "--name")
     peaks = _notebook_peaks(module, path, preset, names)
-    return Sweep(sweep_name, path, preset, module.BASELINE, tuple(variants), peaks)
+    return Sweep(sweep_name, path, preset, module.BASELINE, tuple(variants), peaks, base)
 
 
 def select_variants(names: Sequence[str], only: Sequence[str] = (), skip: Sequence[str] = ()) -> list[str]:

@@ -56,7 +56,20 @@ def test_remat_with_scan_lowers_the_planned_temp_bytes(remat_scan_plan):
 
 
 @needs_extra
-def test_a_config_far_too_large_does_not_fit_and_says_why():
+def test_a_config_far_too_large_does_not_fit_and_says_why(monkeypatch, tmp_path):
+    """XLA's rematerialization warning reaches the parent, alone on the child's stderr (no start-up lines),
+    and a plan served from the plan cache says the same: the warning is kept with it."""
+    monkeypatch.setenv("JAXSCALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JAXSCALE_COMPILATION_CACHE", "1")
+    stderrs = []
+    compile_child = gpu_plan.compile_in_subprocess
+
+    def spy(*args, **kwargs):
+        result, stderr = compile_child(*args, **kwargs)
+        stderrs.append(stderr)
+        return result, stderr
+
+    monkeypatch.setattr(gpu_plan, "compile_in_subprocess", spy)
     config = _tiny("bf16", **{"data.batch_size": 2**16, "train.num_minibatches": 1})
     plan = gpu_plan.plan_for_target(config, "a5000", gemm="triton")
     memory = targets.TARGETS["a5000"].device_memory_size
@@ -64,6 +77,14 @@ def test_a_config_far_too_large_does_not_fit_and_says_why():
     assert "could not rematerialize below" in plan["plan_fits_reason"]
     assert plan["compiled_remat_limit_bytes"] < memory < plan["compiled_remat_reached_bytes"]
     assert plan["compiled_peak_bytes"] > memory
+    lines = stderrs[0].splitlines()
+    assert lines and all("Can't reduce memory use below" in line for line in lines), stderrs[0]
+    assert plan["compile_cache_hit"] is False
+    again = gpu_plan.plan_for_target(config, "a5000", gemm="triton")
+    assert again["compile_cache_hit"] is True and again["compile_cache_saved_s"] > 0
+    assert stderrs[1] == stderrs[0]
+    same = [k for k in plan if k.startswith(("compiled_", "plan_fits", "params"))]
+    assert {k: again[k] for k in same} == {k: plan[k] for k in same}
 
 
 def test_an_unknown_target_is_one_line_listing_the_known_ones(capsys):
