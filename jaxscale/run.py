@@ -267,7 +267,10 @@ def run(
             classify_failure(str(error)),
             " ".join(f"{type(error).__name__}: {error}".split())[:500],
         )
-    row["device_peak_bytes"], row["device_peak_note"] = memory.device_peak_bytes()
+    if plan_only:  # nothing ran: the allocator's peak would be of an idle device, not of this step
+        row["device_peak_bytes"], row["device_peak_note"] = None, "plan only: no step ran on the device"
+    else:
+        row["device_peak_bytes"], row["device_peak_note"] = memory.device_peak_bytes()
     row["host_peak_rss_bytes"] = memory.host_peak_rss_bytes()
     row["plan_only"] = plan_only
     return row

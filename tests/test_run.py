@@ -168,3 +168,13 @@ def test_a_long_run_is_announced_with_an_estimate():
     assert run._estimate_message(load_config("bf16", "tiny"), "cpu") is None
     message = run._estimate_message(load_config("fp32", "seed"), "cpu")  # 15 steps of ~33 TFLOP on a CPU
     assert message is not None and "estimate" in message and "TFLOP" in message and "--plan" in message
+
+
+def test_a_plan_only_row_has_no_device_peak_even_where_the_allocator_has_one(monkeypatch, tmp_path):
+    """On a GPU host the allocator reports a peak even when no step ran (an idle device's): a plan row has none."""
+    from conftest import load_config
+
+    monkeypatch.setattr(run.memory, "device_peak_bytes", lambda device=None: (12_345, None))  # as a GPU would
+    row = run.run(load_config("bf16_remat"), tmp_path / "plan", "plan", plan_only=True, progress=False)
+    assert row["status"] == "ok" and row["plan_only"] is True
+    assert row["device_peak_bytes"] is None and row["device_peak_note"] == "plan only: no step ran on the device"

@@ -125,8 +125,9 @@ class ResultsFile:
 
 
 def best_peak(row: dict) -> tuple[int | None, str | None]:
-    """(bytes, source): the device allocator's peak where measured, else XLA's compiled plan (named by backend)."""
-    if row.get("device_peak_bytes") is not None:
+    """(bytes, source): the device allocator's peak where steps ran and it was measured, else XLA's compiled
+    plan (named by backend). A plan-only row never offers a device peak, even an old row that carries one."""
+    if row.get("device_peak_bytes") is not None and not row.get("plan_only"):
         return row["device_peak_bytes"], "device"
     if row.get("compiled_peak_bytes") is not None:
         return row["compiled_peak_bytes"], f"compiled plan ({row.get('compiled_backend') or 'unknown backend'})"

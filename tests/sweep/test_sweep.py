@@ -17,7 +17,7 @@ import pytest
 from jaxscale.cli import UsageError, parse_bytes
 from jaxscale.config import validate
 from jaxscale.run import RunError, check_memory_budget
-from jaxscale.sweep.results import COLUMNS, ResultsFile, format_table, load_results, read_rows
+from jaxscale.sweep.results import COLUMNS, ResultsFile, best_peak, format_table, load_results, read_rows
 from jaxscale.sweep.runner import load_sweep, run_sweep, select_variants
 from jaxscale.sweep.runner import main as sweep_main
 from jaxscale.sweep.sweep_file import plan_suffix
@@ -293,3 +293,12 @@ def test_parse_bytes():
     assert parse_bytes("4096", "--x") == 4096
     with pytest.raises(UsageError, match="--x: '24 parsecs'"):
         parse_bytes("24 parsecs", "--x")
+
+
+def test_a_plan_rows_peak_is_the_plan_never_an_idle_allocators():
+    """A --plan row from a GPU host could carry the idle allocator's near-zero peak (older rows did): the table
+    shows XLA's plan for it; a row whose steps ran shows the device peak."""
+    plan = {"plan_only": True, "device_peak_bytes": 1_024, "compiled_peak_bytes": 4_000_000_000,
+            "compiled_backend": "cuda:a5000"}  # fmt: skip
+    assert best_peak(plan) == (4_000_000_000, "compiled plan (cuda:a5000)")
+    assert best_peak({**plan, "plan_only": False}) == (1_024, "device")
