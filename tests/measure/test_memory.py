@@ -12,8 +12,11 @@ from jaxscale import run
 from jaxscale.measure import flops, memory
 from jaxscale.plan import gpu_plan
 
-# The notebook's measured GPU peaks for the bf16 variants (DESIGN.md, reference table), in GB.
-NOTEBOOK_PEAK_GB = {
+GIB = 2**30
+# The notebook's measured A5000 peaks, in GiB: it read them from TensorBoard's memory viewer, which prints
+# binary units (experiments/seed_table.py, docs/gpu_planning.md). fp32 ran at the card's edge with XLA's
+# auto-remat warnings, so only the bf16 variants are compared.
+NOTEBOOK_PEAK_GIB = {
     "bf16": 14.6,
     "bf16_noscan": 8.8,
     "bf16_remat": 3.9,
@@ -53,10 +56,38 @@ def test_activations_respond_to_dtype_remat_scan_and_sequence():
     assert activation("bf16_noscan", **{"model.softmax_dtype": "bfloat16"}) < activation("bf16_noscan")
 
 
-@pytest.mark.parametrize("name", sorted(NOTEBOOK_PEAK_GB))
-def test_reference_scale_estimate_within_25_percent_of_the_notebook(name):
-    estimate = memory.analytic_memory(load_config(name, "seed"))["analytic_peak_bytes"] / 1e9
-    assert estimate == pytest.approx(NOTEBOOK_PEAK_GB[name], rel=0.25)
+# What the model claims (docs/measurements.md): it leaves out transients, the allocator and the CUDA context,
+# so it sits at or just below a measured peak, by at most 6% (measured: 0.8% to 5.1% below).
+BELOW, ABOVE = 0.94, 1.02
+
+
+def _estimate_over_notebook(name: str) -> float:
+    return memory.analytic_memory(load_config(name, "seed"))["analytic_peak_bytes"] / GIB / NOTEBOOK_PEAK_GIB[name]
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOK_PEAK_GIB))
+def test_reference_scale_estimate_sits_just_below_the_notebooks_peak(name):
+    assert BELOW <= _estimate_over_notebook(name) <= ABOVE
+
+
+@pytest.mark.parametrize(
+    "drop",
+    [("attention_residuals", "ln_float32"), ("mlp_residuals", "ln_float32"), ("mlp_residuals", "gelu_intermediates")],
+)
+def test_the_check_above_fails_without_a_term_of_the_model(drop, monkeypatch):
+    """The band is narrow enough to notice a missing term: without the scanned layers' float32 LayerNorm
+    intermediates or the GELU intermediates, a variant leaves it."""
+    function, term = drop
+    original = getattr(memory, function)
+
+    def without(*args, **kwargs):
+        terms = original(*args, **kwargs)
+        terms.pop(term, None)
+        return terms
+
+    monkeypatch.setattr(memory, function, without)
+    ratios = {name: _estimate_over_notebook(name) for name in NOTEBOOK_PEAK_GIB}
+    assert any(not BELOW <= ratio <= ABOVE for ratio in ratios.values()), ratios
 
 
 def test_estimate_orders_variants_like_the_compiled_plan():
@@ -87,7 +118,7 @@ def test_ratio_column_compares_compiled_with_analytic():
 
 @pytest.mark.slow
 @pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
-@pytest.mark.parametrize("name", sorted(NOTEBOOK_PEAK_GB))
+@pytest.mark.parametrize("name", sorted(NOTEBOOK_PEAK_GIB))
 def test_reference_scale_estimate_matches_the_a5000_plan(name, tmp_path):
     """The estimate against XLA's deviceless A5000 plan (both GEMM modes, the larger) at :seed, ~20 s each."""
     row = run.run(load_config(name, "seed"), tmp_path, name, plan_only=True, progress=False, target="a5000")
