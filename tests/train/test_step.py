@@ -6,6 +6,7 @@ import re
 
 import jax
 import numpy as np
+import optax
 import pytest
 from conftest import load_config
 
@@ -65,6 +66,7 @@ def test_loop_and_scan_use_the_same_dropout_keys():
 
 def test_train_step_donates_state_accumulates_metrics_and_learns():
     config = load_config("bf16_remat")
+    config.optimizer.warmup_steps = 0  # set before the optimizer is built (make_init_fn builds it)
     step = train.make_train_step(config)
     state = train.make_init_fn(config)()
     metrics = train.init_metrics()
@@ -73,7 +75,6 @@ def test_train_step_donates_state_accumulates_metrics_and_learns():
     )
     old_params = jax.tree_util.tree_leaves(state.params)[0]
     losses, previous = [], 0.0
-    config.optimizer.warmup_steps = 0
     for _ in range(8):
         state, metrics = step(state, metrics, batch)
         total = float(metrics["loss_sum"])
@@ -98,15 +99,39 @@ def test_remat_with_scan_shrinks_the_compiled_plan():
     assert _temp_bytes(block) < 0.7 * scan_temp
 
 
-def test_optimizer_choices_build_and_clip():
+def _first_update(name: str, clip: float, grads: np.ndarray, warmup_steps: int = 0):
+    """The first update and optimizer state of optimizer `name` (built after its fields are set)."""
     config = base_config("tiny", "opt")
-    for name in ("adam", "adamw", "sgd"):
-        config.optimizer.name = name
-        config.optimizer.grad_clip_norm = 1.0
-        tx = train.make_optimizer(config.optimizer)
-        params = {"w": np.ones(3, np.float32)}
-        updates, _ = tx.update({"w": np.full(3, 1e6, np.float32)}, tx.init(params), params)
-        assert np.all(np.isfinite(updates["w"]))
+    config.optimizer.update(name=name, grad_clip_norm=clip, warmup_steps=warmup_steps, learning_rate=0.1)
+    tx = train.make_optimizer(config.optimizer)
+    params = {"w": np.ones(grads.shape, np.float32)}
+    updates, state = tx.update({"w": grads}, tx.init(params), params)
+    return np.asarray(updates["w"]), state
+
+
+def test_warmup_starts_at_a_learning_rate_of_zero():
+    """Why the clipping test below sets warmup_steps=0: with warm-up the first update is exactly zero."""
+    grads = np.full(3, 5.0, np.float32)
+    assert not np.any(_first_update("sgd", 0.0, grads, warmup_steps=10)[0])
+    assert np.any(_first_update("sgd", 0.0, grads)[0])
+
+
+def test_clipping_bounds_an_update_that_would_exceed_the_norm():
+    """Gradients of global norm 10 (> 1): SGD's first step is lr x the clipped gradient; Adam's first moment
+    stores the clipped gradient (its first step, m/sqrt(v), is scale-free, so the moment is where it shows)."""
+    grads = np.array([6.0, 8.0, 0.0], np.float32)  # norm 10
+    lr, clip = 0.1, 1.0
+    clipped, _ = _first_update("sgd", clip, grads)
+    unclipped, _ = _first_update("sgd", 0.0, grads)
+    np.testing.assert_allclose(unclipped, -lr * grads, rtol=1e-6)
+    np.testing.assert_allclose(clipped, -lr * grads / 10.0, rtol=1e-6)  # norm lr * clip, same direction
+    small = np.array([0.3, 0.4, 0.0], np.float32)  # norm 0.5 < 1: left alone
+    np.testing.assert_allclose(_first_update("sgd", clip, small)[0], _first_update("sgd", 0.0, small)[0])
+    for name in ("adam", "adamw"):
+        b1 = base_config("tiny", "opt").optimizer.b1
+        moment = {c: optax.tree_utils.tree_get(_first_update(name, c, grads)[1], "mu")["w"] for c in (clip, 0.0)}
+        np.testing.assert_allclose(np.linalg.norm(moment[clip]), (1 - b1) * clip, rtol=1e-5)
+        np.testing.assert_allclose(np.linalg.norm(moment[0.0]), (1 - b1) * 10.0, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scan_layers,accumulate", [(False, "loop"), (True, "scan")])
