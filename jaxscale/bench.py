@@ -172,7 +172,7 @@ COLUMNS = (
     ("tokens/s", lambda r, roof: f"{r['tokens_per_s']:,.0f}"),
     ("model GFLOP/step", lambda r, roof: _num(r["analytic_model_flops_per_step"], ".2f", 1e9)),
     ("model GFLOP/s", lambda r, roof: _num(r["achieved_model_flops_per_s"], ".1f", 1e9)),
-    ("MFU (own dtype)", lambda r, roof: _ratio(r["achieved_model_flops_per_s"], roof.get(r["config.model.dtype"]))),
+    ("MFU (own dtype)", lambda r, roof: _pct(r["mfu"])),
     ("of fp32 roofline", lambda r, roof: _ratio(r["achieved_model_flops_per_s"], roof["float32"])),
     ("adjacent fp32 roofline GFLOP/s", lambda r, roof: _num(r["adjacent_fp32_roofline_flops_per_s"], ".1f", 1e9)),
     (
@@ -207,7 +207,8 @@ def markdown(rooflines: dict[str, tuple[float, str]], rows: list[dict], header: 
         f"roofline, {best['achieved_model_flops_per_s'] / best['adjacent_fp32_roofline_flops_per_s']:.1%} of the "
         "one measured around it.",
         "MFU (own dtype) divides the analytic model FLOP/s (6N + 12·L·H·Q·T per token, full attention) by the",
-        "best measured roofline of the run's compute dtype (above). Runner overhead: median over alternating",
+        "best measured roofline of the run's compute dtype (above); the saved rows' `mfu` is the same figure.",
+        "Runner overhead: median over alternating",
         "rounds of the runner's median step over a bare loop's; 'step s' is the run's own median. The fp32",
         "roofline is measured around every variant too (adjacent: the better of before and after), because on a",
         "shared machine the load changes within minutes; the table's roofline is the best of all of them.",
@@ -249,7 +250,26 @@ def bench(fv: flags.FlagValues) -> tuple[str, list[dict]]:
     for dtype, value in best.items():  # cache the best, so later runs' MFU uses it
         peaks.store_peak(dtype, fv.matmul_size, value)
         rooflines[dtype] = peaks.measured_peak(dtype, fv.matmul_size)
+    for row in rows:
+        row.update(utilization(row, rooflines))
     return markdown(rooflines, rows, header), rows
+
+
+def utilization(row: dict, rooflines: dict[str, tuple[float, str]]) -> dict[str, object]:
+    """A row's MFU and HFU against the session's best roofline of its compute dtype, as the table has them.
+
+    One definition for the saved rows and the markdown: MFU = analytic model FLOP/s / the best matmul
+    roofline of the run's dtype measured in this session (float16 runs: none is measured, so null).
+    """
+    value, source = rooflines.get(row["config.model.dtype"], (None, "no roofline measured for this dtype"))
+    step_s, hardware = row.get("step_s_median"), row.get("analytic_hardware_flops_per_step")
+    achieved = row.get("achieved_model_flops_per_s")
+    return {
+        "peak_flops_per_s": value,
+        "peak_flops_source": f"best of this bench session: {source}" if value else source,
+        "mfu": achieved / value if achieved and value else None,
+        "hfu": hardware / step_s / value if hardware and step_s and value else None,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from conftest import REPO, run_cli
 
 from jaxscale import bench
@@ -31,8 +34,13 @@ def test_bench_writes_a_markdown_table(tmp_path, monkeypatch, capsys):
     assert len(row) == 1 and "%" in row[0]  # MFU and runner overhead
     assert list((tmp_path / "traces").glob("*/ops.csv"))
     assert "overrides: model.dropout_rate=0.0" in text
-    rows = (tmp_path / "bench.jsonl").read_text().splitlines()
-    assert len(rows) == 1 and '"config.model.dropout_rate": 0.0' in rows[0]
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["config.model.dropout_rate"] == 0.0
+    # One MFU: the saved row's is the table's, against the session's best roofline of its dtype.
+    roofline = next(line for line in text.splitlines() if line.startswith("| bfloat16 |")).split("|")[2]
+    assert rows[0]["peak_flops_per_s"] / 1e9 == pytest.approx(float(roofline), abs=0.05)
+    assert rows[0]["mfu"] == pytest.approx(rows[0]["achieved_model_flops_per_s"] / rows[0]["peak_flops_per_s"])
+    assert f"| {rows[0]['mfu']:.1%} |" in row[0]
 
 
 def test_bench_rejects_an_unknown_variant_and_preset(tmp_path):
