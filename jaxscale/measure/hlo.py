@@ -23,6 +23,7 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _GEMM_TARGET = re.compile(r"gemm|matmul", re.IGNORECASE)
+_ATTENTION_TARGET = re.compile(r"fmha", re.IGNORECASE)  # cuDNN fused attention (__cudnn$fmha...): its matmuls
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "collective-broadcast")
 _MOVES = {"parameter", "copy", "bitcast", "transpose", "reshape", "tuple", "get-tuple-element"}
@@ -217,6 +218,9 @@ def category(instruction: Instruction, module: Module, memo: dict[str, set[str]]
     opcode = instruction.opcode
     if opcode in ("while", "call", "conditional"):
         return "control_flow"
+    target = _TARGET.search(instruction.attributes) if opcode == "custom-call" else None
+    if target and _ATTENTION_TARGET.search(target.group(1)):
+        return "matmul"  # a fused attention kernel: QK^T and AV with the softmax between them
     inside = {"gemm" if is_matmul(instruction) else opcode}
     if opcode == "fusion":
         for _, callee in instruction.callees:

@@ -1,9 +1,25 @@
 """Trace analysis: device time per annotated step, top ops and time shares by category, from a captured trace.
 
 Reads the `*.xplane.pb` that jax.profiler wrote with `jax.profiler.ProfileData` (offline, no protobuf
-parsing here). Every XLA op event carries its HLO instruction name (`hlo_op`), so with the compiled
-step's HLO text (jaxscale.hlo) each op is put in a category and marked when it is recomputed by remat;
-without it, categories fall back to the op's name and the remat share is null.
+parsing here). Where the ops are, by backend (the XPlane conventions of TSL/xprof):
+
+- CPU: XLA's CPU executable runs its ops on host threads (`/host:CPU` plane, Eigen and XLA thread lines);
+  each op event is named after its HLO instruction and carries `hlo_op`, `hlo_module` and `run_id` stats.
+  An execution is the span of the ops sharing a run_id.
+- GPU: a `/device:GPU:<n>` plane. Raw CUPTI lines are CUDA streams, `Stream #<id>(Kernel,MemcpyD2D,...)`,
+  whose events are named after the *kernel* (`loop_add_fusion`, `nvjet_hsh_...`, `sm90_xmma_gemm_...`,
+  `MemcpyD2D`) and carry XLA's annotation as stats: `hlo_op` (the HLO instruction, e.g. `fusion.12`,
+  `custom-call.3`), `hlo_module`, `correlation_id`. xprof's derived lines, where present, are
+  `XLA Modules` (one event per execution of a program) and `XLA Ops` (one per HLO op, named after it).
+  Ops are taken from `XLA Ops` when the plane has it, else from the stream lines (an event without
+  `hlo_op`, such as a memcpy, is named after its kernel); executions from `XLA Modules`, else, per
+  annotated step, the span of the device ops that started inside it (jaxscale.profiling waits for each
+  step inside its annotation).
+- TPU: a `/device:TPU:<n>` plane with `XLA Ops` and `XLA Modules` lines.
+
+With the compiled step's HLO text (jaxscale.hlo) each op is put in a category and marked when it is
+recomputed by remat; without it, categories fall back to the op's name and then its kernel's name
+(`_name_category`), and the remat share is null.
 CLI: `python -m jaxscale.measure.traces RUN_DIR [--top N]` prints the summary and top ops, writes RUN_DIR/ops.csv.
 """
 
@@ -27,6 +43,9 @@ from jaxscale.measure import hlo
 _CONTAINER = re.compile(r"^(while|call|conditional)\b")
 STEP_ANNOTATION = "train"  # name of the StepTraceAnnotation that jaxscale.profiling puts around each step
 HLO_FILE = "step.hlo.txt.gz"  # the compiled step's HLO text, which jaxscale.run keeps beside the trace
+DEVICE_PLANE = "/device:"  # /device:GPU:0, /device:TPU:0
+HOST_PLANE = "/host:"  # /host:CPU
+OPS_LINE, MODULES_LINE, STREAM_LINE = "XLA Ops", "XLA Modules", "Stream #"
 
 
 @dataclasses.dataclass
@@ -38,6 +57,17 @@ class OpEvent:
     duration_ns: float
     self_ns: float
     run_id: int | None
+    kernel: str | None = None  # the event's own name where it differs (a GPU kernel's)
+
+
+@dataclasses.dataclass
+class Trace:
+    """What read_trace finds: the ops, the executions, the annotated steps and where the ops came from."""
+
+    ops: list[OpEvent]
+    executions: list[tuple[float, float]]  # (start_ns, end_ns) of each execution of a compiled program
+    steps: list[tuple[int, float, float]]  # (step_num, start_ns, end_ns) of each StepTraceAnnotation
+    source: str  # "device:XLA Ops", "device:streams" or "host threads"
 
 
 def trace_file(trace_dir: pathlib.Path) -> pathlib.Path:
@@ -48,14 +78,14 @@ def trace_file(trace_dir: pathlib.Path) -> pathlib.Path:
     return files[-1]
 
 
-def _with_self_time(events: list[tuple[str, float, float, int | None]]) -> list[OpEvent]:
+def _with_self_time(events: list[tuple[str, float, float, int | None, str | None]]) -> list[OpEvent]:
     """Self time of nested events on one thread: a while op contains its body's ops, a call its callee's."""
     ops: list[OpEvent] = []
     stack: list[OpEvent] = []
-    for name, start, duration, run_id in sorted(events, key=lambda e: (e[1], -e[2])):
+    for name, start, duration, run_id, kernel in sorted(events, key=lambda e: (e[1], -e[2])):
         while stack and start >= stack[-1].start_ns + stack[-1].duration_ns:
             stack.pop()
-        op = OpEvent(name, start, duration, duration, run_id)
+        op = OpEvent(name, start, duration, duration, run_id, kernel)
         if stack:
             stack[-1].self_ns -= duration
         stack.append(op)
@@ -63,41 +93,57 @@ def _with_self_time(events: list[tuple[str, float, float, int | None]]) -> list[
     return ops
 
 
-def _line_events(line, named_by_line: bool) -> list[tuple[str, float, float, int | None]]:
+def _line_events(line, named_by_line: bool) -> list[tuple[str, float, float, int | None, str | None]]:
+    """(HLO op name, start, duration, run_id, event name) of a line's op events: those with an `hlo_op`
+    stat, or every event of a line that holds only ops (`named_by_line`), named by hlo_op where given."""
     found = []
     for event in line.events:
         stats = dict(event.stats)
         if "hlo_op" in stats or named_by_line:
-            run_id = stats.get("run_id")
-            found.append((str(stats.get("hlo_op", event.name)), event.start_ns, event.duration_ns, run_id))
+            name = str(stats.get("hlo_op") or event.name)
+            kernel = event.name if event.name != name else None
+            found.append((name, event.start_ns, event.duration_ns, stats.get("run_id"), kernel))
     return found
 
 
-def read_trace(path: pathlib.Path) -> tuple[list[OpEvent], list[tuple[float, float]], list[tuple[int, float]]]:
-    """(XLA op events, executions as (start_ns, end_ns), annotated steps as (step_num, start_ns)) of a trace.
+def _device_plane(plane) -> tuple[list[OpEvent], list[tuple[float, float]], str]:
+    """(ops, executions, source) of a /device: plane: the XLA Ops line if there is one, else the streams.
+    Ops of the XLA Ops line get the kernel name a stream shows for the same hlo_op (for the category)."""
+    lines = list(plane.lines)
+    derived = [line for line in lines if line.name == OPS_LINE]
+    streams = [line for line in lines if line.name.startswith(STREAM_LINE)]
+    ops = [op for line in derived or streams for op in _with_self_time(_line_events(line, named_by_line=True))]
+    kernel_of = {name: kernel for line in streams for name, *_, kernel in _line_events(line, False) if kernel}
+    for op in ops:
+        op.kernel = op.kernel or kernel_of.get(op.name)
+    modules = [
+        (e.start_ns, e.start_ns + e.duration_ns) for line in lines if line.name == MODULES_LINE for e in line.events
+    ]
+    return ops, modules, f"device:{OPS_LINE}" if derived else "device:streams"
 
-    Ops come from the device planes (GPU/TPU: the 'XLA Ops' lines) when they have any, else from the
-    host threads that ran XLA's CPU executable (events with an `hlo_op` stat). An execution of a
-    compiled program is an event of a device's 'XLA Modules' line, or else the span of the ops that
-    share a run_id.
-    """
+
+def read_trace(path: pathlib.Path) -> Trace:
+    """The XLA ops, executions and annotated steps of a trace (see this module's docstring for where
+    each backend puts them): device planes' ops when there are any, else the host threads'."""
     profile = ProfileData.from_file(str(path))
-    device_ops, host_ops, modules, steps = [], [], [], []
+    device_ops, host_ops, modules, steps, source = [], [], [], [], "host threads"
     for plane in profile.planes:
-        for line in plane.lines:
-            if plane.name.startswith("/device:"):
-                device_ops += _with_self_time(_line_events(line, named_by_line=line.name == "XLA Ops"))
-                if line.name == "XLA Modules":
-                    modules += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
-            elif plane.name.startswith("/host:"):
+        if plane.name.startswith(DEVICE_PLANE):
+            ops, executions, found = _device_plane(plane)
+            device_ops, modules = device_ops + ops, modules + executions
+            source = found if ops else source
+        elif plane.name.startswith(HOST_PLANE):
+            for line in plane.lines:
                 host_ops += _with_self_time(_line_events(line, named_by_line=False))
                 steps += [
-                    (int(dict(e.stats).get("step_num", -1)), e.start_ns)
+                    (int(dict(e.stats).get("step_num", -1)), e.start_ns, e.start_ns + e.duration_ns)
                     for e in line.events
                     if e.name == STEP_ANNOTATION
                 ]
+    steps.sort(key=lambda s: s[1])
     ops = _container_self_time(device_ops or host_ops)
-    return ops, sorted(modules) or _executions_by_run_id(ops), sorted(steps, key=lambda s: s[1])
+    executions = sorted(modules) or _executions_by_run_id(ops) or _executions_by_step(ops, steps)
+    return Trace(ops, executions, steps, source if device_ops else "host threads")
 
 
 def _container_self_time(ops: list[OpEvent]) -> list[OpEvent]:
@@ -131,7 +177,17 @@ def _executions_by_run_id(ops: list[OpEvent]) -> list[tuple[float, float]]:
     return sorted((start, end) for start, end in runs.values())
 
 
-def step_times(executions: list[tuple[float, float]], steps: list[tuple[int, float]]) -> dict[int, float]:
+def _executions_by_step(ops: list[OpEvent], steps: list[tuple[int, float, float]]) -> list[tuple[float, float]]:
+    """Per annotated step, the span of the ops that started inside it (device ops without run ids)."""
+    spans = []
+    for _, begin, end in steps:
+        inside = [op for op in ops if begin <= op.start_ns < end]
+        if inside:
+            spans.append((min(op.start_ns for op in inside), max(op.start_ns + op.duration_ns for op in inside)))
+    return spans
+
+
+def step_times(executions: list[tuple[float, float]], steps: list[tuple[int, float, float]]) -> dict[int, float]:
     """Device seconds per annotated step: the summed spans of the executions each step launched.
 
     Dispatch is asynchronous, so an execution can start after its step's annotation has closed; the
@@ -148,38 +204,52 @@ def step_times(executions: list[tuple[float, float]], steps: list[tuple[int, flo
         if remainder == 0:
             step = steps[index // per_step][0]
         else:
-            step = [number for number, begin in steps if begin <= start][-1]
+            step = [s[0] for s in steps if s[1] <= start][-1]
         seconds[step] += (end - start) / 1e9
     return dict(seconds)
 
 
+# Category from a name alone, first match wins: HLO op names (CPU and GPU: fusion.12, dot.3, copy.1,
+# dynamic-update-slice.4, loop_add_fusion, gemm_fusion_dot.2, wrapped_reduce) and GPU kernel names
+# (cuBLAS sm90_xmma_gemm_*, nvjet_*, cutlass_*, cuDNN attention cudnn_*/fmha*, Triton triton_*, MemcpyD2D).
+_NAME_RULES = (
+    ("control_flow", r"^(while|call|conditional)\b"),
+    ("collective", "|".join((*hlo.COLLECTIVES, *(c.replace("-", "_") for c in hlo.COLLECTIVES), "nccl"))),
+    ("matmul", r"dot|gemm|matmul|convolution|cublas|cutlass|xmma|nvjet|cudnn|fmha|flash"),
+    ("dynamic_update_slice", r"dynamic[-_]update[-_]slice"),
+    ("copy", r"^copy|transpose|memcpy|memset"),
+    ("fusion", r"fusion|^wrapped_|^loop_|^input_|^triton"),
+)
+
+
 def _name_category(name: str) -> str:
-    """Category from the op's name alone (no HLO at hand): XLA names fusions after what they contain."""
-    rules = (
-        ("control_flow", r"^(while|call|conditional)\b"),
-        ("collective", "|".join(hlo.COLLECTIVES)),
-        ("matmul", r"dot|gemm|matmul|convolution"),
-        ("dynamic_update_slice", r"dynamic-update-slice"),
-        ("copy", r"^copy|transpose"),
-        ("fusion", r"fusion|^wrapped_"),
-    )
-    return next((category for category, pattern in rules if re.search(pattern, name)), "other")
+    """Category from a name alone (no HLO at hand): XLA names fusions after what they contain."""
+    return next((c for c, pattern in _NAME_RULES if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
 def op_table(ops: list[OpEvent], num_steps: int, hlo_text: str | None) -> list[dict[str, object]]:
-    """Per-op rows (name, category, rematerialized, count, self seconds per step, share), largest first."""
+    """Per-op rows (name, category, rematerialized, count, self seconds per step, share), largest first.
+
+    The category comes from the HLO (by instruction name) where given, else from the op's name, else, for
+    a GPU op whose name says nothing (custom-call.3), from its kernel's name (the first seen)."""
     table = hlo.op_table(hlo.parse(hlo_text)) if hlo_text else {}
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    kernels: dict[str, str] = {}
     for op in ops:
         totals[op.name][0] += 1
         totals[op.name][1] += op.self_ns / 1e9
+        if op.kernel:
+            kernels.setdefault(op.name, op.kernel)
     everything = sum(total for _, total in totals.values()) or 1.0
     rows = []
     for name, (count, total) in totals.items():
         category, remat = table.get(name, (_name_category(name), None))
+        if name not in table and category == "other" and name in kernels:
+            category = _name_category(kernels[name])
         rows.append(
             {
                 "op": name,
+                "kernel": kernels.get(name),
                 "category": category,
                 "rematerialized": remat,
                 "occurrences_per_step": count / max(num_steps, 1),
@@ -225,10 +295,10 @@ def analyze(
       hlo_text: the compiled step's `as_text()`, for categories and the remat share (optional).
       write_csv: write ops.csv beside the trace.
     """
-    ops, executions, steps = read_trace(trace_file(trace_dir))
-    step_seconds = step_times(executions, steps)
-    rows = op_table(ops, len(step_seconds) or 1, hlo_text)
-    summary = summarize(rows, step_seconds)
+    trace = read_trace(trace_file(trace_dir))
+    step_seconds = step_times(trace.executions, trace.steps)
+    rows = op_table(trace.ops, len(step_seconds) or 1, hlo_text)
+    summary = {**summarize(rows, step_seconds), "trace_op_source": trace.source}
     if write_csv:
         path = pathlib.Path(trace_dir) / "ops.csv"
         write_ops_csv(path, rows)
