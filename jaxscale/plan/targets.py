@@ -280,3 +280,18 @@ def get_target(name: str) -> GpuTarget:
     raise UnknownTargetError(
         f"--target: unknown {name!r}; known: {', '.join(TARGETS)} (or a GpuTargetConfig .txtpb file)"
     )
+
+
+def target_for_device_kind(device_kind: str) -> GpuTarget | None:
+    """The planning target whose device_kind is exactly this device's (e.g. 'NVIDIA H100 80GB HBM3' -> h100)."""
+    return next((target for target in TARGETS.values() if target.device_kind == device_kind), None)
+
+
+def device_slug(device_kind: str) -> str:
+    """A short name for a device in sweep and file names: the matching target's name (h100, a5000,
+    a100-40gb), else the device_kind lower-cased without 'NVIDIA' ('NVIDIA H100 PCIe' -> h100-pcie)."""
+    target = target_for_device_kind(device_kind)
+    if target is not None:
+        return target.name
+    words = re.sub(r"^nvidia\s+", "", device_kind.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "-", words).strip("-") or "device"

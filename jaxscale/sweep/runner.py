@@ -58,6 +58,7 @@ USAGE = Usage(
         "python -m jaxscale.sweep --config experiments/seed_table.py:cpu",
         "python -m jaxscale.sweep --config experiments/seed_table.py:cpu --only 'bf16_*' --rerun",
         "python -m jaxscale.sweep --config experiments/seed_table.py:seed --plan --target a5000",
+        "python -m jaxscale.sweep --config experiments/seed_table.py:seed --on_this_device   # on a GPU",
         "python -m jaxscale.sweep --config experiments/seed_table.py:cpu --show_config",
     ),
     notes=(
@@ -162,6 +163,28 @@ def run_variant(
     return row
 
 
+def device_suffix(plan: bool) -> str:
+    """ "_<device slug>" of the accelerator this machine's variants run on (h100, a5000, h100-pcie, ...).
+
+    The device kind is read in a short child process (variant_process.device_kind_in_child): this process
+    never opens the accelerator, whose memory the variants' processes need.
+
+    Raises:
+      UsageError: with --plan (a plan does not run on this device), or the machine has no accelerator.
+    """
+    if plan:
+        raise UsageError("--on_this_device: names a sweep whose variants run here; a --plan compiles only "
+                         "(use --target to plan for a GPU)")  # fmt: skip
+    try:
+        kind = variant_process.device_kind_in_child()
+    except RuntimeError as error:
+        raise UsageError(f"--on_this_device: {error}") from None
+    if kind.strip().lower() == "cpu":
+        raise UsageError("--on_this_device: JAX finds no accelerator here (its device is the CPU); the flag names "
+                         "a sweep after the GPU or TPU its variants run on")  # fmt: skip
+    return f"_{targets.device_slug(kind)}"
+
+
 def _one_line(row: dict) -> str:
     text = f"{row['variant']}: {row['status']}"
     if row.get("step_s_median") is not None:
@@ -185,6 +208,7 @@ def run_sweep(
     name: str | None = None,
     run_args: Sequence[str] = (),
     progress: bool = True,
+    on_this_device: bool = False,
 ) -> SweepOutcome:
     """Runs a sweep's variants that have no current row yet, each in its own process, recording each row.
 
@@ -204,12 +228,15 @@ def run_sweep(
       name: sweep name (default <file stem>_<preset>[_plan[_<target>[_<gemm>]]]).
       run_args: extra `python -m jaxscale.run` flags for every variant.
       progress: show a bar across variants and a line per finished variant.
+      on_this_device: name the sweep after the accelerator its variants run on (default name
+        <file stem>_<preset>_<device slug>, e.g. seed_table_seed_h100); see device_suffix.
 
     Returns:
       SweepOutcome: the results path, the selected variants, and the table / DataFrame of all rows.
     """
     run_args = _run_args(run_args, device_memory, plan, target, gemm)
-    sweep = load_sweep(config, preset, name, plan_suffix(plan, target, gemm))
+    suffix = plan_suffix(plan, target, gemm) + (device_suffix(plan) if on_this_device else "")
+    sweep = load_sweep(config, preset, name, suffix)
     selected = select_variants(sweep.variant_names, only, skip)
     output_root = pathlib.Path(output_root)
     store = ResultsFile(output_root / "experiments" / "results" / sweep.name)
@@ -266,6 +293,12 @@ def _flag_values() -> flags.FlagValues:
         "show_config", False, "Print the sweep's base config (every field, its value and description) and each "
         "variant's overrides, then exit without running anything.", flag_values=fv,
     )  # fmt: skip
+    flags.DEFINE_bool(
+        "on_this_device", False, "Name the sweep after the accelerator its variants run on: "
+        "<file stem>_<preset>_<device> (h100, a5000, ...: the planning target with the same device_kind, else "
+        "the device_kind shortened), e.g. experiments/results/seed_table_seed_h100/. The device is read in a "
+        "short child process; this process never opens the GPU.", flag_values=fv,
+    )  # fmt: skip
     define_cache_flag(fv)
     return fv
 
@@ -316,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name=fv.name,
             run_args=fv.run_arg,
             progress=not fv.quiet,
+            on_this_device=fv.on_this_device,
         )
     except UsageError as error:
         return fail(str(error))

@@ -67,6 +67,29 @@ def launch(python_args: list[str], log_path: pathlib.Path, timeout_s: float | No
     return Finished(process.returncode, timed_out, time.perf_counter() - start, log_path)
 
 
+_PROBE = "import jaxscale, jax; print(jax.devices()[0].device_kind, flush=True)"
+
+
+def device_kind_in_child(timeout_s: float = 300.0) -> str:
+    """The device_kind of the device the variants' processes will run on (what jax.devices()[0] reports),
+    read in a short child process, so this process never opens the accelerator or takes its memory.
+
+    Raises:
+      RuntimeError: the child failed (its last line of stderr) or timed out.
+    """
+    env = _env.with_package_on_path(dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env,
+                              timeout=timeout_s, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"reading the device kind took longer than {timeout_s:g} s") from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"reading the device kind failed (exit {done.returncode}): {last}")
+    return lines[-1].strip()
+
+
 def failure(finished: Finished, timeout_s: float | None) -> tuple[str, str]:
     """(status, one-line error) for a process that left no result row."""
     if finished.timed_out:

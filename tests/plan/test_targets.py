@@ -77,3 +77,13 @@ def test_xla_accepts_every_target_and_reports_its_device_kind():
     done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, check=True)
     kinds = json.loads(done.stdout.strip().splitlines()[-1])
     assert kinds == {name: t.device_kind for name, t in targets.TARGETS.items()}
+
+
+def test_a_device_is_named_after_its_planning_target_or_its_kind():
+    assert targets.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert targets.device_slug("NVIDIA RTX A5000") == "a5000"
+    assert targets.device_slug("NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert targets.device_slug("NVIDIA H100 PCIe") == "h100-pcie"  # no target of its own
+    assert targets.device_slug("TPU v5 lite") == "tpu-v5-lite"
+    assert targets.target_for_device_kind("NVIDIA H200").name == "h200"
+    assert targets.target_for_device_kind("NVIDIA H100 PCIe") is None

@@ -302,3 +302,32 @@ def test_a_plan_rows_peak_is_the_plan_never_an_idle_allocators():
             "compiled_backend": "cuda:a5000"}  # fmt: skip
     assert best_peak(plan) == (4_000_000_000, "compiled plan (cuda:a5000)")
     assert best_peak({**plan, "plan_only": False}) == (1_024, "device")
+
+
+def test_on_this_device_names_the_sweep_after_the_gpu_without_opening_it(tmp_path):
+    """`--on_this_device` on a GPU machine: experiments/results/seed_table_seed_h100/. Here the child's answer
+    is replaced by an H100's; the sweep process itself never initialises a JAX backend (the variants'
+    processes need the GPU's memory)."""
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    script = textwrap.dedent(f"""
+        from jax._src import xla_bridge
+        from jaxscale.sweep import runner, variant_process
+        variant_process.device_kind_in_child = lambda: "NVIDIA H100 80GB HBM3"
+        outcome = runner.run_sweep({str(repo / 'experiments' / 'seed_table.py')!r}, "tiny",
+                                   only=["bf16_scan_remat_block"], on_this_device=True,
+                                   output_root={str(tmp_path)!r}, progress=False)
+        print(outcome.sweep.name, outcome.results_path.parent.name, xla_bridge.backends_are_initialized())
+    """)
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["seed_table_tiny_h100", "seed_table_tiny_h100", "False"]
+    rows = read_rows(tmp_path / "experiments" / "results" / "seed_table_tiny_h100" / "results.jsonl")
+    assert [row["status"] for row in rows] == ["ok"]
+
+
+def test_on_this_device_without_an_accelerator_is_refused(capsys):
+    spec = f"{pathlib.Path(__file__).resolve().parents[2] / 'experiments' / 'seed_table.py'}:tiny"
+    assert sweep_main(["sweep", "--config", spec, "--on_this_device"]) == 2
+    assert "JAX finds no accelerator here" in capsys.readouterr().err
+    assert sweep_main(["sweep", "--config", spec, "--on_this_device", "--plan"]) == 2
