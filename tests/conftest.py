@@ -18,6 +18,8 @@ import pytest
 os.environ["JAXSCALE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxscale-test-cache-")
 atexit.register(shutil.rmtree, os.environ["JAXSCALE_CACHE_DIR"], ignore_errors=True)
 os.environ["JAXSCALE_COMPILATION_CACHE"] = "0"
+# On a GPU, tests and the runs they start share the device: no process takes 75% of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from jaxscale.config import load_config_file  # noqa: E402  (importing jaxscale sets the backend environment)
 

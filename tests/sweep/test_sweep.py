@@ -313,7 +313,7 @@ def test_on_this_device_names_the_sweep_after_the_gpu_without_opening_it(tmp_pat
         from jax._src import xla_bridge
         from jaxscale.sweep import runner, variant_process
         variant_process.device_kind_in_child = lambda: "NVIDIA H100 80GB HBM3"
-        outcome = runner.run_sweep({str(repo / 'experiments' / 'seed_table.py')!r}, "tiny",
+        outcome = runner.run_sweep({str(repo / "experiments" / "seed_table.py")!r}, "tiny",
                                    only=["bf16_scan_remat_block"], on_this_device=True,
                                    output_root={str(tmp_path)!r}, progress=False)
         print(outcome.sweep.name, outcome.results_path.parent.name, xla_bridge.backends_are_initialized())
