@@ -137,8 +137,9 @@ def watch() -> Iterator[CompileWatch]:
 
 
 def _versions() -> str:
-    found = [f"jax {jax.__version__}", f"jaxlib {importlib.metadata.version('jaxlib')}"]
-    for name in _CUDA_PLUGIN_DISTRIBUTIONS:
+    """jax, jaxlib and CUDA plugin versions (whichever are installed as distributions)."""
+    found = [f"jax {jax.__version__}"]
+    for name in ("jaxlib", *_CUDA_PLUGIN_DISTRIBUTIONS):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found.append(f"{name} {importlib.metadata.version(name)}")
     return ", ".join(found)
