@@ -24,7 +24,7 @@ from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, pars
 from jaxscale.config import flatten  # noqa: E402
 from jaxscale.measure import columns, flops, memory, profiling, timing  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
-from jaxscale.plan import gpu_plan, targets  # noqa: E402
+from jaxscale.plan import gpu_plan, predict, targets  # noqa: E402
 
 # Rough sustained FLOP/s per backend, used only to warn before a long run (never reported as a measurement).
 _ASSUMED_FLOPS_FOR_ESTIMATE = {"cpu": 5e10, "gpu": 5e13, "tpu": 5e13}
@@ -107,6 +107,15 @@ def compile_step(config: ml_collections.ConfigDict):
     start = time.perf_counter()
     compiled = train.make_train_step(config).lower(abstract_state, abstract_metrics, abstract_batch).compile()
     return compiled, init_fn, abstract_state, time.perf_counter() - start
+
+
+def _local_prediction(config: ml_collections.ConfigDict, compiled) -> dict:
+    """The step time predicted from the compiled program on this machine's rooflines (jaxscale.plan.predict);
+    a prediction that fails leaves predicted_error in the row, never fails the run."""
+    try:
+        return predict.local_columns(config, compiled.as_text(), jax.devices()[0])
+    except Exception as error:  # noqa: BLE001 - the prediction is an extra; the run's own numbers come first
+        return {"predicted_step_s": None, "predicted_error": f"{type(error).__name__}: {error}"[:300]}
 
 
 def _read_metrics(metrics: train.Metrics) -> dict[str, float]:
@@ -214,11 +223,13 @@ def run(
             row["params"] = count_params(abstract_state.params)
             row.update(memory.compiled_memory(compiled))
             row["compiled_backend"] = jax.default_backend()
+            row.update(_local_prediction(config, compiled))
         row.update(columns.after_compile(config, None if target else compiled, row))
         check_memory_budget(row, device_memory_bytes)
         if not plan_only:
             execute(config, compiled, init_fn, run_dir, row, progress)
             row.update(columns.after_run(config, compiled, row))
+            row["predicted_over_measured"] = predict.over_measured(row)
         row["status"] = "ok"
     except RunError as error:
         row["status"], row["error"] = error.status, str(error)
@@ -258,6 +269,8 @@ def summary(row: dict) -> str:
         )
         lines.append(f"  loss {row['loss']:.4f} (first step {row['loss_first']:.4f})   accuracy {row['accuracy']:.4f}")
     lines += columns.summary_lines(row)
+    if row.get("predicted_step_s") is not None:
+        lines.append(predict.summary_line(row))
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
     lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}")
     if row.get("trace_dir"):

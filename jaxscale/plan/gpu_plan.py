@@ -9,7 +9,8 @@ warning from their stderr, and returns result-row fields:
   `compiled_triton_peak_bytes` / `compiled_cublas_peak_bytes` (the band), `compile_s`;
 - `plan_target`, `plan_target_device_kind`, `plan_target_memory_bytes` (the target's device memory);
 - `plan_fits` and `plan_fits_reason`; `compiled_remat_{limit,reached,original}_bytes` from XLA's
-  "Can't reduce memory use below ..." warning (None when XLA did not warn).
+  "Can't reduce memory use below ..." warning (None when XLA did not warn);
+- `predicted_*`: the step time predicted from the compiled programs' kernels (jaxscale.plan.predict).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import ml_collections
 
 from jaxscale import _env
 from jaxscale.cli import UsageError
-from jaxscale.plan import targets
+from jaxscale.measure import kernels
+from jaxscale.plan import predict, targets
 
 # Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
 # autotuner may pick cuBLAS instead. The plans differ, so both are compiled and the band is reported.
@@ -178,6 +180,7 @@ def plan_for_target(
     plan = plans[chosen]
     warning = next((warnings[m] for m in (chosen, *modes) if warnings[m] is not None), None)
     fits, reason = _fits(spec, plan["compiled_peak_bytes"], warning)
+    by_mode = {mode: kernels.from_dicts(plans[mode]["kernels"]) for mode in modes}
     return {
         "params": plan["params"],
         "compile_s": plan["compile_s"],
@@ -191,6 +194,7 @@ def plan_for_target(
         "plan_target_memory_bytes": spec.device_memory_size,
         "plan_fits": fits,
         "plan_fits_reason": reason,
+        **predict.target_columns(config, spec, by_mode),
         "plan_wall_s": time.perf_counter() - start,
     }
 

@@ -20,7 +20,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale import train
-from jaxscale.measure import memory
+from jaxscale.measure import kernels, memory
 from jaxscale.model import count_params
 
 
@@ -51,7 +51,8 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
       target_config_text: an XLA GpuTargetConfig text proto (see jaxscale.targets).
     Returns:
       compiled_{argument,output,temp,alias,peak}_bytes of XLA's GPU plan, compile_s (lower + compile,
-      seconds), params and the device_kind the compile-only device reports.
+      seconds), params, the device_kind the compile-only device reports, and `kernels`: the kernels the
+      program launches (jaxscale.measure.kernels, as dicts) for the time prediction.
     """
     sharding = target_sharding(target_config_text)
     state, metrics, batch = abstract_inputs(config, sharding)
@@ -63,6 +64,7 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
         "compile_s": seconds,
         "params": count_params(state.params),
         "device_kind": next(iter(sharding.mesh.devices.flat)).device_kind,
+        "kernels": kernels.as_dicts(kernels.kernels(compiled.as_text())),
     }
 
 

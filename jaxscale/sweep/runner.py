@@ -118,6 +118,10 @@ def run_variant(
         notebook = row["notebook_peak_bytes"] = sweep.notebook_peak_bytes[variant.name]
         peak = row.get("compiled_peak_bytes")
         row["planned_over_notebook"] = None if peak is None else peak / notebook
+    if variant.name in sweep.notebook_step_s:
+        notebook = row["notebook_step_s"] = sweep.notebook_step_s[variant.name]
+        predicted = row.get("predicted_step_s")
+        row["predicted_over_notebook"] = None if predicted is None else predicted / notebook
     row.update(
         sweep=sweep.name,
         variant=variant.name,

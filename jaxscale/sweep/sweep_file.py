@@ -50,6 +50,7 @@ class Sweep:
     baseline: str
     variants: tuple[Variant, ...]
     notebook_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # variant -> measured peak
+    notebook_step_s: dict[str, float] = dataclasses.field(default_factory=dict)  # variant -> measured step time
 
     @property
     def variant_names(self) -> list[str]:
@@ -127,19 +128,26 @@ def _check_name(name: str, what: str) -> str:
     return name
 
 
+def _notebook_values(module, path: pathlib.Path, preset: str, names: list[str], attribute: str) -> dict[str, float]:
+    """The sweep file's `attribute` table ({preset: {variant: positive number}}) at this preset; {} if none."""
+    table = getattr(module, attribute, {})
+    values = table.get(preset, {}) if isinstance(table, dict) else None
+    if not isinstance(values, dict):
+        raise UsageError(f"{path}: {attribute} must be {{preset: {{variant: number}}}}, got {table!r}")
+    for variant, value in values.items():
+        if variant not in names:
+            raise UsageError(f"{path}: {attribute}[{preset!r}]: {variant!r} is not a variant at {preset}; "
+                             f"variants: {', '.join(names)}")  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise UsageError(f"{path}: {attribute}[{preset!r}][{variant!r}]: must be a positive number")
+    return dict(values)
+
+
 def _notebook_peaks(module, path: pathlib.Path, preset: str, names: list[str]) -> dict[str, int]:
     """The sweep file's NOTEBOOK_PEAK_GIB at this preset, in bytes; {} when it defines none for the preset."""
-    table = getattr(module, "NOTEBOOK_PEAK_GIB", {})
-    peaks = table.get(preset, {}) if isinstance(table, dict) else None
-    if not isinstance(peaks, dict):
-        raise UsageError(f"{path}: NOTEBOOK_PEAK_GIB must be {{preset: {{variant: GiB}}}}, got {table!r}")
-    for variant, gib in peaks.items():
-        if variant not in names:
-            raise UsageError(f"{path}: NOTEBOOK_PEAK_GIB[{preset!r}]: {variant!r} is not a variant at {preset}; "
-                             f"variants: {', '.join(names)}")  # fmt: skip
-        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0:
-            raise UsageError(f"{path}: NOTEBOOK_PEAK_GIB[{preset!r}][{variant!r}]: must be a positive number of GiB")
-    return {variant: round(gib * GIB) for variant, gib in peaks.items()}
+    return {
+        v: round(gib * GIB) for v, gib in _notebook_values(module, path, preset, names, "NOTEBOOK_PEAK_GIB").items()
+    }
 
 
 def plan_suffix(plan: bool, target: str | None, gemm: str = "both") -> str:
@@ -194,7 +202,8 @@ def load_sweep(
         raise UsageError(f"{path}: BASELINE {module.BASELINE!r} is not a variant; variants: {', '.join(names)}")
     sweep_name = _check_name(name or f"{path.stem}_{preset}{name_suffix}", "--name")
     peaks = _notebook_peaks(module, path, preset, names)
-    return Sweep(sweep_name, path, preset, module.BASELINE, tuple(variants), peaks)
+    steps = _notebook_values(module, path, preset, names, "NOTEBOOK_STEP_S")
+    return Sweep(sweep_name, path, preset, module.BASELINE, tuple(variants), peaks, steps)
 
 
 def select_variants(names: Sequence[str], only: Sequence[str] = (), skip: Sequence[str] = ()) -> list[str]:
