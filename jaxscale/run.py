@@ -109,7 +109,7 @@ def compile_step(config: ml_collections.ConfigDict):
     return compiled, init_fn, abstract_state, time.perf_counter() - start
 
 
-def _local_prediction(config: ml_collections.ConfigDict, compiled) -> dict:
+def local_prediction(config: ml_collections.ConfigDict, compiled) -> dict:
     """The step time predicted from the compiled program on this machine's rooflines (jaxscale.plan.predict);
     a prediction that fails leaves predicted_error in the row, never fails the run."""
     try:
@@ -223,7 +223,7 @@ def run(
             row["params"] = count_params(abstract_state.params)
             row.update(memory.compiled_memory(compiled))
             row["compiled_backend"] = jax.default_backend()
-            row.update(_local_prediction(config, compiled))
+            row.update(local_prediction(config, compiled))
         row.update(columns.after_compile(config, None if target else compiled, row))
         check_memory_budget(row, device_memory_bytes)
         if not plan_only:

@@ -35,11 +35,11 @@ _ARITHMETIC = {
     "clamp", "erf", "sine", "cosine", "atan2", "remainder", "floor", "ceil", "round-nearest-even", "sign",
 }  # fmt: skip
 _SLICERS = {"dynamic-slice", "slice", "gather"}
-_GEMM_FUSION_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas", "__cudnn")
 _FUSION_KIND = re.compile(r'"kind":"([^"]+)"')
 _LEGACY_KIND = re.compile(r"\bkind=(k\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _PRECISION = re.compile(r"operand_precision[=:]\{?\[?([^}\]]*)")
 CATEGORIES = ("matmul", "fusion", "copy", "dynamic_update_slice", "collective")
@@ -171,9 +171,15 @@ def _fusion_kind(instruction: hlo.Instruction) -> str:
 
 
 def _group_size(instruction: hlo.Instruction, num_partitions: int) -> int:
+    """Devices per replica group: iota form `[groups,size]<=[n]`, mesh form `mesh['a'=2,'b'=4] {'a'}`,
+    or an explicit list `{{0,1},{2,3}}`; no groups at all means every device."""
     iota = _GROUPS_IOTA.search(instruction.attributes)
     if iota:
         return int(iota.group(2))
+    mesh = _GROUPS_MESH.search(instruction.attributes)
+    if mesh:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes.get(name, 1) for name in re.findall(r"'([^']+)'", mesh.group(2)))
     listed = _GROUPS_LIST.search(instruction.attributes)
     groups = re.findall(r"\{([\d,]*)\}", listed.group(1)) if listed else []
     sizes = [len([d for d in g.split(",") if d]) for g in groups]
@@ -207,6 +213,18 @@ def _collective(instruction: hlo.Instruction, computation: dict, num_partitions:
     group = _group_size(instruction, num_partitions)
     return Kernel(category="collective", detail=base, flops=0.0, flop_dtype="vector", bytes_read=read,
                   bytes_written=largest, collective=(base, group, payload), **fields)  # fmt: skip
+
+
+def _async_collective(instruction: hlo.Instruction, module: hlo.Module) -> hlo.Instruction | None:
+    """The collective an `async-start` wraps (its computation's root), with the start's operands; else None."""
+    if instruction.opcode != "async-start":
+        return None
+    callee = next((c for role, c in instruction.callees if role == "calls"), "")
+    body = module.computations.get(callee, {})
+    root = body[list(body)[-1]] if body else None
+    if root is None or root.opcode.removesuffix("-start") not in hlo.COLLECTIVES:
+        return None
+    return dataclasses.replace(root, operands=instruction.operands)
 
 
 def _custom_call(instruction: hlo.Instruction, computation: dict, **fields) -> Kernel:
@@ -281,7 +299,10 @@ def kernels(hlo_text: str) -> list[Kernel]:
             continue
         computation = module.computations[step.computation]
         fields = dict(name=instruction.name, trips=step.trips, times=step.times)
-        if instruction.opcode.removesuffix("-start") in hlo.COLLECTIVES:
+        wrapped = _async_collective(instruction, module)
+        if wrapped is not None:
+            found.append(_collective(wrapped, computation, num_partitions, **fields))
+        elif instruction.opcode.removesuffix("-start") in hlo.COLLECTIVES:
             found.append(_collective(instruction, computation, num_partitions, **fields))
         elif instruction.opcode == "custom-call":
             found.append(_custom_call(instruction, computation, **fields))

@@ -160,3 +160,21 @@ def test_kernels_survive_the_trip_through_json(tiny_step):
     _, text = tiny_step
     found = kernels.kernels(text)
     assert kernels.from_dicts(kernels.as_dicts(found)) == found
+
+
+def test_replica_groups_in_each_form_give_the_group_size():
+    """The three forms XLA prints (checked on a 2x2 CPU mesh for the list and mesh forms)."""
+    module = """HloModule sharded, num_partitions=4
+
+ENTRY %main (p: f32[16,128]) -> (f32[16,128], f32[32,128], f32[64,128]) {
+  %p = f32[16,128]{1,0} parameter(0)
+  %listed = f32[16,128]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%sum
+  %meshed = f32[32,128]{1,0} all-gather(%p), channel_id=2, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=2] {'axis_0'}, dimensions={0}
+  %everyone = f32[64,128]{1,0} all-gather(%p), channel_id=3, replica_groups={}, dimensions={0}
+  ROOT %t = (f32[16,128]{1,0}, f32[32,128]{1,0}, f32[64,128]{1,0}) tuple(%listed, %meshed, %everyone)
+}
+"""  # noqa: E501
+    found = _by_name(kernels.kernels(module))
+    assert found["listed"].collective == ("all-reduce", 2, 4 * 16 * 128)
+    assert found["meshed"].collective == ("all-gather", 2, 4 * 32 * 128)  # the gathered result is the buffer
+    assert found["everyone"].collective == ("all-gather", 4, 4 * 64 * 128)
