@@ -28,9 +28,11 @@ NOTEBOOK_PEAK_GIB = {
     }
 }
 
-# The step time the notebook measured for each row on the same A5000, at :seed (seconds; read from its
+# The step time the notebook measured for each row on its A5000, at :seed (seconds; read from its
 # TensorBoard traces; batch 256 was not timed). The sweep joins these as notebook_step_s, with
-# predicted_over_notebook = predicted_step_s / notebook_step_s (see docs/predict.md).
+# predicted_over_notebook = predicted_step_s / notebook_step_s (see docs/predict.md), only into rows for
+# NOTEBOOK_DEVICE (a `--plan --target a5000` plan, or a run on an RTX A5000): another GPU's times differ.
+NOTEBOOK_DEVICE = "a5000"
 NOTEBOOK_STEP_S = {
     "seed": {
         "fp32_scan": 2.1,

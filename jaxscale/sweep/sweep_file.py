@@ -22,6 +22,7 @@ import ml_collections
 
 from jaxscale.cli import UsageError
 from jaxscale.config import ConfigError, import_file
+from jaxscale.plan import targets
 
 __all__ = ["Sweep", "Variant", "apply_overrides", "cli_value", "expand_grid", "load_sweep", "plan_suffix",
            "select_variants"]  # fmt: skip
@@ -51,6 +52,7 @@ class Sweep:
     variants: tuple[Variant, ...]
     notebook_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # variant -> measured peak
     notebook_step_s: dict[str, float] = dataclasses.field(default_factory=dict)  # variant -> measured step time
+    notebook_device: str | None = None  # the targets-table name of the GPU those step times were measured on
 
     @property
     def variant_names(self) -> list[str]:
@@ -203,7 +205,11 @@ def load_sweep(
     sweep_name = _check_name(name or f"{path.stem}_{preset}{name_suffix}", "--name")
     peaks = _notebook_peaks(module, path, preset, names)
     steps = _notebook_values(module, path, preset, names, "NOTEBOOK_STEP_S")
-    return Sweep(sweep_name, path, preset, module.BASELINE, tuple(variants), peaks, steps)
+    device = getattr(module, "NOTEBOOK_DEVICE", None)
+    if steps and device not in targets.TARGETS:
+        raise UsageError(f"{path}: NOTEBOOK_STEP_S needs NOTEBOOK_DEVICE, the GPU they were measured on: one of "
+                         f"{', '.join(targets.TARGETS)}; got {device!r}")  # fmt: skip
+    return Sweep(sweep_name, path, preset, module.BASELINE, tuple(variants), peaks, steps, device)
 
 
 def select_variants(names: Sequence[str], only: Sequence[str] = (), skip: Sequence[str] = ()) -> list[str]:
