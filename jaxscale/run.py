@@ -109,7 +109,7 @@ def compile_step(config: ml_collections.ConfigDict):
     return compiled, init_fn, abstract_state, time.perf_counter() - start
 
 
-def local_prediction(config: ml_collections.ConfigDict, compiled) -> dict:
+def local_prediction(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled) -> dict:
     """The step time predicted from the compiled program on this machine's rooflines (jaxscale.plan.predict);
     a prediction that fails leaves predicted_error in the row, never fails the run."""
     try:

@@ -38,6 +38,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
+import jax
 import ml_collections
 
 from jaxscale.measure import flops, kernels, peaks
@@ -231,7 +232,7 @@ def target_columns(
     }
 
 
-def local_roofline(device) -> Roofline | None:
+def local_roofline(device: jax.Device) -> Roofline | None:
     """The roofline of the device a run executes on: measured on a CPU; on a GPU the targets-table entry
     with the same device_kind (None when there is none: the row then has no prediction)."""
     if device.platform == "cpu":
@@ -240,7 +241,7 @@ def local_roofline(device) -> Roofline | None:
     return gpu_roofline(match) if match is not None else None
 
 
-def local_columns(config: ml_collections.ConfigDict, hlo_text: str, device) -> dict[str, object]:
+def local_columns(config: ml_collections.ConfigDict, hlo_text: str, device: jax.Device) -> dict[str, object]:
     """Predicted columns for a program compiled for this machine's device (see local_roofline)."""
     roof = local_roofline(device)
     if roof is None:

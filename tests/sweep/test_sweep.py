@@ -259,7 +259,9 @@ def test_notebook_peaks_must_name_variants(tmp_path):
 
 
 def test_notebook_step_times_need_the_device_they_were_measured_on(tmp_path):
-    text = MINI_SWEEP.replace('NOTEBOOK_PEAK_GIB = {"tiny": {"plain": 0.001}}', 'NOTEBOOK_STEP_S = {"tiny": {"plain": 0.5}}')
+    text = MINI_SWEEP.replace(
+        'NOTEBOOK_PEAK_GIB = {"tiny": {"plain": 0.001}}', 'NOTEBOOK_STEP_S = {"tiny": {"plain": 0.5}}'
+    )
     with pytest.raises(UsageError, match=r"NOTEBOOK_STEP_S needs NOTEBOOK_DEVICE.*a5000.*got None"):
         load_sweep(f"{write_sweep(tmp_path, text)}:tiny")
     with_device = text + 'NOTEBOOK_DEVICE = "a5000"\n'
