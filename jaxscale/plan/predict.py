@@ -195,7 +195,8 @@ def step_columns(
       peak: the peak FLOP/s that MFU divides by (the same as the row's `mfu` uses), or None.
     Returns:
       predicted_step_s and its breakdown (see predict), predicted_tokens_per_s, predicted_mfu,
-      predicted_unknown_trip_count_loops and predicted_roofline_source.
+      predicted_unknown_trip_count_kernels (kernels in a loop of unknown trip count, counted once)
+      and predicted_roofline_source.
     """
     columns: dict[str, object] = dict(predict(found, roof))
     step = columns["predicted_step_s"]
@@ -203,8 +204,7 @@ def step_columns(
     model_flops = flops.model_flops_per_step(config)
     columns["predicted_tokens_per_s"] = tokens / step if step else None
     columns["predicted_mfu"] = model_flops / step / peak if step and peak else None
-    loops = {(k.name, k.trips) for k in found if None in k.trips}
-    columns["predicted_unknown_trip_count_loops"] = len(loops)
+    columns["predicted_unknown_trip_count_kernels"] = sum(None in k.trips for k in found)
     columns["predicted_roofline_source"] = roof.source
     return columns
 

@@ -109,7 +109,7 @@ def test_a_target_plan_predicts_its_step_from_both_gemm_modes():
     assert 0 < plan["predicted_step_lower_bound_s"] < plan["predicted_step_s"]
     tokens = config.data.batch_size * config.data.seq_len
     assert plan["predicted_tokens_per_s"] == pytest.approx(tokens / plan["predicted_step_s"])
-    assert plan["predicted_unknown_trip_count_loops"] == 0
+    assert plan["predicted_unknown_trip_count_kernels"] == 0
     assert "RTX A5000" in plan["predicted_roofline_source"]
 
 
