@@ -229,7 +229,7 @@ _TABLE_COLUMNS = (
     ("fits", _fits, "plan_target"),
     ("notebook GiB", lambda r: _gib(r.get("notebook_peak_bytes"), 1), "notebook_peak_bytes"),
     ("plan / notebook", lambda r: _cell(r.get("planned_over_notebook"), ".2f"), "notebook_peak_bytes"),
-    ("pred step s", lambda r: _cell(r.get("predicted_step_s"), ".4f"), "predicted_step_s"),
+    ("predicted s", lambda r: _cell(r.get("predicted_step_s"), ".4f"), "predicted_step_s"),
     ("pred / meas", lambda r: _cell(r.get("predicted_over_measured"), ".2f"), "predicted_over_measured"),
     ("pred MFU", lambda r: _cell(r.get("predicted_mfu"), ".1%"), "predicted_mfu"),
     ("notebook s", lambda r: _cell(r.get("notebook_step_s"), ".2f"), "notebook_step_s"),

@@ -96,7 +96,7 @@ def test_a_cpu_run_row_has_its_prediction_beside_its_measured_step(tmp_path):
     assert row["predicted_roofline_source"].startswith("measured: jitted 2048x2048 float32 matmul")
     assert "in-place x*2" in row["predicted_roofline_source"]  # the measured memory bandwidth
     header = format_table([{**row, "variant": "v", "baseline": "v"}]).splitlines()[0]
-    assert "pred step s" in header and "pred / meas" in header
+    assert "predicted s" in header and "pred / meas" in header
     assert "predicted step (cpu)" in run.summary(row)
 
 
