@@ -28,6 +28,22 @@ NOTEBOOK_PEAK_GIB = {
     }
 }
 
+# The step time the notebook measured for each row on its A5000, at :seed (seconds; read from its
+# TensorBoard traces; batch 256 was not timed). The sweep joins these as notebook_step_s, with
+# predicted_over_notebook = predicted_step_s / notebook_step_s (see docs/predict.md), only into rows for
+# NOTEBOOK_DEVICE (a `--plan --target a5000` plan, or a run on an RTX A5000): another GPU's times differ.
+NOTEBOOK_DEVICE = "a5000"
+NOTEBOOK_STEP_S = {
+    "seed": {
+        "fp32_scan": 2.1,
+        "bf16_scan": 1.1,
+        "bf16_noscan": 0.73,
+        "bf16_scan_remat_mlp_attn": 0.91,
+        "bf16_scan_remat_block": 0.96,
+        "bf16_remat_1minibatch": 0.86,
+    }
+}
+
 
 def get_config(preset=None):
     """The base every variant starts from: the reference model (bf16, layers scanned, no remat).

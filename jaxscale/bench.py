@@ -26,6 +26,7 @@ from jaxscale import compile_cache, run, train
 from jaxscale.cli import Usage, UsageError, define_cache_flag, fail, parse_flags, print_help, wants_help
 from jaxscale.config import PRESETS, ConfigError, load_config_file, validate
 from jaxscale.measure import columns, memory, peaks
+from jaxscale.plan import predict
 from jaxscale.sweep.sweep_file import apply_overrides
 
 VARIANTS = ("fp32", "bf16", "bf16_noscan", "bf16_remat", "bf16_remat_block", "bf16_remat_noaccum")
@@ -144,8 +145,10 @@ def measure_variant(config: ml_collections.ConfigDict, trace_dir: pathlib.Path) 
     row.update(cache.columns())
     row.update(memory.compiled_memory(compiled))
     row.update(columns.after_compile(config, compiled, row))
+    row.update(run.local_prediction(config, compiled))
     run.execute(config, compiled, init_fn, trace_dir, row, progress=False)
     row.update(columns.after_run(config, compiled, row))
+    row["predicted_over_measured"] = predict.over_measured(row)
     row.update(runner_overhead(config, compiled, init_fn))
     return row
 
@@ -179,6 +182,8 @@ COLUMNS = (
         "of adjacent roofline",
         lambda r, roof: _pct(r["achieved_model_flops_per_s"] / r["adjacent_fp32_roofline_flops_per_s"]),
     ),
+    ("predicted step s", lambda r, roof: _num(r.get("predicted_step_s"), ".4f")),
+    ("predicted / measured", lambda r, roof: _num(r.get("predicted_over_measured"), ".2f")),
     ("trace step s", lambda r, roof: _num(r.get("trace_step_s"), ".4f")),
     ("matmul", lambda r, roof: _pct(r.get("trace_matmul_share"))),
     ("fusion", lambda r, roof: _pct(r.get("trace_fusion_share"))),

@@ -36,6 +36,9 @@ ENV_SWITCH = "JAXSCALE_COMPILATION_CACHE"
 _OFF = ("0", "false", "off", "no")
 _EVENT = "/jax/compilation_cache/"
 _CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
+# What a cached plan holds (jaxscale.plan.target_compile's result); bump it when that changes, so entries
+# written by an older lab are not read as complete (2: the kernel list for the step-time prediction).
+PLAN_FORMAT = 2
 
 
 def cache_root() -> pathlib.Path:
@@ -146,9 +149,10 @@ def _versions() -> str:
 
 
 def plan_key(lowered_text: str, target_config_text: str, xla_flags: str) -> str:
-    """Key of a deviceless plan: the lowered program (StableHLO text), the target, XLA_FLAGS and versions."""
+    """Key of a deviceless plan: the lowered program (StableHLO text), the target, XLA_FLAGS, versions and
+    the plan format."""
     digest = hashlib.sha256()
-    for part in (lowered_text, target_config_text, xla_flags, _versions()):
+    for part in (lowered_text, target_config_text, xla_flags, _versions(), f"plan format {PLAN_FORMAT}"):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()

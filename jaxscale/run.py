@@ -35,7 +35,7 @@ from jaxscale.cli import (
 from jaxscale.config import describe, flatten
 from jaxscale.measure import columns, flops, memory, profiling, timing
 from jaxscale.model import count_params
-from jaxscale.plan import gpu_plan, targets
+from jaxscale.plan import gpu_plan, predict, targets
 
 USAGE = Usage(
     command="python -m jaxscale.run --config CONFIG.py[:PRESET] [--config.GROUP.FIELD=VALUE ...] [flags]",
@@ -147,6 +147,15 @@ def compile_step(config: ml_collections.ConfigDict):
     return compiled, init_fn, abstract_state, time.perf_counter() - start
 
 
+def local_prediction(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled) -> dict:
+    """The step time predicted from the compiled program on this machine's rooflines (jaxscale.plan.predict);
+    a prediction that fails leaves predicted_error in the row, never fails the run."""
+    try:
+        return predict.local_columns(config, compiled.as_text(), jax.devices()[0])
+    except Exception as error:  # noqa: BLE001 - the prediction is an extra; the run's own numbers come first
+        return {"predicted_step_s": None, "predicted_error": f"{type(error).__name__}: {error}"[:300]}
+
+
 def _read_metrics(metrics: train.Metrics) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
@@ -254,11 +263,13 @@ def run(
             row["params"] = count_params(abstract_state.params)
             row.update(memory.compiled_memory(compiled))
             row["compiled_backend"] = jax.default_backend()
+            row.update(local_prediction(config, compiled))
         row.update(columns.after_compile(config, None if target else compiled, row))
         check_memory_budget(row, device_memory_bytes)
         if not plan_only:
             execute(config, compiled, init_fn, run_dir, row, progress)
             row.update(columns.after_run(config, compiled, row))
+            row["predicted_over_measured"] = predict.over_measured(row)
         row["status"] = "ok"
     except RunError as error:
         row["status"], row["error"] = error.status, str(error)
@@ -308,6 +319,8 @@ def summary(row: dict) -> str:
         )
         lines.append(f"  loss {row['loss']:.4f} (first step {row['loss_first']:.4f})   accuracy {row['accuracy']:.4f}")
     lines += columns.summary_lines(row)
+    if row.get("predicted_step_s") is not None:
+        lines.append(predict.summary_line(row))
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
     lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}")
     if row.get("trace_dir"):

@@ -24,6 +24,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _GEMM_TARGET = re.compile(r"gemm|matmul", re.IGNORECASE)
 _ATTENTION_TARGET = re.compile(r"fmha", re.IGNORECASE)  # cuDNN fused attention (__cudnn$fmha...): its matmuls
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "collective-broadcast")
 _MOVES = {"parameter", "copy", "bitcast", "transpose", "reshape", "tuple", "get-tuple-element"}
@@ -87,6 +88,7 @@ def _parse_instruction(name: str, text: str) -> Instruction | None:
     if not match:
         return None
     operand_text, attributes = _split_balanced(rest[match.end() - 1 :])
+    operand_text = _COMMENT.sub("", operand_text)  # '/*index=5*/%x' names x
     operands, depth, current = [], 0, ""
     for char in operand_text + ",":
         depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(char, 0)
@@ -117,6 +119,35 @@ def parse(text: str) -> Module:
             if instruction is not None:
                 current[instruction.name] = instruction
     return Module(computations, entry)
+
+
+# Bytes per element of each HLO element type (sub-byte types rounded up to a byte; token and tuples hold none).
+DTYPE_BYTES: dict[str, int] = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+    "c64": 8, "c128": 16, "token": 0,
+}  # fmt: skip
+_ARRAYS = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(element type, dimensions) of every array in a shape ('(bf16[8,32]{1,0}, s8[16])' -> two arrays)."""
+    return [
+        (dtype, tuple(int(d) for d in text.split(",") if d))
+        for dtype, text in _ARRAYS.findall(shape)
+        if dtype in DTYPE_BYTES
+    ]
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of every array in a shape (a tuple's elements summed)."""
+    return sum(DTYPE_BYTES[dtype] * math.prod(d) for dtype, d in arrays(shape))
+
+
+def element_type(shape: str) -> str:
+    """The element type of an array shape, or of a tuple's first array ('' when there is none)."""
+    found = arrays(shape)
+    return found[0][0] if found else ""
 
 
 def dims(shape: str) -> tuple[int, ...]:
@@ -197,6 +228,52 @@ def count_matmul_flops(module: Module) -> LoopCount:
 
     full = total(module.entry, True)
     return LoopCount(total(module.entry, False), full, stats["while"], stats["matmul_loops"], stats["unknown"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Executed:
+    """An instruction of a computation that runs as a sequence (not inside a fusion), with its loops.
+
+    trips: the multipliers of the loops that hold it, outermost first: a while body runs known_trip_count
+    times and its condition once more (None where the loop has no known_trip_count; counted once).
+    """
+
+    instruction: Instruction
+    computation: str
+    trips: tuple[int | None, ...]
+
+    @property
+    def times(self) -> int:
+        """How many times it runs per execution of the module (unknown trip counts taken as 1)."""
+        return math.prod(t or 1 for t in self.trips)
+
+
+def executed(module: Module) -> list[Executed]:
+    """Every instruction the module executes as a sequence step, in program order, with its loop trips.
+
+    Follows while bodies and conditions, calls and conditional branches (every branch, once each) from
+    the entry; fused computations and the scalar computations of reduces are left to their caller.
+    """
+    found: list[Executed] = []
+
+    def walk(name: str, trips: tuple[int | None, ...], path: tuple[str, ...]) -> None:
+        for instruction in module.computations.get(name, {}).values():
+            found.append(Executed(instruction, name, trips))
+            if instruction.opcode not in ("while", "call", "conditional"):
+                continue
+            n = instruction.trip_count
+            for role, callee in instruction.callees:
+                if callee in path:
+                    continue  # HLO has no recursion; a malformed module must not loop forever
+                if role == "body":
+                    walk(callee, (*trips, n), (*path, callee))
+                elif role == "condition":
+                    walk(callee, (*trips, None if n is None else n + 1), (*path, callee))
+                elif instruction.opcode != "while":
+                    walk(callee, trips, (*path, callee))
+
+    walk(module.entry, (), (module.entry,))
+    return found
 
 
 def _opcodes(module: Module, name: str, memo: dict[str, set[str]]) -> set[str]:

@@ -1,4 +1,5 @@
-"""Peak matmul FLOP/s per accelerator: datasheet figures keyed by device_kind, or a measured CPU roofline.
+"""Peak matmul FLOP/s per accelerator: datasheet figures keyed by device_kind, or a measured CPU roofline
+(matmul FLOP/s and memory bandwidth, each measured once per machine and cached).
 
 MFU divides achieved model FLOP/s by these. A wrong peak makes every MFU wrong, so: datasheet numbers are
 dense (NVIDIA's "with sparsity" figures halved), each carries its source, an unknown accelerator gets None
@@ -163,9 +164,49 @@ def measured_peak(dtype: str, size: int = 2048, refresh: bool = False) -> tuple[
 
 def store_peak(dtype: str, size: int, flops_per_s: float) -> dict:
     """Writes a measured roofline into the cache (atomically); returns the whole cache."""
+    return _store(_machine_key(dtype, size), {"flops_per_s": flops_per_s})
+
+
+def measure_memory_bandwidth(size_bytes: int = 2**26, repeats: int = 5) -> float:
+    """Best-of-`repeats` bytes/s of a jitted, donated `x * 2` over a float32 array of `size_bytes`: it reads
+    and rewrites the array in place, 2 · size_bytes moved (the STREAM "scale" kernel).
+
+    In place, because a fresh output would time the first touch of its pages, not the memory; 64 MiB by
+    default, larger than the L2 caches, about the size of the largest activations of the `cpu` preset.
+    """
+    scale = jax.jit(lambda x: x * 2.0, donate_argnums=0)
+    x = jax.block_until_ready(scale(jnp.ones((size_bytes // 4,), jnp.float32)))  # compile and warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x = jax.block_until_ready(scale(x))
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size_bytes / best
+
+
+def measured_bandwidth(size_bytes: int = 2**26, refresh: bool = False) -> tuple[float, str]:
+    """This machine's memory bandwidth (bytes/s), measured once and cached per machine like the matmul roofline.
+
+    Returns:
+      (bytes/s, source) where source names the measurement and when it was taken.
+    """
+    path, key = cache_path(), _machine_key("bandwidth", size_bytes)
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    if refresh or key not in cache or "bytes_per_s" not in cache[key]:
+        cache = _store(key, {"bytes_per_s": measure_memory_bandwidth(size_bytes)})
+    entry = cache[key]
+    source = (
+        f"measured: jitted in-place x*2 over {size_bytes // 2**20} MiB of float32 (STREAM scale), best of 5, "
+        f"{entry['measured_at']} (cache {path})"
+    )
+    return float(entry["bytes_per_s"]), source
+
+
+def _store(key: str, entry: dict) -> dict:
+    """Writes one measurement into the cache (atomically); returns the whole cache."""
     path = cache_path()
     cache = json.loads(path.read_text()) if path.exists() else {}
-    cache[_machine_key(dtype, size)] = {"flops_per_s": flops_per_s, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    cache[key] = {**entry, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cache, indent=1) + "\n")

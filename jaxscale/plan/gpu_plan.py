@@ -12,6 +12,7 @@ warning from their stderr, and returns result-row fields:
   "Can't reduce memory use below ..." warning (None when XLA did not warn);
 - `compile_cache_hit`, `compile_cache_saved_s`: whether the plans came from the plan cache
   (jaxscale.compile_cache; this module writes a child's plan and its stderr there after a compile).
+- `predicted_*`: the step time predicted from the compiled programs' kernels (jaxscale.plan.predict).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import ml_collections
 
 from jaxscale import _env, compile_cache
 from jaxscale.cli import UsageError
-from jaxscale.plan import targets
+from jaxscale.measure import kernels
+from jaxscale.plan import predict, targets
 
 # Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
 # autotuner may pick cuBLAS instead. The plans differ, so both are compiled and the band is reported.
@@ -191,6 +193,7 @@ def plan_for_target(
     warning = next((warnings[m] for m in (chosen, *modes) if warnings[m] is not None), None)
     fits, reason = _fits(spec, plan["compiled_peak_bytes"], warning)
     hits = [plans[m].get("compile_cache_hit") for m in modes]
+    by_mode = {mode: kernels.from_dicts(plans[mode]["kernels"]) for mode in modes}
     return {
         "params": plan["params"],
         "compile_s": plan["compile_s"],
@@ -206,6 +209,7 @@ def plan_for_target(
         "plan_target_memory_bytes": spec.device_memory_size,
         "plan_fits": fits,
         "plan_fits_reason": reason,
+        **predict.target_columns(config, spec, by_mode),
         "plan_wall_s": time.perf_counter() - start,
     }
 

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale import compile_cache, train
 from jaxscale.cli import fail, wants_help
-from jaxscale.measure import memory
+from jaxscale.measure import kernels, memory
 from jaxscale.model import count_params
 
 USAGE = (
@@ -64,7 +64,8 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
     Returns:
       compiled_{argument,output,temp,alias,peak}_bytes of XLA's GPU plan, compile_s (lower + compile, or lower
       + cache read on a hit, seconds), params, the device_kind the compile-only device reports, plan_key,
-      compile_cache_hit (None: cache off) and compile_cache_saved_s.
+      compile_cache_hit (None: cache off), compile_cache_saved_s, and `kernels`: the kernels the program
+      launches (jaxscale.measure.kernels, as dicts) for the time prediction.
     """
     sharding = target_sharding(target_config_text)
     state, metrics, batch = abstract_inputs(config, sharding)
@@ -88,6 +89,7 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
         "plan_key": key,
         "compile_cache_hit": False if compile_cache.enabled() else None,
         "compile_cache_saved_s": None,
+        "kernels": kernels.as_dicts(kernels.kernels(compiled.as_text())),
     }
 
 

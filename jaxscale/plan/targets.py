@@ -93,6 +93,13 @@ class GpuTarget:
     clock_rate_ghz: float
     source: str
     config_text: str | None = None  # a user's own text proto (from a file); None builds it from the fields
+    # Links for collectives, bytes/s per direction per GPU (see INTERCONNECT_SOURCES): NVLink to the GPUs of
+    # the same host (None: none), the host's PCIe slot, and the network to other hosts (None: not part of
+    # a reference system; a collective across hosts is then costed at PCIe speed, the card's own limit).
+    nvlink_bandwidth: int | None = None
+    pcie_bandwidth: int = 31_500_000_000
+    network_bandwidth: int | None = None
+    interconnect_source: str = "not given: PCIe 4.0 x16 assumed, no NVLink, no network"
 
     def validate(self) -> None:
         """Raises ValueError naming the first field XLA cannot plan with (zero memory makes its limit 0)."""
@@ -109,6 +116,18 @@ class GpuTarget:
             raise ValueError(f"target {self.name}: compute_capability {self.compute_capability}; known: {known}")
 
 
+# Interconnect figures, bytes/s per direction per GPU (NVIDIA quotes NVLink bidirectionally: halved here).
+PCIE4_X16 = 31_500_000_000  # PCI-SIG: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s per direction
+PCIE5_X16 = 63_000_000_000  # PCI-SIG: 32 GT/s x 16 lanes = 63 GB/s per direction
+INTERCONNECT_SOURCES: dict[str, str] = {
+    "a5000": "RTX A5000 datasheet: NVLink bridge for 2 GPUs, 112.5 GB/s bidirectional; PCIe 4.0 x16; no network",
+    "a100": "A100 datasheet: NVLink 600 GB/s (bidirectional); PCIe 4.0 x16; DGX A100 datasheet: one 200 Gb/s "
+    "HDR InfiniBand ConnectX-6 per GPU (25 GB/s)",
+    "h100": "H100 datasheet: NVLink 900 GB/s (bidirectional), PCIe 5.0 x16; DGX H100 datasheet: one 400 Gb/s "
+    "ConnectX-7 per GPU (50 GB/s)",
+    "pcie-only": "datasheet: no NVLink; PCIe 4.0 x16; no network",
+}
+
 TARGETS: dict[str, GpuTarget] = {
     t.name: t
     for t in (
@@ -123,6 +142,9 @@ TARGETS: dict[str, GpuTarget] = {
             clock_rate_ghz=1.695,
             source="NVIDIA RTX A5000 datasheet (8192 CUDA cores = 64 SMs, 768 GB/s, 1695 MHz boost), GA102 L2 6 MB; "
             "memory = nvidia-smi total 24564 MiB; as in shared/gpu_targets/a5000.txtpb (the reference GPU)",
+            nvlink_bandwidth=56_250_000_000,
+            pcie_bandwidth=PCIE4_X16,
+            interconnect_source=INTERCONNECT_SOURCES["a5000"],
         ),
         GpuTarget(
             name="a100-40gb",
@@ -134,6 +156,10 @@ TARGETS: dict[str, GpuTarget] = {
             l2_cache_size=40 * MIB,
             clock_rate_ghz=1.41,
             source=_OPENXLA_SPECS.format("a100_sxm_40.txtpb"),
+            nvlink_bandwidth=300_000_000_000,
+            pcie_bandwidth=PCIE4_X16,
+            network_bandwidth=25_000_000_000,
+            interconnect_source=INTERCONNECT_SOURCES["a100"],
         ),
         GpuTarget(
             name="a100-80gb",
@@ -145,6 +171,10 @@ TARGETS: dict[str, GpuTarget] = {
             l2_cache_size=40 * MIB,
             clock_rate_ghz=1.41,
             source=_OPENXLA_SPECS.format("a100_sxm_80.txtpb"),
+            nvlink_bandwidth=300_000_000_000,
+            pcie_bandwidth=PCIE4_X16,
+            network_bandwidth=25_000_000_000,
+            interconnect_source=INTERCONNECT_SOURCES["a100"],
         ),
         GpuTarget(
             name="h100",
@@ -156,6 +186,10 @@ TARGETS: dict[str, GpuTarget] = {
             l2_cache_size=50 * MIB,
             clock_rate_ghz=1.98,
             source=_OPENXLA_SPECS.format("h100_sxm.txtpb") + "; H100 SXM5",
+            nvlink_bandwidth=450_000_000_000,
+            pcie_bandwidth=PCIE5_X16,
+            network_bandwidth=50_000_000_000,
+            interconnect_source=INTERCONNECT_SOURCES["h100"],
         ),
         GpuTarget(
             name="h200",
@@ -168,6 +202,10 @@ TARGETS: dict[str, GpuTarget] = {
             clock_rate_ghz=1.98,
             source="NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, SXM); SMs, L2 and clock as H100 SXM (same GH100 "
             "configuration); memory = nvidia-smi total 143771 MiB (may exceed what CUDA reports by ~0.5 GiB)",
+            nvlink_bandwidth=450_000_000_000,
+            pcie_bandwidth=PCIE5_X16,
+            network_bandwidth=50_000_000_000,
+            interconnect_source=INTERCONNECT_SOURCES["h100"],
         ),
         GpuTarget(
             name="l4",
@@ -180,6 +218,8 @@ TARGETS: dict[str, GpuTarget] = {
             clock_rate_ghz=2.04,
             source="NVIDIA L4 datasheet (7424 CUDA cores = 58 SMs, 24 GB, 300 GB/s, 2040 MHz boost), Ada whitepaper "
             "(AD104 L2 48 MB); memory = nvidia-smi total 23034 MiB",
+            pcie_bandwidth=PCIE4_X16,
+            interconnect_source=INTERCONNECT_SOURCES["pcie-only"],
         ),
         GpuTarget(
             name="rtx4090",
@@ -192,6 +232,8 @@ TARGETS: dict[str, GpuTarget] = {
             clock_rate_ghz=2.52,
             source="NVIDIA Ada Lovelace architecture whitepaper, RTX 4090 (128 SMs, 72 MB L2, 1008 GB/s, 2520 MHz "
             "boost); memory = nvidia-smi total 24564 MiB",
+            pcie_bandwidth=PCIE4_X16,
+            interconnect_source=INTERCONNECT_SOURCES["pcie-only"],
         ),
     )
 }

@@ -63,6 +63,15 @@ CAPTIONS = {
 }
 
 
+# Predicted step time (jaxscale.plan.predict) beside what it predicts, where rows have them.
+PREDICTED_COLUMNS = {
+    "predicted_step_s": "predicted step s",
+    "predicted_over_measured": "predicted / measured",
+    "notebook_step_s": "notebook step s",
+    "predicted_over_notebook": "predicted / notebook",
+}
+
+
 def _ratio_text(value: float | None, faster: bool) -> str:
     if value is None or pd.isna(value):
         return "-"
@@ -79,7 +88,8 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
 
     Returns:
       DataFrame with variant, status, step time, tokens/s, compile time, peak memory (GiB) and its source,
-      the analytic peak where known, and the change against the baseline variant; the error of failures.
+      the analytic peak where known, the predicted step time beside the measured (or the notebook's) where
+      rows have it, and the change against the baseline variant; the error of failures.
     """
     frame = with_peak(frame)
     divisor, unit = memory_unit(frame["best_peak_bytes"])
@@ -96,6 +106,9 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
     )
     if ANALYTIC_PEAK in frame:
         table[f"analytic peak {unit}"] = pd.to_numeric(frame[ANALYTIC_PEAK], errors="coerce") / divisor
+    for column, header in PREDICTED_COLUMNS.items():
+        if column in frame and frame[column].notna().any():
+            table[header] = pd.to_numeric(frame[column], errors="coerce")
     is_baseline = frame["variant"] == frame["baseline"]
     speed = [_ratio_text(v, True) for v in frame["throughput_vs_baseline"]]
     memory = [_ratio_text(v, False) for v in frame["peak_vs_baseline"]]
@@ -111,7 +124,9 @@ def _markdown_cell(value: object, column: str) -> str:
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return "-"
     if isinstance(value, float):
-        spec = {"step s (median)": ".4f", "tokens/s": ",.0f", "compile s": ".1f"}.get(column, ".3f")
+        spec = {"step s (median)": ".4f", "tokens/s": ",.0f", "compile s": ".1f", "predicted step s": ".4f"}.get(
+            column, ".3f"
+        )
         return format(value, spec)
     return str(value).replace("|", "\\|").replace("\n", " ")
 

@@ -230,6 +230,11 @@ _TABLE_COLUMNS = (
     ("fits", _fits, "plan_target"),
     ("notebook GiB", lambda r: _gib(r.get("notebook_peak_bytes"), 1), "notebook_peak_bytes"),
     ("plan / notebook", lambda r: _cell(r.get("planned_over_notebook"), ".2f"), "notebook_peak_bytes"),
+    ("predicted s", lambda r: _cell(r.get("predicted_step_s"), ".4f"), "predicted_step_s"),
+    ("pred / meas", lambda r: _cell(r.get("predicted_over_measured"), ".2f"), "predicted_over_measured"),
+    ("pred MFU", lambda r: _cell(r.get("predicted_mfu"), ".1%"), "predicted_mfu"),
+    ("notebook s", lambda r: _cell(r.get("notebook_step_s"), ".2f"), "notebook_step_s"),
+    ("pred / notebook", lambda r: _cell(r.get("predicted_over_notebook"), ".2f"), "notebook_step_s"),
 )
 
 
@@ -263,7 +268,8 @@ def format_table(rows: list[dict], order: list[str] | None = None) -> str:
     Columns: status, step time and tokens/s (not for a sweep of plans), compile time, peak memory with its
     source, the analytic peak estimate, MFU and the trace's dynamic-update-slice share where rows have
     them, and for GPU-target plans the Triton / cuBLAS band and whether it fits, and where the sweep file
-    gives them the notebook's measured peak and planned / notebook; the change against the baseline last.
+    gives them the notebook's measured peak and planned / notebook; the predicted step time beside the
+    measured one (pred / meas) or the notebook's (pred / notebook); the change against the baseline last.
     Failures' errors and plans that do not fit are explained beneath.
     """
     rows = compare_to_baseline(rows)

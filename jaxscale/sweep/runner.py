@@ -124,6 +124,13 @@ def _is_current(row: dict | None, variant: Variant, run_args: list[str]) -> bool
     return all(row.get(k) == v for k, v in config.items()) and row.get("run_args", []) == run_args
 
 
+def _on_device(row: dict, target: str | None) -> bool:
+    """Whether a row's step is for `target` (a targets-table name): planned for it, or run on that GPU."""
+    if target is None:
+        return False
+    return row.get("plan_target") == target or row.get("device_kind") == targets.TARGETS[target].device_kind
+
+
 def run_variant(
     sweep: Sweep, variant: Variant, output_root: pathlib.Path, run_args: list[str], timeout_s: float | None
 ) -> dict:
@@ -149,6 +156,10 @@ def run_variant(
         notebook = row["notebook_peak_bytes"] = sweep.notebook_peak_bytes[variant.name]
         peak = row.get("compiled_peak_bytes")
         row["planned_over_notebook"] = None if peak is None else peak / notebook
+    if variant.name in sweep.notebook_step_s and _on_device(row, sweep.notebook_device):
+        notebook = row["notebook_step_s"] = sweep.notebook_step_s[variant.name]
+        predicted = row.get("predicted_step_s")
+        row["predicted_over_notebook"] = None if predicted is None else predicted / notebook
     row.update(
         sweep=sweep.name,
         variant=variant.name,

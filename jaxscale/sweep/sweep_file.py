@@ -22,6 +22,7 @@ import ml_collections
 
 from jaxscale.cli import UsageError
 from jaxscale.config import ConfigError, import_file
+from jaxscale.plan import targets
 
 __all__ = ["Sweep", "Variant", "apply_overrides", "cli_value", "expand_grid", "load_sweep", "plan_suffix",
            "select_variants"]  # fmt: skip
@@ -51,6 +52,8 @@ class Sweep:
     variants: tuple[Variant, ...]
     notebook_peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # variant -> measured peak
     base: ml_collections.ConfigDict | None = None  # get_config(preset), before any variant's overrides
+    notebook_step_s: dict[str, float] = dataclasses.field(default_factory=dict)  # variant -> measured step time
+    notebook_device: str | None = None  # the targets-table name of the GPU those step times were measured on
 
     @property
     def variant_names(self) -> list[str]:
@@ -128,19 +131,26 @@ def _check_name(name: str, what: str) -> str:
     return name
 
 
+def _notebook_values(module, path: pathlib.Path, preset: str, names: list[str], attribute: str) -> dict[str, float]:
+    """The sweep file's `attribute` table ({preset: {variant: positive number}}) at this preset; {} if none."""
+    table = getattr(module, attribute, {})
+    values = table.get(preset, {}) if isinstance(table, dict) else None
+    if not isinstance(values, dict):
+        raise UsageError(f"{path}: {attribute} must be {{preset: {{variant: number}}}}, got {table!r}")
+    for variant, value in values.items():
+        if variant not in names:
+            raise UsageError(f"{path}: {attribute}[{preset!r}]: {variant!r} is not a variant at {preset}; "
+                             f"variants: {', '.join(names)}")  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise UsageError(f"{path}: {attribute}[{preset!r}][{variant!r}]: must be a positive number")
+    return dict(values)
+
+
 def _notebook_peaks(module, path: pathlib.Path, preset: str, names: list[str]) -> dict[str, int]:
     """The sweep file's NOTEBOOK_PEAK_GIB at this preset, in bytes; {} when it defines none for the preset."""
-    table = getattr(module, "NOTEBOOK_PEAK_GIB", {})
-    peaks = table.get(preset, {}) if isinstance(table, dict) else None
-    if not isinstance(peaks, dict):
-        raise UsageError(f"{path}: NOTEBOOK_PEAK_GIB must be {{preset: {{variant: GiB}}}}, got {table!r}")
-    for variant, gib in peaks.items():
-        if variant not in names:
-            raise UsageError(f"{path}: NOTEBOOK_PEAK_GIB[{preset!r}]: {variant!r} is not a variant at {preset}; "
-                             f"variants: {', '.join(names)}")  # fmt: skip
-        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0:
-            raise UsageError(f"{path}: NOTEBOOK_PEAK_GIB[{preset!r}][{variant!r}]: must be a positive number of GiB")
-    return {variant: round(gib * GIB) for variant, gib in peaks.items()}
+    return {
+        v: round(gib * GIB) for v, gib in _notebook_values(module, path, preset, names, "NOTEBOOK_PEAK_GIB").items()
+    }
 
 
 def plan_suffix(plan: bool, target: str | None, gemm: str = "both") -> str:
@@ -195,7 +205,12 @@ def load_sweep(
         raise UsageError(f"{path}: BASELINE {module.BASELINE!r} is not a variant; variants: {', '.join(names)}")
     sweep_name = _check_name(name or f"{path.stem}_{preset}{name_suffix}", "--name")
     peaks = _notebook_peaks(module, path, preset, names)
-    return Sweep(sweep_name, path, preset, module.BASELINE, tuple(variants), peaks, base)
+    steps = _notebook_values(module, path, preset, names, "NOTEBOOK_STEP_S")
+    device = getattr(module, "NOTEBOOK_DEVICE", None)
+    if steps and device not in targets.TARGETS:
+        raise UsageError(f"{path}: NOTEBOOK_STEP_S needs NOTEBOOK_DEVICE, the GPU they were measured on: one of "
+                         f"{', '.join(targets.TARGETS)}; got {device!r}")  # fmt: skip
+    return Sweep(sweep_name, path, preset, module.BASELINE, tuple(variants), peaks, base, steps, device)
 
 
 def select_variants(names: Sequence[str], only: Sequence[str] = (), skip: Sequence[str] = ()) -> list[str]:

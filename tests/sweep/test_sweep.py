@@ -18,7 +18,7 @@ from jaxscale.cli import UsageError, parse_bytes
 from jaxscale.config import validate
 from jaxscale.run import RunError, check_memory_budget
 from jaxscale.sweep.results import COLUMNS, ResultsFile, best_peak, format_table, load_results, read_rows
-from jaxscale.sweep.runner import load_sweep, run_sweep, select_variants
+from jaxscale.sweep.runner import _on_device, load_sweep, run_sweep, select_variants
 from jaxscale.sweep.runner import main as sweep_main
 from jaxscale.sweep.sweep_file import plan_suffix
 
@@ -258,6 +258,24 @@ def test_notebook_peaks_must_name_variants(tmp_path):
     assert load_sweep(f"{write_sweep(tmp_path)}:cpu").notebook_peak_bytes == {}  # none given for :cpu
 
 
+def test_notebook_step_times_need_the_device_they_were_measured_on(tmp_path):
+    text = MINI_SWEEP.replace(
+        'NOTEBOOK_PEAK_GIB = {"tiny": {"plain": 0.001}}', 'NOTEBOOK_STEP_S = {"tiny": {"plain": 0.5}}'
+    )
+    with pytest.raises(UsageError, match=r"NOTEBOOK_STEP_S needs NOTEBOOK_DEVICE.*a5000.*got None"):
+        load_sweep(f"{write_sweep(tmp_path, text)}:tiny")
+    with_device = text + 'NOTEBOOK_DEVICE = "a5000"\n'
+    sweep = load_sweep(f"{write_sweep(tmp_path, with_device)}:tiny")
+    assert sweep.notebook_step_s == {"plain": 0.5} and sweep.notebook_device == "a5000"
+
+
+def test_the_notebooks_step_times_join_only_rows_for_its_gpu():
+    assert _on_device({"plan_target": "a5000"}, "a5000")
+    assert _on_device({"device_kind": "NVIDIA RTX A5000", "plan_target": None}, "a5000")  # a run on one
+    assert not _on_device({"plan_target": "h100"}, "a5000")  # an H100 plan is not the notebook's GPU
+    assert not _on_device({"device_kind": "cpu"}, "a5000") and not _on_device({"plan_target": "a5000"}, None)
+
+
 def test_the_sweep_name_says_plan_and_target():
     assert plan_suffix(False, None) == ""
     assert plan_suffix(True, None) == "_plan"
@@ -284,6 +302,8 @@ def test_seed_table_defines_the_notebook_rows_at_every_preset():
         assert configs["bf16_remat_1minibatch"].train.num_minibatches == 1
     assert "bf16_remat_batch256" in sweep.variant_names  # :seed is the notebook's batch 256
     assert set(sweep.notebook_peak_bytes) == set(sweep.variant_names)  # the notebook's peaks, at :seed only
+    assert set(sweep.notebook_step_s) == set(sweep.variant_names) - {"bf16_remat_batch256"}  # not timed
+    assert sweep.notebook_device == "a5000"
 
 
 def test_parse_bytes():

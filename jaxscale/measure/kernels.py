@@ -1,0 +1,348 @@
+"""The kernels a compiled step launches, read from its optimized HLO: what each does, how often, its FLOPs and bytes.
+
+`kernels(hlo_text)` walks the program as it executes (jaxscale.measure.hlo.executed: loop bodies with their
+trip counts) and returns one `Kernel` per sequence step that runs on the device: GEMMs (cuBLAS custom
+calls, Triton GEMM fusions, a CPU's dot fusions), cuDNN calls, other fusions (by their kind), copies,
+dynamic-update-slices and collectives. Tuples, bitcasts, parameters, constants and control flow launch
+nothing and are left out. For each kernel:
+
+- flops: a GEMM's 2 · output elements · contracted size (the same count as hlo.matmul_flops); for other
+  kernels one FLOP per element per arithmetic op inside (a reduce: per input element);
+- flop_dtype: which peak the FLOPs run at: "bf16"/"f16" (tensor cores), "tf32" (a float32 dot at DEFAULT
+  precision), "f32" (a float32 dot at HIGHEST), "vector" (elementwise work, CUDA cores / SIMD units);
+- bytes_read, bytes_written: at the kernel's boundary. A fusion reads a parameter in full unless it only
+  slices it (dynamic-slice, slice, gather: the slices' bytes) or updates it in place (the buffer of a
+  dynamic-update-slice: nothing read); a dynamic-update-slice writes only its update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from jaxscale.measure import hlo
+
+# Launch nothing: structure, aliasing and control flow (the bodies' kernels are listed themselves).
+_FREE = {
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional", "after-all",
+    "partition-id", "replica-id", "add-dependency", "opt-barrier", "domain", "copy-done", "send-done", "recv-done",
+    "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done", "async-update",
+}  # fmt: skip
+_ARITHMETIC = {
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "exponential", "exponential-minus-one", "log",
+    "log-plus-one", "tanh", "logistic", "rsqrt", "sqrt", "cbrt", "power", "negate", "abs", "compare", "select",
+    "clamp", "erf", "sine", "cosine", "atan2", "remainder", "floor", "ceil", "round-nearest-even", "sign",
+}  # fmt: skip
+_SLICERS = {"dynamic-slice", "slice", "gather"}
+_FUSION_KIND = re.compile(r'"kind":"([^"]+)"')
+_LEGACY_KIND = re.compile(r"\bkind=(k\w+)")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_PRECISION = re.compile(r"operand_precision[=:]\{?\[?([^}\]]*)")
+CATEGORIES = ("matmul", "fusion", "copy", "dynamic_update_slice", "collective")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One device kernel of the step (per launch), with how many times one step launches it."""
+
+    name: str
+    category: str  # one of CATEGORIES
+    detail: str  # what launches it: the custom-call target, the fusion's kind, or the opcode
+    trips: tuple[int | None, ...]  # trip counts of the loops that hold it, outermost first
+    times: int  # launches per step (the product of trips, unknown ones taken as 1)
+    flops: float
+    flop_dtype: str  # "bf16", "f16", "tf32", "f32" (matmul peaks) or "vector" (elementwise)
+    bytes_read: int
+    bytes_written: int
+    gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM
+    collective: tuple[str, int, int] | None = None  # (opcode without -start, participants per group, full bytes)
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+def _ints(attributes: str, *keys: str) -> list[int]:
+    for key in keys:
+        found = hlo._int_list(attributes, key)
+        if found or re.search(rf"\b{key}\b", attributes):
+            return found
+    return []
+
+
+def gemm_dims(dot: hlo.Instruction, computation: dict[str, hlo.Instruction]) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of a dot or GEMM custom call: batch and contracted sizes, and the free sizes."""
+    lhs = hlo.dims(computation[dot.operands[0]].shape) if dot.operands[0] in computation else ()
+    rhs = (
+        hlo.dims(computation[dot.operands[1]].shape) if len(dot.operands) > 1 and dot.operands[1] in computation else ()
+    )
+    a = dot.attributes
+    lhs_batch = _ints(a, "lhs_batch_dims", "lhs_batch_dimensions")
+    lhs_contract = _ints(a, "lhs_contracting_dims", "lhs_contracting_dimensions")
+    rhs_batch = _ints(a, "rhs_batch_dims", "rhs_batch_dimensions")
+    rhs_contract = _ints(a, "rhs_contracting_dims", "rhs_contracting_dimensions")
+
+    def size(shape: tuple[int, ...], picked: list[int]) -> int:
+        return math.prod(shape[i] for i in picked if i < len(shape))
+
+    def free(shape: tuple[int, ...], *used: list[int]) -> int:
+        taken = {i for group in used for i in group}
+        return math.prod(d for i, d in enumerate(shape) if i not in taken)
+
+    return (size(lhs, lhs_batch), free(lhs, lhs_batch, lhs_contract), free(rhs, rhs_batch, rhs_contract),
+            size(lhs, lhs_contract))  # fmt: skip
+
+
+def gemm_dtype(dot: hlo.Instruction, computation: dict[str, hlo.Instruction]) -> str:
+    """The peak a dot runs at: its operand type; float32 is TF32 unless its precision is HIGHEST."""
+    lhs = computation.get(dot.operands[0])
+    dtype = hlo.element_type(lhs.shape) if lhs is not None else hlo.element_type(dot.shape)
+    if dtype in ("bf16", "f16"):
+        return dtype
+    precision = _PRECISION.search(dot.attributes)
+    if "tf32" in dot.attributes:
+        return "tf32"
+    return "f32" if precision and "highest" in precision.group(1).lower() else "tf32"
+
+
+def _users(computation: dict[str, hlo.Instruction]) -> dict[str, list[hlo.Instruction]]:
+    users: dict[str, list[hlo.Instruction]] = {}
+    for instruction in computation.values():
+        for operand in instruction.operands:
+            users.setdefault(operand, []).append(instruction)
+    return users
+
+
+def _read_bytes(name: str, users: dict[str, list[hlo.Instruction]], full: int) -> int:
+    """Bytes a fused computation reads of value `name`: its slices, nothing if updated in place, else all."""
+    total = 0
+    for user in users.get(name, []):
+        if user.opcode in ("bitcast", "reshape"):
+            total += _read_bytes(user.name, users, full)
+        elif user.opcode in _SLICERS and user.operands[0] == name:
+            total += hlo.shape_bytes(user.shape)
+        elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
+            continue  # the buffer updated in place: only the update moves
+        else:
+            return full
+    return min(total, full)
+
+
+def _written_bytes(name: str, computation: dict[str, hlo.Instruction]) -> int:
+    """Bytes a fused computation writes for value `name`: the update of an in-place update, else all of it."""
+    instruction = computation[name]
+    if instruction.opcode == "tuple":
+        return sum(_written_bytes(o, computation) for o in instruction.operands)
+    if instruction.opcode == "bitcast":
+        return _written_bytes(instruction.operands[0], computation)
+    if instruction.opcode == "dynamic-update-slice":
+        return hlo.shape_bytes(computation[instruction.operands[1]].shape)
+    return hlo.shape_bytes(instruction.shape)
+
+
+def fusion_bytes(fused: dict[str, hlo.Instruction]) -> tuple[int, int]:
+    """(bytes read, bytes written) at the boundary of a fused computation (see this module's docstring)."""
+    users = _users(fused)
+    read = sum(_read_bytes(p.name, users, hlo.shape_bytes(p.shape)) for p in fused.values() if p.opcode == "parameter")
+    root = list(fused)[-1]  # the ROOT is the computation's last instruction in XLA's text
+    return read, _written_bytes(root, fused)
+
+
+def vector_flops(fused: dict[str, hlo.Instruction]) -> float:
+    """Elementwise FLOPs of a fused computation: one per output element of each arithmetic op, one per
+    input element of each reduce."""
+    flops = 0
+    for instruction in fused.values():
+        if instruction.opcode in _ARITHMETIC:
+            flops += math.prod(hlo.dims(instruction.shape))
+        elif instruction.opcode in ("reduce", "reduce-window") and instruction.operands:
+            operand = fused.get(instruction.operands[0])
+            flops += math.prod(hlo.dims(operand.shape)) if operand is not None else 0
+    return float(flops)
+
+
+def _fusion_kind(instruction: hlo.Instruction) -> str:
+    found = _FUSION_KIND.search(instruction.attributes) or _LEGACY_KIND.search(instruction.attributes)
+    return found.group(1) if found else "fusion"
+
+
+def _group_size(instruction: hlo.Instruction, num_partitions: int) -> int:
+    """Devices per replica group: iota form `[groups,size]<=[n]`, mesh form `mesh['a'=2,'b'=4] {'a'}`,
+    or an explicit list `{{0,1},{2,3}}`; no groups at all means every device."""
+    iota = _GROUPS_IOTA.search(instruction.attributes)
+    if iota:
+        return int(iota.group(2))
+    mesh = _GROUPS_MESH.search(instruction.attributes)
+    if mesh:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes.get(name, 1) for name in re.findall(r"'([^']+)'", mesh.group(2)))
+    listed = _GROUPS_LIST.search(instruction.attributes)
+    groups = re.findall(r"\{([\d,]*)\}", listed.group(1)) if listed else []
+    sizes = [len([d for d in g.split(",") if d]) for g in groups]
+    return max(sizes) if sizes and max(sizes) > 0 else num_partitions
+
+
+def _dots(fused: dict[str, hlo.Instruction]) -> list[hlo.Instruction]:
+    return [i for i in fused.values() if i.opcode == "dot"]
+
+
+def _operand_bytes(instruction: hlo.Instruction, computation: dict[str, hlo.Instruction]) -> int:
+    return sum(hlo.shape_bytes(computation[o].shape) for o in instruction.operands if o in computation)
+
+
+def _gemm_kernel(dot: hlo.Instruction, holder: dict[str, hlo.Instruction], **fields) -> Kernel:
+    """A GEMM kernel from its dot (or cuBLAS call) and the computation holding the dot's operands."""
+    return Kernel(
+        category="matmul",
+        flops=float(hlo.matmul_flops(dot, holder)),
+        flop_dtype=gemm_dtype(dot, holder),
+        gemm=gemm_dims(dot, holder),
+        **fields,
+    )
+
+
+def _collective(instruction: hlo.Instruction, computation: dict, num_partitions: int, **fields) -> Kernel:
+    base = instruction.opcode.removesuffix("-start")
+    read = _operand_bytes(instruction, computation)
+    largest = max((hlo.DTYPE_BYTES[t] * math.prod(d) for t, d in hlo.arrays(instruction.shape)), default=0)
+    payload = max(read, largest)  # the full buffer: an all-gather's result, a reduce-scatter's input
+    group = _group_size(instruction, num_partitions)
+    return Kernel(category="collective", detail=base, flops=0.0, flop_dtype="vector", bytes_read=read,
+                  bytes_written=largest, collective=(base, group, payload), **fields)  # fmt: skip
+
+
+def _async_collective(instruction: hlo.Instruction, module: hlo.Module) -> hlo.Instruction | None:
+    """The collective an `async-start` wraps (its computation's root), with the start's operands; else None."""
+    if instruction.opcode != "async-start":
+        return None
+    callee = next((c for role, c in instruction.callees if role == "calls"), "")
+    body = module.computations.get(callee, {})
+    root = body[list(body)[-1]] if body else None
+    if root is None or root.opcode.removesuffix("-start") not in hlo.COLLECTIVES:
+        return None
+    return dataclasses.replace(root, operands=instruction.operands)
+
+
+def _custom_call(instruction: hlo.Instruction, computation: dict, **fields) -> Kernel:
+    target_match = _TARGET.search(instruction.attributes)
+    target = target_match.group(1) if target_match else "custom-call"
+    # A cuBLAS call returns (result, s8[] workspace); the workspace is scratch, not traffic.
+    written = sum(
+        hlo.DTYPE_BYTES[t] * math.prod(d)
+        for t, d in hlo.arrays(instruction.shape)
+        if t != "s8" or not hlo.is_matmul(instruction)
+    )
+    read = _operand_bytes(instruction, computation)
+    if hlo.is_matmul(instruction):
+        return _gemm_kernel(instruction, computation, detail=target, bytes_read=read, bytes_written=written, **fields)
+    return Kernel(category="fusion", detail=target, flops=0.0, flop_dtype="vector", bytes_read=read,
+                  bytes_written=written, **fields)  # fmt: skip
+
+
+def _fusion(instruction: hlo.Instruction, module: hlo.Module, memo: dict, **fields) -> Kernel:
+    callee = next((c for role, c in instruction.callees if role == "calls"), "")
+    fused = module.computations.get(callee, {})
+    kind = _fusion_kind(instruction)
+    read, written = fusion_bytes(fused) if fused else (0, hlo.shape_bytes(instruction.shape))
+    dots = _dots(fused)
+    if dots:
+        largest = max(dots, key=lambda d: hlo.matmul_flops(d, fused))
+        gemm = _gemm_kernel(largest, fused, detail=kind, bytes_read=read, bytes_written=written, **fields)
+        return dataclasses.replace(gemm, flops=float(sum(hlo.matmul_flops(d, fused) for d in dots)))
+    category = hlo.category(instruction, module, memo)
+    category = category if category in ("copy", "dynamic_update_slice", "collective") else "fusion"
+    return Kernel(category=category, detail=kind, flops=vector_flops(fused), flop_dtype="vector", bytes_read=read,
+                  bytes_written=written, **fields)  # fmt: skip
+
+
+def _plain(instruction: hlo.Instruction, computation: dict, **fields) -> Kernel:
+    """An unfused op: a copy or slice moves its result; an update moves its update; others read all, write all."""
+    op = instruction.opcode.removesuffix("-start")
+    out = hlo.shape_bytes(instruction.shape)
+    if op in ("copy", "transpose", "dynamic-slice", "slice", "reshape"):
+        return Kernel(category="copy", detail=op, flops=0.0, flop_dtype="vector", bytes_read=out, bytes_written=out,
+                      **fields)  # fmt: skip
+    if op == "dynamic-update-slice":
+        update = hlo.shape_bytes(computation[instruction.operands[1]].shape)
+        return Kernel(category="dynamic_update_slice", detail=op, flops=0.0, flop_dtype="vector",
+                      bytes_read=update, bytes_written=update, **fields)  # fmt: skip
+    if hlo.is_matmul(instruction):
+        read = _operand_bytes(instruction, computation)
+        return _gemm_kernel(instruction, computation, detail=op, bytes_read=read, bytes_written=out, **fields)
+    flops = vector_flops(
+        {instruction.name: instruction, **{o: computation[o] for o in instruction.operands if o in computation}}
+    )
+    return Kernel(category="fusion", detail=op, flops=flops, flop_dtype="vector",
+                  bytes_read=_operand_bytes(instruction, computation), bytes_written=out, **fields)  # fmt: skip
+
+
+def kernels(hlo_text: str) -> list[Kernel]:
+    """Every kernel one execution of the compiled program launches, in program order.
+
+    Args:
+      hlo_text: `compiled.as_text()` (optimized HLO; a GPU target's or this machine's).
+    Returns:
+      One Kernel per launching instruction of every executed computation, with its loops' trip counts.
+    """
+    module = hlo.parse(hlo_text)
+    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
+    num_partitions = int(partitions.group(1)) if partitions else 1
+    memo: dict[str, set[str]] = {}
+    found = []
+    for step in hlo.executed(module):
+        instruction = step.instruction
+        if instruction.opcode in _FREE:
+            continue
+        computation = module.computations[step.computation]
+        fields = dict(name=instruction.name, trips=step.trips, times=step.times)
+        wrapped = _async_collective(instruction, module)
+        if wrapped is not None:
+            found.append(_collective(wrapped, computation, num_partitions, **fields))
+        elif instruction.opcode.removesuffix("-start") in hlo.COLLECTIVES:
+            found.append(_collective(instruction, computation, num_partitions, **fields))
+        elif instruction.opcode == "custom-call":
+            found.append(_custom_call(instruction, computation, **fields))
+        elif instruction.opcode == "fusion":
+            found.append(_fusion(instruction, module, memo, **fields))
+        else:
+            found.append(_plain(instruction, computation, **fields))
+    return found
+
+
+def summary(found: list[Kernel]) -> dict[str, dict[str, float]]:
+    """Per category: launches, FLOPs and bytes per step (each kernel times its launches)."""
+    table: dict[str, dict[str, float]] = {c: {"launches": 0, "flops": 0.0, "bytes": 0.0} for c in CATEGORIES}
+    for k in found:
+        row = table[k.category]
+        row["launches"] += k.times
+        row["flops"] += k.times * k.flops
+        row["bytes"] += k.times * k.bytes
+    return table
+
+
+def as_dicts(found: list[Kernel]) -> list[dict]:
+    """The kernels as plain dicts (JSON-ready), e.g. to send from a compile's child process."""
+    return [dataclasses.asdict(k) for k in found]
+
+
+def from_dicts(rows: list[dict]) -> list[Kernel]:
+    """Kernels back from as_dicts' output (JSON turns tuples into lists)."""
+
+    def maybe_tuple(value):
+        return tuple(value) if value is not None else None
+
+    return [
+        Kernel(
+            **{
+                **r,
+                "trips": tuple(r["trips"]),
+                "gemm": maybe_tuple(r["gemm"]),
+                "collective": maybe_tuple(r["collective"]),
+            }
+        )
+        for r in rows
+    ]

@@ -1,0 +1,293 @@
+"""Predicts a train step's time from the kernels of its compiled program: a roofline per kernel, summed.
+
+Each kernel of the compiled step (jaxscale.measure.kernels: GEMMs, fusions, copies, dynamic-update-slices,
+collectives, each with the trip counts of its loops) takes
+
+    time = max(FLOPs / (peak · efficiency), bytes / (bandwidth · MEMORY_EFFICIENCY)) + LAUNCH_S
+
+where the peak is the one its dtype runs at (bf16/fp16 tensor cores, TF32 for a float32 dot at DEFAULT
+precision, float32 CUDA cores for elementwise work), and a collective moves its ring-algorithm bytes over
+the link between the GPUs. The step is the sum over kernels times their launches (XLA runs one kernel at
+a time on one stream). `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch
+cost: the pure roofline. The constants and their sources:
+
+- GEMM_EFFICIENCY 0.80: the best large-GEMM fraction of the bf16 tensor peak measured with cuBLAS
+  ("Maximum Achievable Matmul FLOPS", stas00/ml-engineering, compute/accelerator/README.md: A100 SXM
+  86.9%, A100 PCIe 81.1%, H100 SXM 80.3%; OpenXLA's measured H100 table, xla/service/gpu/model/
+  matmul_interpolator_data.h: 783 of 989 TFLOP/s = 79% at 4096³ bf16). No figure for an RTX A5000 was
+  found; the same fraction is assumed.
+- GEMM_TILE 128: the output tile of a cuBLAS kernel for large GEMMs; with the SM count it gives NVIDIA's
+  tile and wave quantization (Matrix Multiplication Background User's Guide, ch. 3): a GEMM of
+  `batch · ceil(m/128) · ceil(n/128)` tiles runs in `ceil(tiles / SMs)` waves, and only the useful share
+  of those waves' work counts.
+- MEMORY_EFFICIENCY 0.85: sustained fraction of the datasheet bandwidth in streaming kernels (an RTX
+  A5000 measured 659.5 of 768 GB/s read+write = 86%; BabelStream triad on an H100 NVL 3.30 of 3.9 TB/s).
+- LAUNCH_S 5.8 µs: the smallest GEMMs of OpenXLA's measured H100 table take 5.9 µs whatever their size
+  (67 MFLOP at 11.5 TFLOP/s): a fixed cost per kernel of about 5.8 µs once the work (~0.1 µs) is taken out.
+- Collective bytes: NCCL's bus-bandwidth factors (nccl-tests doc/PERFORMANCE.md): all-reduce 2(n-1)/n,
+  all-gather, reduce-scatter and all-to-all (n-1)/n, collective-permute 1, of the full buffer.
+
+On a CPU the rooflines are this machine's measurements (jaxscale.measure.peaks: the jitted 2048³ matmul
+in the run's dtype, float32 for elementwise work, and a STREAM-like memory bandwidth), with efficiency 1,
+no tile quantization and no launch cost. Nothing here is fitted to a measured step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import jax
+import ml_collections
+
+from jaxscale.measure import flops, kernels, peaks
+from jaxscale.plan import targets
+
+GEMM_EFFICIENCY = 0.80
+GEMM_TILE = 128
+MEMORY_EFFICIENCY = 0.85
+LAUNCH_S = 5.8e-6
+BREAKDOWN = ("matmul", "fusion", "copy_dus", "collective", "launch")  # predicted_<name>_s columns
+_GROUP = {"matmul": "matmul", "fusion": "fusion", "copy": "copy_dus", "dynamic_update_slice": "copy_dus",
+          "collective": "collective"}  # fmt: skip
+
+
+def collective_factor(op: str, n: int) -> float:
+    """Bytes each GPU sends per byte of the full buffer, for a ring over n GPUs (NCCL's bus bandwidth)."""
+    if n <= 1:
+        return 0.0
+    if op == "all-reduce":
+        return 2 * (n - 1) / n
+    if op == "collective-permute":
+        return 1.0
+    return (n - 1) / n  # all-gather, reduce-scatter, all-to-all, collective-broadcast
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """What one device can do, and the efficiencies below it that the prediction assumes."""
+
+    name: str
+    matmul_flops_per_s: dict[str, float]  # by kernels.Kernel.flop_dtype: bf16, f16, tf32, f32
+    vector_flops_per_s: float  # elementwise work
+    memory_bytes_per_s: float
+    link_bytes_per_s: float  # collectives among the GPUs of one host
+    network_bytes_per_s: float  # collectives that span hosts
+    devices_per_host: int
+    cores: int | None  # SMs, for tile and wave quantization (None: none, a CPU)
+    gemm_efficiency: float
+    memory_efficiency: float
+    launch_s: float
+    source: str
+
+
+def gpu_roofline(target: targets.GpuTarget, precision: str | None = None, devices_per_host: int = 8) -> Roofline:
+    """The roofline of a GPU target: datasheet peaks (jaxscale.measure.peaks) and the target's bandwidths.
+
+    Raises:
+      ValueError: the peak table has no entry for the target's device_kind.
+    """
+    peak = peaks.find_peak(target.device_kind)
+    if peak is None or peak.bfloat16 is None or peak.float32 is None:
+        raise ValueError(f"no datasheet peak for {target.device_kind!r} (add it to jaxscale/measure/peaks.py)")
+    full_fp32 = (precision or "").lower() in ("highest", "float32", "fp32")
+    link = target.nvlink_bandwidth or target.pcie_bandwidth
+    return Roofline(
+        name=target.name,
+        matmul_flops_per_s={
+            "bf16": peak.bfloat16,
+            "f16": peak.float16 or peak.bfloat16,
+            "tf32": peak.float32 if full_fp32 or peak.tf32 is None else peak.tf32,
+            "f32": peak.float32,
+        },
+        vector_flops_per_s=peak.float32,
+        memory_bytes_per_s=float(target.memory_bandwidth),
+        link_bytes_per_s=float(link),
+        network_bytes_per_s=float(target.network_bandwidth or target.pcie_bandwidth),
+        devices_per_host=devices_per_host,
+        cores=target.core_count,
+        gemm_efficiency=GEMM_EFFICIENCY,
+        memory_efficiency=MEMORY_EFFICIENCY,
+        launch_s=LAUNCH_S,
+        source=f"{peak.source}; {target.source}; links: {target.interconnect_source}; efficiencies: GEMM "
+        f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, memory "
+        f"{MEMORY_EFFICIENCY:.0%}, launch {LAUNCH_S * 1e6:.1f} us per kernel (jaxscale/plan/predict.py)",
+    )
+
+
+def cpu_roofline() -> Roofline:
+    """This machine's measured rooflines (cached per machine, see jaxscale.measure.peaks)."""
+    f32, f32_source = peaks.measured_peak("float32")
+    bf16, _ = peaks.measured_peak("bfloat16")
+    bandwidth, bandwidth_source = peaks.measured_bandwidth()
+    return Roofline(
+        name="cpu",
+        matmul_flops_per_s={"bf16": bf16, "f16": bf16, "tf32": f32, "f32": f32},
+        vector_flops_per_s=f32,
+        memory_bytes_per_s=bandwidth,
+        link_bytes_per_s=bandwidth,
+        network_bytes_per_s=bandwidth,
+        devices_per_host=1,
+        cores=None,
+        gemm_efficiency=1.0,
+        memory_efficiency=1.0,
+        launch_s=0.0,
+        source=f"{f32_source}; {bandwidth_source}; no efficiency factors, no launch cost",
+    )
+
+
+def quantization(gemm: tuple[int, int, int, int] | None, cores: int | None) -> float:
+    """Useful share of the work a GEMM's tiles and waves occupy (1.0 without an SM count)."""
+    if gemm is None or cores is None:
+        return 1.0
+    batch, m, n, _ = gemm
+    tiles = max(1, batch) * math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE)
+    waves = math.ceil(tiles / cores)
+    return max(1, batch) * m * n / (waves * cores * GEMM_TILE * GEMM_TILE)
+
+
+def kernel_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, float]:
+    """(predicted seconds without launch cost, pure-roofline seconds) of one launch of a kernel."""
+    if kernel.collective is not None:
+        op, group, payload = kernel.collective
+        link = roof.link_bytes_per_s if group <= roof.devices_per_host else roof.network_bytes_per_s
+        seconds = collective_factor(op, group) * payload / link
+        return seconds, seconds
+    if kernel.category == "matmul":
+        peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])
+        efficiency = roof.gemm_efficiency * quantization(kernel.gemm, roof.cores)
+    else:
+        peak, efficiency = roof.vector_flops_per_s, 1.0
+    compute = kernel.flops / peak
+    memory = kernel.bytes / roof.memory_bytes_per_s
+    return max(compute / efficiency, memory / roof.memory_efficiency), max(compute, memory)
+
+
+def predict(found: Iterable[kernels.Kernel], roof: Roofline) -> dict[str, float]:
+    """Seconds per step: predicted_step_s, predicted_step_lower_bound_s, predicted_<BREAKDOWN>_s, and
+    predicted_kernel_launches (per step)."""
+    totals = dict.fromkeys(BREAKDOWN, 0.0)
+    bound, launches = 0.0, 0
+    for kernel in found:
+        seconds, roofline = kernel_seconds(kernel, roof)
+        totals[_GROUP[kernel.category]] += kernel.times * seconds
+        totals["launch"] += kernel.times * roof.launch_s
+        bound += kernel.times * roofline
+        launches += kernel.times
+    return {
+        "predicted_step_s": sum(totals.values()),
+        "predicted_step_lower_bound_s": bound,
+        **{f"predicted_{name}_s": value for name, value in totals.items()},
+        "predicted_kernel_launches": launches,
+    }
+
+
+def step_columns(
+    config: ml_collections.ConfigDict, found: list[kernels.Kernel], roof: Roofline, peak: float | None
+) -> dict[str, object]:
+    """The predicted_* columns of a row for one compiled program on one roofline.
+
+    Args:
+      config: the run's config (tokens per step, model FLOPs).
+      found: the program's kernels (jaxscale.measure.kernels.kernels).
+      roof: the device's roofline.
+      peak: the peak FLOP/s that MFU divides by (the same as the row's `mfu` uses), or None.
+    Returns:
+      predicted_step_s and its breakdown (see predict), predicted_tokens_per_s, predicted_mfu,
+      predicted_unknown_trip_count_kernels (kernels in a loop of unknown trip count, counted once)
+      and predicted_roofline_source.
+    """
+    columns: dict[str, object] = dict(predict(found, roof))
+    step = columns["predicted_step_s"]
+    tokens = config.data.batch_size * config.data.seq_len
+    model_flops = flops.model_flops_per_step(config)
+    columns["predicted_tokens_per_s"] = tokens / step if step else None
+    columns["predicted_mfu"] = model_flops / step / peak if step and peak else None
+    columns["predicted_unknown_trip_count_kernels"] = sum(None in k.trips for k in found)
+    columns["predicted_roofline_source"] = roof.source
+    return columns
+
+
+def target_columns(
+    config: ml_collections.ConfigDict, target: targets.GpuTarget, by_mode: dict[str, list[kernels.Kernel]]
+) -> dict[str, object]:
+    """Predicted columns of a GPU target's plan, from the kernels of each compiled GEMM mode.
+
+    On the GPU, XLA's autotuner picks Triton or cuBLAS per GEMM; the faster of the two whole programs is
+    reported (predicted_gemm names it), both are kept as predicted_<mode>_step_s. A target without a
+    datasheet peak gets null columns and predicted_error.
+    """
+    try:
+        roof = gpu_roofline(target)
+    except ValueError as error:
+        return {"predicted_step_s": None, "predicted_error": str(error)}
+    peak, _ = peaks.peak_flops(target.device_kind, config.model.dtype)
+    per_mode = {mode: step_columns(config, found, roof, peak) for mode, found in by_mode.items()}
+    best = min(per_mode, key=lambda m: per_mode[m]["predicted_step_s"])
+    return {
+        **per_mode[best],
+        "predicted_gemm": best,
+        **{f"predicted_{mode}_step_s": columns["predicted_step_s"] for mode, columns in per_mode.items()},
+    }
+
+
+def local_roofline(device: jax.Device) -> Roofline | None:
+    """The roofline of the device a run executes on: measured on a CPU; on a GPU the targets-table entry
+    with the same device_kind (None when there is none: the row then has no prediction)."""
+    if device.platform == "cpu":
+        return cpu_roofline()
+    match = next((t for t in targets.TARGETS.values() if t.device_kind == device.device_kind), None)
+    return gpu_roofline(match) if match is not None else None
+
+
+def local_columns(config: ml_collections.ConfigDict, hlo_text: str, device: jax.Device) -> dict[str, object]:
+    """Predicted columns for a program compiled for this machine's device (see local_roofline)."""
+    roof = local_roofline(device)
+    if roof is None:
+        return {"predicted_step_s": None, "predicted_error": f"no roofline for device_kind {device.device_kind!r}"}
+    peak, _ = peaks.resolve_peak(config.model.dtype, device)
+    return step_columns(config, kernels.kernels(hlo_text), roof, peak)
+
+
+def over_measured(row: dict) -> float | None:
+    """predicted_step_s / step_s_median, where the row has both."""
+    predicted, measured = row.get("predicted_step_s"), row.get("step_s_median")
+    return predicted / measured if predicted and measured else None
+
+
+def rank_by_predicted_throughput(rows: Iterable[dict], fitting_only: bool = True) -> list[dict]:
+    """Rows ordered by predicted tokens/s, fastest first: for the fit planner to rank variants.
+
+    Args:
+      rows: result rows (of --plan --target runs, or of runs on this machine).
+      fitting_only: drop rows whose plan does not fit (plan_fits False) or whose status is not ok.
+    Returns:
+      The rows with a prediction, each with `predicted_rank` (1 = fastest) added.
+    """
+    kept = [
+        dict(r)
+        for r in rows
+        if r.get("predicted_tokens_per_s")
+        and (not fitting_only or (r.get("status", "ok") == "ok" and r.get("plan_fits") is not False))
+    ]
+    kept.sort(key=lambda r: -r["predicted_tokens_per_s"])
+    for rank, row in enumerate(kept, start=1):
+        row["predicted_rank"] = rank
+    return kept
+
+
+def summary_line(row: dict) -> str:
+    """One line for the run summary: the predicted step, its breakdown, and predicted/measured where measured."""
+    where = row.get("plan_target") or row.get("backend") or "?"
+    gemm = f", {row['predicted_gemm']} GEMMs" if row.get("predicted_gemm") else ""
+    parts = " + ".join(f"{name.replace('_', '/')} {row.get(f'predicted_{name}_s') or 0:.3g}" for name in BREAKDOWN)
+    text = (
+        f"  predicted step ({where}{gemm}): {row['predicted_step_s']:.4g} s = {parts} s over "
+        f"{row.get('predicted_kernel_launches')} kernels; roofline bound {row['predicted_step_lower_bound_s']:.4g} s"
+    )
+    if row.get("predicted_mfu") is not None:
+        text += f"; MFU {row['predicted_mfu']:.1%}"
+    if row.get("predicted_over_measured") is not None:
+        text += f"; predicted/measured {row['predicted_over_measured']:.2f}"
+    return text
