@@ -9,12 +9,15 @@ warning from their stderr, and returns result-row fields:
   `compiled_triton_peak_bytes` / `compiled_cublas_peak_bytes` (the band), `compile_s`;
 - `plan_target`, `plan_target_device_kind`, `plan_target_memory_bytes` (the target's device memory);
 - `plan_fits` and `plan_fits_reason`; `compiled_remat_{limit,reached,original}_bytes` from XLA's
-  "Can't reduce memory use below ..." warning (None when XLA did not warn).
+  "Can't reduce memory use below ..." warning (None when XLA did not warn);
+- on several GPUs (`devices`, the config's mesh): `plan_devices`, `plan_topology` ("1x1x8": slices x hosts
+  x GPUs per host), and the plan per device; the compiled_collective_* columns (jaxscale.measure.collectives).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -31,6 +34,7 @@ import ml_collections
 
 from jaxscale import _env
 from jaxscale.cli import UsageError
+from jaxscale.config import mesh_shape
 from jaxscale.plan import targets
 
 # Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
@@ -115,14 +119,18 @@ def _failure(returncode: int, stderr: str) -> str:
 
 
 def compile_in_subprocess(
-    config: ml_collections.ConfigDict, config_text: str, gemm: str, timeout_s: float = DEFAULT_TIMEOUT_S
+    config: ml_collections.ConfigDict,
+    config_text: str,
+    gemm: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    devices: int = 1,
 ) -> tuple[dict[str, Any], str]:
-    """Runs `jaxscale.target_compile` for one GEMM mode; returns (its result, its stderr).
+    """Runs `jaxscale.target_compile` for one GEMM mode on `devices` target GPUs; returns (its result, its stderr).
 
     Raises:
       PlanError: the child crashed, was killed, timed out or raised.
     """
-    request = pickle.dumps({"config": config, "target_config_text": config_text})
+    request = pickle.dumps({"config": config, "target_config_text": config_text, "devices": devices})
     with tempfile.TemporaryDirectory(prefix="jaxscale_plan_") as tmp:
         result_path = pathlib.Path(tmp) / "plan.json"
         command = [sys.executable, "-m", "jaxscale.plan.target_compile", str(result_path)]
@@ -150,7 +158,11 @@ def _fits(target: targets.GpuTarget, peak: int, warning: dict[str, int] | None) 
 
 
 def plan_for_target(
-    config: ml_collections.ConfigDict, target: str, gemm: str = "both", timeout_s: float = DEFAULT_TIMEOUT_S
+    config: ml_collections.ConfigDict,
+    target: str,
+    gemm: str = "both",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    devices: int = 1,
 ) -> dict[str, Any]:
     """XLA's memory plan of the run's train step on a GPU target, as result-row fields.
 
@@ -159,8 +171,11 @@ def plan_for_target(
       target: a name in jaxscale.targets.TARGETS or a GpuTargetConfig .txtpb path.
       gemm: "both" (default; the reported plan is the larger), "triton" or "cublas".
       timeout_s: per child compile.
+      devices: target GPUs the config's mesh runs on (its product; 1 for the 1x1x1 mesh). The plan, and
+        whether it fits, is per device.
     Returns:
-      The row fields listed in this module's docstring, plus params and plan_wall_s (all children, seconds).
+      The row fields listed in this module's docstring, plus params, plan_devices, plan_topology, the
+      compiled_collective_* columns and plan_wall_s (all children, seconds).
     Raises:
       targets.UnknownTargetError, ValueError: bad target; PlanError: a compile failed.
     """
@@ -172,7 +187,7 @@ def plan_for_target(
     start = time.perf_counter()
     plans, warnings = {}, {}
     for mode in modes:
-        plans[mode], stderr = compile_in_subprocess(config, text, mode, timeout_s)
+        plans[mode], stderr = compile_in_subprocess(config, text, mode, timeout_s, devices)
         warnings[mode] = parse_remat_warning(stderr)
     chosen = max(modes, key=lambda m: plans[m]["compiled_peak_bytes"])
     plan = plans[chosen]
@@ -189,6 +204,8 @@ def plan_for_target(
         "plan_target": spec.name,
         "plan_target_device_kind": plan["device_kind"],
         "plan_target_memory_bytes": spec.device_memory_size,
+        "plan_devices": devices if math.prod(mesh_shape(config)) > 1 else 1,
+        "plan_topology": plan["plan_topology"],
         "plan_fits": fits,
         "plan_fits_reason": reason,
         "plan_wall_s": time.perf_counter() - start,
@@ -201,8 +218,10 @@ def summary_line(row: dict[str, Any]) -> str:
     band = [row.get(f"compiled_{m}_peak_bytes") for m in GEMM_FLAGS]
     band_text = " / ".join("-" if b is None else f"{b / gib:.3f}" for b in band)
     verdict = "fits" if row["plan_fits"] else f"does NOT fit: {row['plan_fits_reason']}"
+    devices = row.get("plan_devices") or 1
+    each = f" x {devices} (topology {row.get('plan_topology')}; plan per device)" if devices > 1 else ""
     return (
-        f"  target {row['plan_target']} ({row['plan_target_device_kind']}, "
+        f"  target {row['plan_target']}{each} ({row['plan_target_device_kind']}, "
         f"{row['plan_target_memory_bytes'] / gib:.2f} GiB): {verdict}; "
         f"peak triton / cublas GEMMs {band_text} GiB"
     )

@@ -247,3 +247,61 @@ def state_bytes_per_device(abstract_state: Any) -> dict[str, int]:
         return sum(shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
 
     return {"params": total(abstract_state.params), "optimizer": total(abstract_state.opt_state)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one run's train step is compiled and fed: on one device (layout None, the program of old) or on a
+    mesh. The run asks it for the step, its abstract inputs, the initial state, and places every batch
+    through `place_batch`, so the run's code is the same for both.
+    """
+
+    config: ml_collections.ConfigDict
+    init_fn: Callable[[], TrainState]
+    layout: Layout | None
+
+    def step(self) -> Any:
+        """The jitted train step (make_step)."""
+        return make_step(self.config, self.layout)
+
+    def abstract_inputs(self) -> tuple[Any, Any, Batch]:
+        """(state, metrics, batch) as ShapeDtypeStructs, with the layout's shardings on a mesh."""
+        if self.layout is None:
+            return unsharded_inputs(self.config, self.init_fn)
+        return abstract_inputs(self.config, self.layout, self.init_fn)
+
+    def init_state(self) -> TrainState:
+        """The initial state, built in its shards on a mesh (init_state)."""
+        return jax.jit(self.init_fn)() if self.layout is None else init_state(self.init_fn, self.layout)
+
+    def init_metrics(self) -> Any:
+        metrics = init_metrics()
+        return metrics if self.layout is None else place_metrics(metrics, self.layout)
+
+    def place_batch(self, batch: Batch) -> Batch:
+        """A global host batch where the step takes it: as is on one device, split over the mesh otherwise."""
+        return batch if self.layout is None else place_batch(batch, self.layout)
+
+    @property
+    def local_devices(self) -> list[jax.Device]:
+        """The devices of this process that the step runs on."""
+        if self.layout is None:
+            return jax.local_devices()[:1]
+        return [d for d in self.layout.mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def placement(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Placement:
+    """The Placement of `config`'s step: one device for the 1x1x1 mesh, else its mesh over `devices`.
+
+    Raises:
+      ConfigError: the mesh does not use every device (see config.check_mesh_devices).
+    """
+    init_fn = make_init_fn(config)
+    if math.prod(mesh_shape(config)) == 1:
+        return Placement(config, init_fn, None)
+    return Placement(config, init_fn, make_layout(config, make_mesh(config, devices), init_fn))
+
+
+def host_scalars(tree: Any) -> dict[str, float]:
+    """Replicated scalars as Python floats, read from this process's first shard (works across hosts)."""
+    return {key: float(np.asarray(value.addressable_shards[0].data)) for key, value in tree.items()}

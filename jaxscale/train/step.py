@@ -188,20 +188,20 @@ def accumulate_gradients(
     return grads, metrics
 
 
-def train_step(
+def batch_gradients(
     state: TrainState,
-    metrics: Metrics,
     batch: Batch,
+    rng: jax.Array,
     num_minibatches: int,
     accumulate: str,
     grad_shardings: Any = None,
-):
-    """One optimizer step over `batch`; metrics are added to the running sums (no host sync).
+) -> tuple[Any, Metrics]:
+    """Gradients of the mean next-token loss over `batch` (accumulated over its minibatches) and the summed
+    metrics: the train step's work before the optimizer.
 
     `grad_shardings` (on a mesh: the parameters' NamedShardings, see jaxscale.train.sharding) pins every
     minibatch's gradients and their accumulator to the parameters' layout; None off a mesh.
     """
-    rng, step_rng = jax.random.split(state.rng)
 
     def constrain_grads(grads: Any) -> Any:
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -212,10 +212,24 @@ def train_step(
         )
         return constrain_grads(grads), step_metrics
 
+    return accumulate_gradients(grad_fn, state.params, batch, rng, num_minibatches, accumulate, constrain_grads)
+
+
+def train_step(
+    state: TrainState,
+    metrics: Metrics,
+    batch: Batch,
+    num_minibatches: int,
+    accumulate: str,
+    grad_shardings: Any = None,
+):
+    """One optimizer step over `batch`; metrics are added to the running sums (no host sync).
+
+    `grad_shardings`: see batch_gradients (None off a mesh).
+    """
+    rng, step_rng = jax.random.split(state.rng)
     with jax.named_scope("accumulate"):
-        grads, step_metrics = accumulate_gradients(
-            grad_fn, state.params, batch, step_rng, num_minibatches, accumulate, constrain_grads
-        )
+        grads, step_metrics = batch_gradients(state, batch, step_rng, num_minibatches, accumulate, grad_shardings)
     with jax.named_scope("optimizer"):
         state = state.apply_gradients(grads=grads, rng=rng)
     return state, _tree_add(metrics, step_metrics)
