@@ -249,13 +249,14 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def check_mesh_devices(config: ml_collections.ConfigDict, devices: int, where: str = "this process") -> None:
+def check_mesh_devices(config: ml_collections.ConfigDict, devices: int, where: str = "this process", hint: str = "") -> None:
     """Raises ConfigError unless the mesh uses every one of `devices` devices (1x1x1 always runs on one).
 
     Args:
       config: a validated config.
       devices: the device count the step would run or be planned on.
-      where: what the devices are, for the message ("the 8 devices of this run", "--devices 8 of h100").
+      where: what has the devices, for the message ("this run (cpu)", "target h100 (--devices)").
+      hint: appended to the message (how to get other devices).
     """
     shape = mesh_shape(config)
     product = math.prod(shape)
@@ -263,7 +264,8 @@ def check_mesh_devices(config: ml_collections.ConfigDict, devices: int, where: s
         return
     raise ConfigError(
         f"mesh: data x fsdp x tensor = {mesh_text(config)} = {product} devices, but {where} has {devices}; "
-        f"choose sizes whose product is {devices} (e.g. --config.mesh.data={devices}), or 1x1x1 for one device"
+        f"choose sizes whose product is {devices} (e.g. --config.mesh.data={devices}), or 1x1x1 for one "
+        f"device{hint}"
     )
 
 

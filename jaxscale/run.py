@@ -324,7 +324,7 @@ def _resolve_run_dir(fv: flags.FlagValues, config: ml_collections.ConfigDict) ->
         plan += f"-x{fv.devices}" if fv.target and fv.devices else ""
         name = fv.name or f"{config.name}_{config.preset}{plan}_{stamp}"
         run_dir = pathlib.Path(fv.output_root) / "traces" / name
-    if (run_dir / "result.json").exists():
+    if (run_dir / "result.json").exists() and hosts.is_main_process():  # process 0 writes it
         raise UsageError(f"--name: {run_dir} already holds a result; choose another --name (runs never overwrite)")
     return name, run_dir
 
@@ -343,11 +343,11 @@ def check_devices(config: ml_collections.ConfigDict, target: str | None, devices
     try:
         if target is not None:
             targets.topology(devices or 1)
-            check_mesh_devices(config, devices or 1, f"--devices {devices or 1} of target {target}")
+            check_mesh_devices(config, devices or 1, f"target {target} (--devices)", "; --devices sets the target's count")
             return
         count, platform = jax.device_count(), jax.default_backend()
-        hint = "; simulate CPU devices with --host_devices" if platform == "cpu" else ""
-        check_mesh_devices(config, count, f"this run ({count} {platform} device(s){hint})")
+        hint = f"; simulate CPU devices with --host_devices={math.prod(mesh_shape(config))}" if platform == "cpu" else ""
+        check_mesh_devices(config, count, f"this run ({platform})", hint)
     except (ConfigError, ValueError) as error:
         raise UsageError(str(error)) from None
 
