@@ -1,8 +1,8 @@
 """Before JAX starts its backends: simulated CPU devices, and `jax.distributed` for a run over several processes.
 
-Both must happen before JAX's first computation (the backends read them when they start), so `run` and
-`sweep` parse these flags ahead of the config (`parse_early`, which loading a preset-less config would
-otherwise pre-empt) and call `start`:
+Both must happen before JAX's first computation (the backends read them when they start), so `run` parses
+these flags ahead of the config (`parse_early`), sets the devices (`configure`), checks the config (bad input
+ends a process before it joins the others), then joins them (`initialize`); the sweep passes them on:
 
 - `--host_devices N`: N simulated CPU devices in this process (`jax_num_cpu_devices`, the same as
   `XLA_FLAGS=--xla_force_host_platform_device_count=N`), to run a mesh without N accelerators;
@@ -87,12 +87,11 @@ def _check(fv: flags.FlagValues) -> None:
         raise UsageError(f"--process_id: {fv.process_id} is not below --num_processes={fv.num_processes}")
 
 
-def start(fv: flags.FlagValues) -> None:
-    """Simulated devices and jax.distributed, as the flags ask; call before any JAX computation.
+def configure(fv: flags.FlagValues) -> None:
+    """Simulated devices and the CPU collectives, as the flags ask; call before JAX starts its backends.
 
     Raises:
       UsageError: inconsistent flags, or JAX's backends already started (nothing can change then).
-      RuntimeError: jax.distributed.initialize failed (a process did not join within the timeout).
     """
     _check(fv)
     try:
@@ -103,6 +102,16 @@ def start(fv: flags.FlagValues) -> None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     except RuntimeError as error:  # JAX refuses once its backends are up
         raise UsageError(f"--host_devices: must be set before JAX starts: {error}") from None
+
+
+def initialize(fv: flags.FlagValues) -> None:
+    """jax.distributed.initialize when this is one process of several; call after `configure`, before JAX's
+    first computation. It returns once every process has joined; a process that never joins makes JAX end
+    this one after --distributed_timeout seconds (it aborts with its own message).
+
+    Raises:
+      RuntimeError: JAX's backends already started, or the coordinator could not be reached.
+    """
     if wants_distributed(fv):
         jax.distributed.initialize(
             coordinator_address=fv.coordinator_address,

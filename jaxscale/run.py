@@ -352,18 +352,31 @@ def check_devices(config: ml_collections.ConfigDict, target: str | None, devices
         raise UsageError(str(error)) from None
 
 
+def _config_path_has_preset(argv: Sequence[str]) -> bool:
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if path is None and "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    return path is not None and ":" in path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
-    try:
-        hosts.start(hosts.parse_early(argv))  # before anything starts JAX's backends
-    except UsageError as error:
-        return fail(str(error))
-    except RuntimeError as error:  # jax.distributed could not connect the processes
-        return fail(f"jax.distributed.initialize: {error}", code=1)
     fv = _flag_values(argv)
     try:
+        early = hosts.parse_early(argv)
+        hosts.configure(early)  # simulated devices: before anything starts JAX's backends
+        if hosts.wants_distributed(early) and not _config_path_has_preset(argv):
+            raise UsageError("--config: name the preset (e.g. configs/bf16_remat.py:seed) in a multi-process run; "
+                             "picking one by backend would start JAX before jax.distributed")  # fmt: skip
         config = parse_config_flags(fv, argv)
         gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm)
+    except UsageError as error:  # bad input ends this process before it joins the others
+        return fail(str(error))
+    try:
+        hosts.initialize(early)
+    except RuntimeError as error:
+        return fail(f"jax.distributed.initialize: {error}", code=1)
+    try:
         check_devices(config, fv.target, fv.devices)
         name, run_dir = _resolve_run_dir(fv, config)
         budget = None if fv.device_memory is None else parse_bytes(fv.device_memory, "--device_memory")
