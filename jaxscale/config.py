@@ -249,7 +249,9 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def check_mesh_devices(config: ml_collections.ConfigDict, devices: int, where: str = "this process", hint: str = "") -> None:
+def check_mesh_devices(
+    config: ml_collections.ConfigDict, devices: int, where: str = "this process", hint: str = ""
+) -> None:
     """Raises ConfigError unless the mesh uses every one of `devices` devices (1x1x1 always runs on one).
 
     Args:

@@ -19,14 +19,13 @@ import ml_collections  # noqa: E402
 from absl import flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxscale import train  # noqa: E402
-from jaxscale.train import sharding
-from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
-from jaxscale import hosts
+from jaxscale import hosts, train  # noqa: E402
+from jaxscale.cli import UsageError, config_path, define_config_flag, fail, parse_bytes, parse_config_flags
 from jaxscale.config import ConfigError, check_mesh_devices, flatten, mesh_shape, mesh_text  # noqa: E402
 from jaxscale.measure import columns, flops, memory, profiling, timing  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
 from jaxscale.plan import gpu_plan, targets  # noqa: E402
+from jaxscale.train import sharding
 
 # Rough sustained FLOP/s per backend, used only to warn before a long run (never reported as a measurement).
 _ASSUMED_FLOPS_FOR_ESTIMATE = {"cpu": 5e10, "gpu": 5e13, "tpu": 5e13}
@@ -330,33 +329,20 @@ def _resolve_run_dir(fv: flags.FlagValues, config: ml_collections.ConfigDict) ->
 
 
 def check_devices(config: ml_collections.ConfigDict, target: str | None, devices: int | None) -> None:
-    """The mesh against the devices it runs on: this process's (all processes') or --devices of a target.
+    """The mesh against the devices it runs on: this run's (all processes') or --devices of a target.
 
     Raises:
       UsageError: one line naming mesh or --devices and what would work.
     """
-    if devices is not None and target is None:
-        raise UsageError(
-            f"--devices {devices}: sets how many target GPUs to plan for; add --plan --target (a run uses the "
-            "devices it has; simulate CPU devices with --host_devices)"
-        )
+    if target is not None or devices is not None:
+        gpu_plan.check_devices_flag(config, target, devices)
+        return
+    count, platform = jax.device_count(), jax.default_backend()
+    hint = f"; simulate CPU devices with --host_devices={math.prod(mesh_shape(config))}" if platform == "cpu" else ""
     try:
-        if target is not None:
-            targets.topology(devices or 1)
-            check_mesh_devices(config, devices or 1, f"target {target} (--devices)", "; --devices sets the target's count")
-            return
-        count, platform = jax.device_count(), jax.default_backend()
-        hint = f"; simulate CPU devices with --host_devices={math.prod(mesh_shape(config))}" if platform == "cpu" else ""
         check_mesh_devices(config, count, f"this run ({platform})", hint)
-    except (ConfigError, ValueError) as error:
+    except ConfigError as error:
         raise UsageError(str(error)) from None
-
-
-def _config_path_has_preset(argv: Sequence[str]) -> bool:
-    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if path is None and "--config" in argv[:-1]:
-        path = argv[argv.index("--config") + 1]
-    return path is not None and ":" in path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -365,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         early = hosts.parse_early(argv)
         hosts.configure(early)  # simulated devices: before anything starts JAX's backends
-        if hosts.wants_distributed(early) and not _config_path_has_preset(argv):
+        if hosts.wants_distributed(early) and ":" not in (config_path(argv, "config") or ":"):
             raise UsageError("--config: name the preset (e.g. configs/bf16_remat.py:seed) in a multi-process run; "
                              "picking one by backend would start JAX before jax.distributed")  # fmt: skip
         config = parse_config_flags(fv, argv)

@@ -36,8 +36,14 @@ def _launch(commands: list[list[str]], deadline_s: float, grace_s: float = 30.0)
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     start = time.monotonic()
     procs = [
-        subprocess.Popen([sys.executable, "-m", "jaxscale.run", *c], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxscale.run", *c],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
         for c in commands
     ]
     ended: dict[int, float] = {}
@@ -63,8 +69,16 @@ def _processes(run_dir: pathlib.Path, extra: list[list[str]] | None = None) -> l
     port = _free_port()
     extra = extra or [[], []]
     return [
-        [*CONFIG, "--host_devices=4", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-         f"--process_id={i}", f"--run_dir={run_dir}", "--distributed_timeout=20", *extra[i]]  # fmt: skip
+        [
+            *CONFIG,
+            "--host_devices=4",
+            f"--coordinator_address=127.0.0.1:{port}",
+            "--num_processes=2",
+            f"--process_id={i}",
+            f"--run_dir={run_dir}",
+            "--distributed_timeout=20",
+            *extra[i],
+        ]  # fmt: skip
         for i in range(2)
     ]
 

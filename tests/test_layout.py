@@ -14,6 +14,7 @@ FLOORS: dict[str, int] = {
     "jaxscale._env": 0,
     "jaxscale.config": 0,
     "jaxscale.cli": 0,
+    "jaxscale.hosts": 0,
     "jaxscale.measure": 0,
     "jaxscale.model": 1,
     "jaxscale.train": 2,

@@ -375,7 +375,9 @@ def _collective(instruction: Instruction, computation: dict[str, Instruction], m
         done = next((i for i in computation.values() if i.opcode == f"{base}-done" and instruction.name in i.operands),
                     None)  # fmt: skip
         result = shape_bytes(done.shape) if done is not None else max(result - operands, 0)
-    group = None if _KIND_OF[base] == "collective-permute" else _group_size(instruction.attributes, module.num_partitions)
+    group = (
+        None if _KIND_OF[base] == "collective-permute" else _group_size(instruction.attributes, module.num_partitions)
+    )
     return _KIND_OF[base], operands, result, group
 
 

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxscale.config import mesh_shape
-from jaxscale.measure import flops
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:

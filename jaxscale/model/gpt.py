@@ -274,7 +274,9 @@ class GPT(nn.Module):
         x = Transformer(cfg, self.train, name="transformer")(x)
         with jax.named_scope("head"):
             x = layer_norm(cfg, "post_norm")(x)
-            logits = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, **dense_inits(("embed", "vocab"), ("vocab",)), name="output")(x)
+            logits = nn.Dense(
+                cfg.vocab_size, dtype=cfg.dtype, **dense_inits(("embed", "vocab"), ("vocab",)), name="output"
+            )(x)
             return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))  # [B, T, V]
 
 

@@ -34,7 +34,7 @@ import ml_collections
 
 from jaxscale import _env
 from jaxscale.cli import UsageError
-from jaxscale.config import mesh_shape
+from jaxscale.config import ConfigError, check_mesh_devices, mesh_shape
 from jaxscale.plan import targets
 
 # Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
@@ -92,6 +92,25 @@ def check_target_flag(target: str | None, plan: bool, gemm: str = "both") -> Non
     missing = missing_extra()
     if missing:
         raise UsageError(missing)
+
+
+def check_devices_flag(config: ml_collections.ConfigDict, target: str | None, devices: int | None) -> None:
+    """Checks `--devices` (the target GPUs to plan on): with --target, a count XLA's CUDA topology takes, and
+    the config's mesh uses them all.
+
+    Raises:
+      UsageError: one line naming --devices or mesh and what would work.
+    """
+    if target is None:
+        raise UsageError(
+            f"--devices {devices}: sets how many target GPUs to plan for; add --plan --target (a run uses the "
+            "devices it has; simulate CPU devices with --host_devices)"
+        )
+    try:
+        targets.topology(devices or 1)
+        check_mesh_devices(config, devices or 1, f"target {target} (--devices)", "; --devices sets the target's count")
+    except (ConfigError, ValueError) as error:
+        raise UsageError(str(error)) from None
 
 
 def parse_remat_warning(stderr: str) -> dict[str, int] | None:

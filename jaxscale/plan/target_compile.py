@@ -78,7 +78,11 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
     """
     if math.prod(mesh_shape(config)) == 1:
         target = target_sharding(target_config_text)
-        step, inputs, device = train.make_train_step(config), abstract_inputs(config, target), target.mesh.devices.flat[0]
+        step, inputs, device = (
+            train.make_train_step(config),
+            abstract_inputs(config, target),
+            target.mesh.devices.flat[0],
+        )
         devices = 1
     else:
         step, inputs, device = sharded_inputs(config, target_config_text, devices)

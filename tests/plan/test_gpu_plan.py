@@ -210,8 +210,10 @@ def test_a_mesh_is_planned_per_device_on_8_target_gpus(tmp_path):
     "args,message",
     [
         (["--devices=12"], "--devices 12: plan for 1 to 8 GPUs on one host, or a multiple of 8"),
-        (["--devices=8", "--config.mesh.data=2", "--config.mesh.fsdp=2"], "mesh: data x fsdp x tensor = 2x2x1 = 4 "
-         "devices, but target h100 (--devices) has 8"),
+        (
+            ["--devices=8", "--config.mesh.data=2", "--config.mesh.fsdp=2"],
+            "mesh: data x fsdp x tensor = 2x2x1 = 4 devices, but target h100 (--devices) has 8",
+        ),
     ],
 )
 @needs_extra

@@ -56,7 +56,9 @@ def _gradients(placement, state, batch):
 def _everything(config, devices=None, step: bool = True):
     """(initial params, (grads, metrics), (params, metrics) after one train step or None) on the config's mesh."""
     placement = sharding.placement(config, devices)
-    batch = train.make_batch(jax.random.PRNGKey(1), config.data.batch_size, config.data.seq_len, config.model.vocab_size)
+    batch = train.make_batch(
+        jax.random.PRNGKey(1), config.data.batch_size, config.data.seq_len, config.model.vocab_size
+    )
     batch = placement.place_batch(batch)
     state = placement.init_state()
     initial = jax.device_get(state.params)
@@ -135,7 +137,9 @@ def test_fsdp_init_builds_each_shard_where_it_lives():
     placement = sharding.placement(config)
     compiled = jax.jit(placement.init_fn, out_shardings=placement.layout.state).lower().compile()
     analysis = compiled.memory_analysis()
-    whole = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(jax.eval_shape(placement.init_fn)))
+    whole = sum(
+        leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(jax.eval_shape(placement.init_fn))
+    )
     assert analysis.output_size_in_bytes < whole / 6  # about 1/8 (the replicated scalars aside)
     assert analysis.output_size_in_bytes + analysis.temp_size_in_bytes < whole / 2
     kernel = placement.init_state().params["transformer"]["blocks"]["mlp"]["up"]["kernel"]  # [L, H, 4H]
