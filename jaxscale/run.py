@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(str(error))
     try:
         hosts.initialize(early)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:  # e.g. no cluster found to take the process count from
         return fail(f"jax.distributed.initialize: {error}", code=1)
     try:
         check_devices(config, fv.target, fv.devices)
