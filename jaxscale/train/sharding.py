@@ -41,7 +41,7 @@ from jaxscale.train.step import abstract_inputs as unsharded_inputs
 # mesh axes only when no earlier dimension of the same array took them. So in an activation
 # ("batch", "seq", "embed") the batch takes data and fsdp and "embed" stays whole, while in a parameter
 # ("embed", "mlp") "embed" is split over fsdp. A name not listed (seq, pos, head_dim, qkv, layers) is never
-# split. The names are the lab's shared conventions (README "Shared conventions"; the Llama family too).
+# split. The names are the lab's conventions, shared by every model family (docs/mesh.md).
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),  # activations and tokens: data parallel x FSDP
     ("vocab", "tensor"),  # token embedding, output head, logits
@@ -56,18 +56,12 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("qkv", None),
 )
 
-# A token batch [batch, seq] and the running metrics (replicated scalars).
-BATCH_AXES = ("batch", "seq")
+BATCH_AXES = ("batch", "seq")  # a token batch [batch, seq]
 
 
 def logical_specs(tree: Any) -> Any:
     """PartitionSpecs of logical names for a tree holding Flax's LogicallyPartitioned boxes (P() elsewhere)."""
     return nn.get_partition_spec(tree)
-
-
-def mesh_specs(logical: Any, rules: Sequence = RULES) -> Any:
-    """Logical PartitionSpecs mapped to mesh-axis PartitionSpecs through `rules`."""
-    return nn.logical_to_mesh(logical, rules)
 
 
 def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Mesh:
