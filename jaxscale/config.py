@@ -264,10 +264,11 @@ def check_mesh_devices(
     product = math.prod(shape)
     if product == 1 or product == devices:
         return
+    fix = f"choose sizes whose product is {devices} (e.g. --config.mesh.data={devices}), or 1x1x1 for one device"
+    if devices == 1:
+        fix = "use 1x1x1"
     raise ConfigError(
-        f"mesh: data x fsdp x tensor = {mesh_text(config)} = {product} devices, but {where} has {devices}; "
-        f"choose sizes whose product is {devices} (e.g. --config.mesh.data={devices}), or 1x1x1 for one "
-        f"device{hint}"
+        f"mesh: data x fsdp x tensor = {mesh_text(config)} = {product} devices, but {where} has {devices}; {fix}{hint}"
     )
 
 

@@ -135,7 +135,8 @@ BAD_INPUTS = [
     (["--config", "configs/bf16.py:tiny", "--bogus"], "bogus"),
     (
         ["--config", "configs/bf16.py:tiny", "--config.mesh.data=2"],
-        "mesh: data x fsdp x tensor = 2x1x1 = 2 devices, but this run (cpu) has 1; choose sizes whose product is 1",
+        "mesh: data x fsdp x tensor = 2x1x1 = 2 devices, but this run (cpu) has 1; use 1x1x1; simulate CPU devices "
+        "with --host_devices=2",
     ),
     (["--config", "configs/bf16.py:tiny", "--config.mesh.tensor=3"], "mesh.tensor: 3 does not divide the 4 attention"),
     (["--config", "configs/bf16.py:tiny", "--devices=8"], "--devices 8: sets how many target GPUs to plan for"),
