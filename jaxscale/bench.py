@@ -94,12 +94,13 @@ def load_variant(
     return config
 
 
-def bare_step_seconds(config: ml_collections.ConfigDict, compiled, init_fn, steps: int) -> list[float]:
+def bare_step_seconds(config: ml_collections.ConfigDict, compiled, placement, steps: int) -> list[float]:
     """Seconds per call of the compiled step in a loop that does nothing else (after one warm-up call)."""
-    state, metrics = jax.jit(init_fn)(), train.init_metrics()
+    state, metrics = placement.init_state(), placement.init_metrics()
     batch = train.make_batch(
         jax.random.PRNGKey(config.data.seed), config.data.batch_size, config.data.seq_len, config.model.vocab_size
     )
+    batch = placement.place_batch(batch)
     state, metrics = jax.block_until_ready(compiled(state, metrics, batch))
     seconds = []
     for _ in range(steps):
@@ -109,7 +110,7 @@ def bare_step_seconds(config: ml_collections.ConfigDict, compiled, init_fn, step
     return seconds
 
 
-def runner_overhead(config: ml_collections.ConfigDict, compiled, init_fn, rounds: int = 4) -> dict[str, float]:
+def runner_overhead(config: ml_collections.ConfigDict, compiled, placement, rounds: int = 4) -> dict[str, float]:
     """The runner's step time against a bare loop's around the same compiled step.
 
     Alternating rounds (bare, runner, bare, runner, ...) of a quarter of the timed steps each, so that a
@@ -122,9 +123,9 @@ def runner_overhead(config: ml_collections.ConfigDict, compiled, init_fn, rounds
     quiet.profile.steps = 0
     bare, runner, ratios = [], [], []
     for _ in range(rounds):
-        bare_round = bare_step_seconds(config, compiled, init_fn, steps)
+        bare_round = bare_step_seconds(config, compiled, placement, steps)
         row: dict = {"name": "overhead", "tokens_per_step": config.data.batch_size * config.data.seq_len}
-        run.execute(quiet, compiled, init_fn, pathlib.Path("."), row, progress=False)
+        run.execute(quiet, compiled, placement, pathlib.Path("."), row, progress=False)
         bare += bare_round
         runner += row["step_s_all"]
         ratios.append(np.median(row["step_s_all"]) / np.median(bare_round))
@@ -139,17 +140,17 @@ def measure_variant(config: ml_collections.ConfigDict, trace_dir: pathlib.Path) 
     """One variant as jaxscale.run measures it (timed + profiled steps, MFU, trace columns), then the
     runner's overhead against a bare loop around the same compiled step."""
     with compile_cache.watch() as cache:
-        compiled, init_fn, _, compile_s = run.compile_step(config)
+        compiled, placement, _, compile_s = run.compile_step(config)
     row = run.base_row(config, trace_dir.name, trace_dir)
     row["compile_s"] = compile_s
     row.update(cache.columns())
     row.update(memory.compiled_memory(compiled))
     row.update(columns.after_compile(config, compiled, row))
     row.update(run.local_prediction(config, compiled))
-    run.execute(config, compiled, init_fn, trace_dir, row, progress=False)
+    run.execute(config, compiled, placement, trace_dir, row, progress=False)
     row.update(columns.after_run(config, compiled, row))
     row["predicted_over_measured"] = predict.over_measured(row)
-    row.update(runner_overhead(config, compiled, init_fn))
+    row.update(runner_overhead(config, compiled, placement))
     return row
 
 

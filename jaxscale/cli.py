@@ -138,7 +138,8 @@ def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str] | None) -> li
         raise UsageError(str(error)) from None
 
 
-def _config_path(argv: Sequence[str], name: str) -> str | None:
+def config_path(argv: Sequence[str], name: str = "config") -> str | None:
+    """The value of --<name> in argv (path[:preset]), or None when it is not given."""
     for i, arg in enumerate(argv):
         if arg == f"--{name}" and i + 1 < len(argv):
             return argv[i + 1]
@@ -148,7 +149,7 @@ def _config_path(argv: Sequence[str], name: str) -> str | None:
 
 
 def _explain_unknown_field(argv: Sequence[str], name: str) -> str:
-    path, _, preset = _config_path(argv, name).partition(":")
+    path, _, preset = config_path(argv, name).partition(":")
     config = load_config_file(path, preset)  # without the overrides, to see which one names no field
     for arg in argv:
         if not arg.startswith(f"--{name}."):

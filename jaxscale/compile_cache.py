@@ -37,8 +37,9 @@ _OFF = ("0", "false", "off", "no")
 _EVENT = "/jax/compilation_cache/"
 _CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # What a cached plan holds (jaxscale.plan.target_compile's result); bump it when that changes, so entries
-# written by an older lab are not read as complete (2: the kernel list for the step-time prediction).
-PLAN_FORMAT = 2
+# written by an older lab are not read as complete (2: the kernel list for the step-time prediction;
+# 3: collective columns and the topology).
+PLAN_FORMAT = 3
 
 
 def cache_root() -> pathlib.Path:
@@ -148,11 +149,12 @@ def _versions() -> str:
     return ", ".join(found)
 
 
-def plan_key(lowered_text: str, target_config_text: str, xla_flags: str) -> str:
-    """Key of a deviceless plan: the lowered program (StableHLO text), the target, XLA_FLAGS, versions and
-    the plan format."""
+def plan_key(lowered_text: str, target_config_text: str, xla_flags: str, topology: str = "1x1x1") -> str:
+    """Key of a deviceless plan: the lowered program (StableHLO text), the target, its topology (slices x
+    hosts x GPUs), XLA_FLAGS, versions and the plan format."""
     digest = hashlib.sha256()
-    for part in (lowered_text, target_config_text, xla_flags, _versions(), f"plan format {PLAN_FORMAT}"):
+    parts = (lowered_text, target_config_text, topology, xla_flags, _versions(), f"plan format {PLAN_FORMAT}")
+    for part in parts:
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import io
+import math
 import os
 import pathlib
 import re
@@ -118,6 +119,13 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = 3  # steps captured with jax.profiler after the timed ones (0 = no trace)
 
+    # The device mesh (jaxscale.train.sharding, docs/mesh.md): data x fsdp x tensor must equal the number of
+    # devices (or --devices of a planned target). 1 x 1 x 1 is the single-device program, on the first device.
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1  # data parallel: the batch split over this axis, parameters replicated
+    c.mesh.fsdp = 1  # FSDP (ZeRO-3): parameters, gradients and optimizer state sharded, the batch split too
+    c.mesh.tensor = 1  # Megatron tensor parallel: attention heads, MLP width and vocabulary split
+
     for group, values in PRESETS[preset].items():
         c[group].update(values)
     return c
@@ -188,6 +196,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")
     _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _check(config.profile.steps >= 0, "profile.steps", f"must be >= 0, got {config.profile.steps}")
+    _validate_mesh(config)
     _one_of(o.name, OPTIMIZERS, "optimizer.name")
     _check(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
     _check(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
@@ -227,6 +236,78 @@ def describe(config: ml_collections.ConfigDict) -> str:
         rows.append((f"{field} = {shown!r}", f"# {comments.get(field, '(no description)')}{note}"))
     width = max(len(left) for left, _ in rows)
     return "\n".join(f"{left.ljust(width)}  {right}" for left, right in rows)
+
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def mesh_shape(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) of the config's mesh; (1, 1, 1) for a config from before the mesh group."""
+    mesh = config.get("mesh")
+    return (1, 1, 1) if mesh is None else tuple(int(mesh[axis]) for axis in MESH_AXES)
+
+
+def mesh_text(config: ml_collections.ConfigDict) -> str:
+    """The mesh as `data x fsdp x tensor`, e.g. "2x2x2"."""
+    return "x".join(str(n) for n in mesh_shape(config))
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _validate_mesh(config: ml_collections.ConfigDict) -> None:
+    """Each mesh axis divides what it splits (JAX shards only evenly): see jaxscale.train.sharding.RULES."""
+    _positive(config, "mesh.data", "mesh.fsdp", "mesh.tensor")
+    m, (data, fsdp, tensor) = config.model, mesh_shape(config)
+    minibatch = config.data.batch_size // config.train.num_minibatches
+    _check(
+        minibatch % (data * fsdp) == 0,
+        "mesh",
+        f"data x fsdp = {data}x{fsdp} = {data * fsdp} does not divide the minibatch of {minibatch} sequences "
+        f"(data.batch_size / train.num_minibatches); data x fsdp may be: {_divisors(minibatch)}",
+    )
+    _check(
+        m.hidden_size % fsdp == 0,
+        "mesh.fsdp",
+        f"{fsdp} does not divide model.hidden_size={m.hidden_size} (FSDP splits the embed axis); allowed: "
+        f"{_divisors(m.hidden_size)}",
+    )
+    splits = {
+        "attention heads (model.hidden_size / model.head_dim)": m.hidden_size // m.head_dim,
+        "the MLP width (model.mlp_expansion x model.hidden_size)": m.mlp_expansion * m.hidden_size,
+        "model.vocab_size": m.vocab_size,
+    }
+    for what, size in splits.items():
+        _check(
+            size % tensor == 0,
+            "mesh.tensor",
+            f"{tensor} does not divide the {size} {what}; tensor may be a common divisor of heads, MLP width "
+            f"and vocabulary: {_divisors(math.gcd(*splits.values()))}",
+        )
+
+
+def check_mesh_devices(
+    config: ml_collections.ConfigDict, devices: int, where: str = "this process", hint: str = ""
+) -> None:
+    """Raises ConfigError unless the mesh uses every one of `devices` devices (1x1x1 always runs on one).
+
+    Args:
+      config: a validated config.
+      devices: the device count the step would run or be planned on.
+      where: what has the devices, for the message ("this run (cpu)", "target h100 (--devices)").
+      hint: appended to the message (how to get other devices).
+    """
+    shape = mesh_shape(config)
+    product = math.prod(shape)
+    if product == 1 or product == devices:
+        return
+    fix = f"choose sizes whose product is {devices} (e.g. --config.mesh.data={devices}), or 1x1x1 for one device"
+    if devices == 1:
+        fix = "use 1x1x1"
+    raise ConfigError(
+        f"mesh: data x fsdp x tensor = {mesh_text(config)} = {product} devices, but {where} has {devices}; {fix}{hint}"
+    )
 
 
 def flatten(config: ml_collections.ConfigDict, prefix: str = "config.") -> dict[str, object]:

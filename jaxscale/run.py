@@ -19,11 +19,12 @@ import ml_collections
 from absl import flags
 from tqdm import tqdm
 
-from jaxscale import compile_cache, train
+from jaxscale import compile_cache, hosts, train
 from jaxscale.cli import (
     CONFIG_FIELDS_NOTE,
     Usage,
     UsageError,
+    config_path,
     define_cache_flag,
     define_config_flag,
     fail,
@@ -32,10 +33,11 @@ from jaxscale.cli import (
     print_help,
     wants_help,
 )
-from jaxscale.config import describe, flatten
+from jaxscale.config import ConfigError, check_mesh_devices, describe, flatten, mesh_shape, mesh_text
 from jaxscale.measure import columns, flops, memory, profiling, timing
 from jaxscale.model import count_params
 from jaxscale.plan import gpu_plan, predict, targets
+from jaxscale.train import sharding
 
 USAGE = Usage(
     command="python -m jaxscale.run --config CONFIG.py[:PRESET] [--config.GROUP.FIELD=VALUE ...] [flags]",
@@ -100,6 +102,14 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         "With --target: plan with Triton GEMMs, cuBLAS GEMMs, or both (the band; the larger peak is reported).",
         flag_values=fv,
     )
+    flags.DEFINE_integer(
+        "devices",
+        None,
+        "With --target: plan for this many target GPUs (8 GPUs per host, e.g. 8 or 16); the config's mesh "
+        "must use them all. See docs/mesh.md.",
+        lower_bound=1,
+        flag_values=fv,
+    )
     flags.DEFINE_bool(
         "quiet", False, "No progress bar and no summary; the result path is still printed.", flag_values=fv
     )
@@ -111,11 +121,12 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         flag_values=fv,
     )
     define_cache_flag(fv)
+    hosts.define_flags(fv)
     return fv
 
 
 def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path) -> dict:
-    """The identifying part of a result row: what ran, where, with what."""
+    """The identifying part of a result row: what ran, where, with what (and on which mesh)."""
     device = jax.devices()[0]
     return {
         "name": name,
@@ -128,6 +139,10 @@ def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path
         "hostname": platform.node(),
         "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "tokens_per_step": config.data.batch_size * config.data.seq_len,
+        "mesh": mesh_text(config),  # data x fsdp x tensor; every memory column is per device
+        "mesh_devices": math.prod(mesh_shape(config)),
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
         "analytic_model_flops_per_step": flops.model_flops_per_step(config),
         "run_dir": str(run_dir),
         "trace_dir": None,
@@ -135,16 +150,17 @@ def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path
 
 
 def compile_step(config: ml_collections.ConfigDict):
-    """Lowers and compiles the train step for abstract inputs.
+    """Lowers and compiles the train step for abstract inputs, on one device or on the config's mesh.
 
     Returns:
-      (compiled, init_fn, abstract train state, lower + compile seconds).
+      (compiled, placement (how the step is fed, jaxscale.train.sharding), abstract train state,
+      lower + compile seconds).
     """
-    init_fn = train.make_init_fn(config)
-    abstract_state, abstract_metrics, abstract_batch = train.abstract_inputs(config, init_fn)
+    placement = sharding.placement(config)
+    abstract_state, abstract_metrics, abstract_batch = placement.abstract_inputs()
     start = time.perf_counter()
-    compiled = train.make_train_step(config).lower(abstract_state, abstract_metrics, abstract_batch).compile()
-    return compiled, init_fn, abstract_state, time.perf_counter() - start
+    compiled = placement.step().lower(abstract_state, abstract_metrics, abstract_batch).compile()
+    return compiled, placement, abstract_state, time.perf_counter() - start
 
 
 def local_prediction(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled) -> dict:
@@ -157,7 +173,7 @@ def local_prediction(config: ml_collections.ConfigDict, compiled: jax.stages.Com
 
 
 def _read_metrics(metrics: train.Metrics) -> dict[str, float]:
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+    return sharding.host_scalars(metrics)
 
 
 def _step_stats(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
@@ -166,13 +182,14 @@ def _step_stats(before: dict[str, float], after: dict[str, float]) -> tuple[floa
     return (after["loss_sum"] - before["loss_sum"]) / tokens, (after["correct"] - before["correct"]) / tokens
 
 
-def execute(config, compiled, init_fn, run_dir: pathlib.Path, row: dict, progress: bool) -> None:
+def execute(config, compiled, placement, run_dir: pathlib.Path, row: dict, progress: bool) -> None:
     """Warm-up, timed and profiled steps; fills `row` in place. Raises RunError on a non-finite loss."""
-    state = jax.jit(init_fn)()
-    metrics = train.init_metrics()
+    state = placement.init_state()
+    metrics = placement.init_metrics()
     batch = train.make_batch(
         jax.random.PRNGKey(config.data.seed), config.data.batch_size, config.data.seq_len, config.model.vocab_size
     )
+    batch = placement.place_batch(batch)  # one device: as is; a mesh: each process feeds its rows
     total = config.train.warmup_steps + config.train.steps + config.profile.steps
     bar = tqdm(total=total, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
     seconds, previous = [], _read_metrics(metrics)
@@ -242,23 +259,26 @@ def run(
     device_memory_bytes: int | None = None,
     target: str | None = None,
     gemm: str = "both",
+    devices: int | None = None,
 ) -> dict:
     """Compiles, runs and measures one config; always returns a result row (status ok|oom|error|nan).
 
     A `device_memory_bytes` budget stands in for a smaller accelerator: a step whose compiled plan exceeds it
     is recorded as `oom` without running its steps. With `target` (plan only) the compiled_* columns are XLA's
-    plan for that GPU (jaxscale.gpu_plan, GEMM modes `gemm`), and the budget is checked against that plan.
+    plan for that GPU (jaxscale.gpu_plan, GEMM modes `gemm`) on `devices` of them (the config's mesh), and
+    the budget is checked against that plan. On a mesh every memory column is per device.
     """
     if target is not None and not plan_only:
         raise ValueError("run: a target GPU can only be planned (plan_only=True)")
     row = base_row(config, name, run_dir)
     row["device_memory_budget_bytes"] = device_memory_bytes
+    placement = None
     try:
         if target is not None:
-            row.update(gpu_plan.plan_for_target(config, target, gemm=gemm))
+            row.update(gpu_plan.plan_for_target(config, target, gemm=gemm, devices=devices or 1))
         else:
             with compile_cache.watch() as cache:
-                compiled, init_fn, abstract_state, row["compile_s"] = compile_step(config)
+                compiled, placement, abstract_state, row["compile_s"] = compile_step(config)
             row.update(cache.columns())
             row["params"] = count_params(abstract_state.params)
             row.update(memory.compiled_memory(compiled))
@@ -267,7 +287,7 @@ def run(
         row.update(columns.after_compile(config, None if target else compiled, row))
         check_memory_budget(row, device_memory_bytes)
         if not plan_only:
-            execute(config, compiled, init_fn, run_dir, row, progress)
+            execute(config, compiled, placement, run_dir, row, progress)
             row.update(columns.after_run(config, compiled, row))
             row["predicted_over_measured"] = predict.over_measured(row)
         row["status"] = "ok"
@@ -281,7 +301,8 @@ def run(
     if plan_only:  # nothing ran: the allocator's peak would be of an idle device, not of this step
         row["device_peak_bytes"], row["device_peak_note"] = None, "plan only: no step ran on the device"
     else:
-        row["device_peak_bytes"], row["device_peak_note"] = memory.device_peak_bytes()
+        local = placement.local_devices if placement is not None else None
+        row["device_peak_bytes"], row["device_peak_note"] = memory.device_peak_bytes(local)
     row["host_peak_rss_bytes"] = memory.host_peak_rss_bytes()
     row["plan_only"] = plan_only
     return row
@@ -321,6 +342,9 @@ def summary(row: dict) -> str:
     lines += columns.summary_lines(row)
     if row.get("predicted_step_s") is not None:
         lines.append(predict.summary_line(row))
+    if row.get("mesh_devices", 1) > 1:
+        lines.insert(1, f"  mesh {row['mesh']} (data x fsdp x tensor) on {row['mesh_devices']} devices, "
+                        f"{row['process_count']} process(es); memory figures are per device")  # fmt: skip
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
     lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}")
     if row.get("trace_dir"):
@@ -358,13 +382,31 @@ def _resolve_run_dir(fv: flags.FlagValues, config: ml_collections.ConfigDict) ->
         run_dir = pathlib.Path(fv.run_dir)
         name = fv.name or run_dir.name
     else:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        stamp = datetime.datetime.fromtimestamp(hosts.shared_time()).strftime("%Y%m%d-%H%M%S")
         plan = ("_plan" if fv.plan else "") + (f"-{pathlib.Path(fv.target).stem}" if fv.target else "")
+        plan += f"-x{fv.devices}" if fv.target and fv.devices else ""
         name = fv.name or f"{config.name}_{config.preset}{plan}_{stamp}"
         run_dir = pathlib.Path(fv.output_root) / "traces" / name
-    if (run_dir / "result.json").exists():
+    if (run_dir / "result.json").exists() and hosts.is_main_process():  # process 0 writes it
         raise UsageError(f"--name: {run_dir} already holds a result; choose another --name (runs never overwrite)")
     return name, run_dir
+
+
+def check_devices(config: ml_collections.ConfigDict, target: str | None, devices: int | None) -> None:
+    """The mesh against the devices it runs on: this run's (all processes') or --devices of a target.
+
+    Raises:
+      UsageError: one line naming mesh or --devices and what would work.
+    """
+    if target is not None or devices is not None:
+        gpu_plan.check_devices_flag(config, target, devices)
+        return
+    count, platform = jax.device_count(), jax.default_backend()
+    hint = f"; simulate CPU devices with --host_devices={math.prod(mesh_shape(config))}" if platform == "cpu" else ""
+    try:
+        check_mesh_devices(config, count, f"this run ({platform})", hint)
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -374,12 +416,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if wants_help(argv):
         return print_help(USAGE, fv)
     try:
+        early = hosts.parse_early(argv)
+        hosts.configure(early)  # simulated devices: before anything starts JAX's backends
+        if hosts.wants_distributed(early) and ":" not in (config_path(argv, "config") or ":"):
+            raise UsageError("--config: name the preset (e.g. configs/bf16_remat.py:seed) in a multi-process run; "
+                             "picking one by backend would start JAX before jax.distributed")  # fmt: skip
         config = parse_config_flags(fv, argv)
         if fv.show_config:
             print(describe(config))
             return 0
         compile_cache.set_enabled(fv.compilation_cache)
         gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm)
+    except UsageError as error:  # bad input ends this process before it joins the others
+        return fail(str(error))
+    try:
+        hosts.initialize(early)
+    except (RuntimeError, ValueError) as error:  # e.g. no cluster found to take the process count from
+        return fail(f"jax.distributed.initialize: {error}", code=1)
+    try:
+        check_devices(config, fv.target, fv.devices)
         name, run_dir = _resolve_run_dir(fv, config)
         budget = None if fv.device_memory is None else parse_bytes(fv.device_memory, "--device_memory")
     except UsageError as error:
@@ -393,16 +448,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if estimate:
         print(f"jaxscale: {estimate}")
     compile_cache.configure()
+    main_process = hosts.is_main_process()
     row = run(
         config,
-        run_dir,
+        hosts.process_dir(run_dir),  # every process keeps its own trace
         name,
         plan_only=fv.plan,
-        progress=not fv.quiet,
+        progress=not fv.quiet and main_process,
         device_memory_bytes=budget,
         target=fv.target,
         gemm=fv.gemm,
+        devices=fv.devices,
     )
+    if not main_process:  # process 0 writes the one result row of a multi-process run
+        return 0 if row["status"] == "ok" else 1
     result_path = run_dir / "result.json"
     write_row(result_path, row)
     if not fv.quiet:

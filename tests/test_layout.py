@@ -15,6 +15,7 @@ FLOORS: dict[str, int] = {
     "jaxscale.config": 0,
     "jaxscale.cli": 0,
     "jaxscale.compile_cache": 0,
+    "jaxscale.hosts": 0,
     "jaxscale.measure": 0,
     "jaxscale.model": 1,
     "jaxscale.train": 2,

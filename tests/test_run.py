@@ -133,6 +133,20 @@ BAD_INPUTS = [
     (["--config", "configs/bf16.py:tiny", "--config.data.seq_len=-1"], "data.seq_len: must be a positive"),
     (["--config", "configs/bf16.py:tiny", "--config.model.num_layers=abc"], "--config.model.num_layers=abc"),
     (["--config", "configs/bf16.py:tiny", "--bogus"], "bogus"),
+    (
+        ["--config", "configs/bf16.py:tiny", "--config.mesh.data=2"],
+        "mesh: data x fsdp x tensor = 2x1x1 = 2 devices, but this run (cpu) has 1; use 1x1x1; simulate CPU devices "
+        "with --host_devices=2",
+    ),
+    (["--config", "configs/bf16.py:tiny", "--config.mesh.tensor=3"], "mesh.tensor: 3 does not divide the 4 attention"),
+    (["--config", "configs/bf16.py:tiny", "--devices=8"], "--devices 8: sets how many target GPUs to plan for"),
+    (["--config", "configs/bf16.py:tiny", "--host_devices=0"], "--host_devices"),
+    (["--config", "configs/bf16.py:tiny", "--host_devices=8"], "--host_devices: must be set before JAX starts"),
+    (["--config", "configs/bf16.py:tiny", "--num_processes=2"], "--coordinator_address, --process_id: give all three"),
+    (
+        ["--config", "configs/bf16.py:tiny", "--coordinator_address=h:1", "--num_processes=2", "--process_id=2"],
+        "--process_id: 2 is not below --num_processes=2",
+    ),
     ([], "--config is required"),
 ]
 

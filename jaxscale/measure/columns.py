@@ -12,18 +12,23 @@ import pathlib
 import jax
 import ml_collections
 
-from jaxscale.measure import flops, memory, traces
+from jaxscale.measure import collectives, flops, memory, traces
 
 
 def after_compile(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled | None, row: dict) -> dict:
-    """Analytic FLOPs and memory, XLA's (loop-aware) FLOP count, and compiled/analytic peak ratio.
+    """Analytic FLOPs and memory, XLA's (loop-aware) FLOP count, the collectives, and compiled/analytic peak
+    ratio (per device on a mesh).
 
-    `compiled` is None for a GPU target's plan (compiled in a child process): the ratio then compares the
-    estimate with that plan, and the compiled FLOP columns are left out.
+    `compiled` is None for a GPU target's plan (compiled in a child process, which counts its collectives
+    itself): the ratio then compares the estimate with that plan, and the compiled FLOP columns are left out.
     """
+    compiled_columns = {}
+    if compiled is not None:
+        text = compiled.as_text()
+        compiled_columns = {**flops.compiled_columns(compiled, text), **collectives.collective_columns(text)}
     return {
         **flops.analytic_columns(config),
-        **(flops.compiled_columns(compiled) if compiled is not None else {}),
+        **compiled_columns,
         **memory.analytic_columns(config, row.get("compiled_peak_bytes")),
     }
 
@@ -81,6 +86,9 @@ def summary_lines(row: dict) -> list[str]:
             f"  analytic peak {_fmt(row.get('analytic_peak_bytes'), 2**30, '.3f')} GiB; compiled/analytic "
             f"{_fmt(row.get('compiled_to_analytic_peak_ratio'), 1, '.2f')}"
         )
+    collective_line = collectives.summary_line(row)
+    if collective_line:
+        lines.append(collective_line)
     if row.get("mfu") is not None:
         lines.append(
             f"  MFU {row['mfu']:.1%}  HFU {_fmt(row.get('hfu'), 0.01, '.1f')}%  (peak: {row['peak_flops_source']})"

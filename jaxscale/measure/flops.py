@@ -161,10 +161,18 @@ def utilization_columns(row: dict, dtype: str, device: jax.Device | None = None)
     """MFU = analytic model FLOP/s / peak FLOP/s, and HFU with hardware FLOPs, from a row's median step.
 
     On a CPU the peak is this machine's measured matmul roofline (peaks.measured_peak), so there MFU reads
-    "fraction of what a large matmul reaches here", not of a datasheet peak.
+    "fraction of what a large matmul reaches here", not of a datasheet peak. On a mesh of accelerators the
+    peak is the mesh's (devices x one device's); simulated CPU devices share the one machine's roofline.
     """
     step_s = row.get("step_s_median")
+    device = device or jax.devices()[0]
     peak, source = peaks.resolve_peak(dtype, device)
+    devices = row.get("mesh_devices") or 1
+    if peak is not None and devices > 1:
+        if device.platform == "cpu":  # simulated devices share the cores the roofline was measured on
+            source += f"; the whole machine's, shared by the {devices} simulated devices"
+        else:  # the step runs on every device of the mesh: its peak is theirs together
+            peak, source = peak * devices, f"{devices} x {source}"
     model, hardware = row.get("analytic_model_flops_per_step"), row.get("analytic_hardware_flops_per_step")
     achieved = model / step_s if step_s and model else None
     return {

@@ -1,9 +1,17 @@
-"""The GPT of the reference experiment (Flax linen): bf16 compute, fp32 params and softmax, remat and scan."""
+"""The GPT of the reference experiment (Flax linen): bf16 compute, fp32 params and softmax, remat and scan.
+
+Every parameter carries logical axis names (`nn.with_logical_partitioning`) and the activations between the
+sharded matmuls carry logical constraints (`nn.with_logical_constraint`). The names follow the lab's
+conventions (embed, vocab, pos, heads, qkv, head_dim, mlp, layers; batch and seq for activations); the one
+table that maps them to mesh axes is `jaxscale.train.sharding.RULES`. Without those rules in context (the
+default 1x1x1 mesh) the constraints are no-ops and the values of the initialised parameters are the same.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -61,6 +69,68 @@ def maybe_remat(module: type[nn.Module], target: str, cfg: ModelConfig) -> type[
     return nn.remat(module, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[cfg.remat_policy])
 
 
+class LogicalAxes(nn.LogicallyPartitioned):
+    """Flax's logical-partitioning box (what `nn.with_logical_partitioning` returns) whose unboxing adds no
+    sharding constraint.
+
+    The names are read by jaxscale.train.sharding (`nn.get_partition_spec`) to build the step's in/out
+    shardings, and nn.scan prepends "layers" to them. Flax's own box would also constrain the value when it
+    is unboxed with a mesh in context, and with Flax 0.12 DenseGeneral unboxes its kernel while it is still
+    flat (kernel_init_wrap, and again in every apply's parameter-shape check), which a rank-3 name tuple
+    cannot constrain; the layout needs no constraint there, the step's in_shardings already place the state.
+    """
+
+    def unbox(self, apply_constraint: bool = True) -> jax.Array:
+        return self.value
+
+
+def partitioned(init: Callable, names: tuple[str, ...]) -> Callable:
+    """`init` whose parameter carries logical axis names, one per dimension (see the module docstring)."""
+
+    def init_with_names(*args, **kwargs) -> LogicalAxes:
+        return LogicalAxes(init(*args, **kwargs), names)
+
+    return init_with_names
+
+
+def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """A logical sharding constraint on an activation; a no-op unless a mesh's rules are active."""
+    return nn.with_logical_constraint(x, names)
+
+
+def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
+    """LayerNorm in the compute dtype with float32 scale and bias named ("embed",)."""
+    return nn.LayerNorm(
+        dtype=cfg.dtype,
+        scale_init=partitioned(nn.initializers.ones, ("embed",)),
+        bias_init=partitioned(nn.initializers.zeros, ("embed",)),
+        name=name,
+    )
+
+
+def dense_inits(kernel_names: tuple[str, ...], bias_names: tuple[str, ...]) -> dict[str, Callable]:
+    """Flax's default Dense initializers (LeCun normal kernel, zero bias) with logical axis names."""
+    return {
+        "kernel_init": partitioned(nn.initializers.lecun_normal(), kernel_names),
+        "bias_init": partitioned(nn.initializers.zeros, bias_names),
+    }
+
+
+class Embed(nn.Embed):
+    """nn.Embed whose table is whole along embed at the lookup (the all-gather FSDP does for any weight).
+
+    The lookup's output then splits by batch like every activation; with the table split along embed,
+    XLA's partitioner would have to move the looked-up activations between layouts, and replicates them
+    instead ("Involuntary full rematerialization"). Off a mesh this is nn.Embed exactly.
+    """
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError("Input type must be an integer or unsigned integer.")
+        (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)  # [V, H]
+        return jnp.take(constrain(embedding, ("vocab", None)), inputs, axis=0)  # [B, T, H]
+
+
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, softmax_dtype) -> jax.Array:
     """Scaled dot-product attention as the reference writes it: logits and softmax in `softmax_dtype`.
 
@@ -99,12 +169,24 @@ class AttnBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("attn"):
-            h = nn.LayerNorm(dtype=cfg.dtype, name="pre_norm")(x)  # [B, T, H]
-            qkv = nn.DenseGeneral((cfg.num_heads, 3 * cfg.head_dim), dtype=cfg.dtype, name="qkv")(h)
-            qkv = checkpoint_name(qkv, "qkv_proj")  # [B, T, nh, 3*hd]
+            h = layer_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            qkv = nn.DenseGeneral(
+                (cfg.num_heads, 3 * cfg.head_dim),
+                dtype=cfg.dtype,
+                **dense_inits(("embed", "heads", "qkv"), ("heads", "qkv")),
+                name="qkv",
+            )(h)
+            qkv = constrain(checkpoint_name(qkv, "qkv_proj"), ("batch", "seq", "heads", "qkv"))  # [B, T, nh, 3*hd]
             q, k, v = jnp.split(qkv, 3, axis=-1)  # each [B, T, nh, hd]
-            h = attention(q, k, v, cfg)  # [B, T, nh, hd]
-            h = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.dtype, name="out")(h)  # [B, T, H]
+            h = constrain(attention(q, k, v, cfg), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
+            h = nn.DenseGeneral(
+                cfg.hidden_size,
+                axis=(-2, -1),
+                dtype=cfg.dtype,
+                **dense_inits(("heads", "head_dim", "embed"), ("embed",)),
+                name="out",
+            )(h)
+            h = constrain(h, ("batch", "seq", "embed"))  # [B, T, H]: the tensor-parallel partial sums reduced
             return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
 
 
@@ -118,10 +200,12 @@ class MLPBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("mlp"):
-            h = nn.LayerNorm(dtype=cfg.dtype, name="pre_norm")(x)  # [B, T, H]
-            h = nn.Dense(cfg.mlp_expansion * cfg.hidden_size, dtype=cfg.dtype, name="up")(h)  # [B, T, 4H]
-            h = checkpoint_name(nn.gelu(h), "mlp_hidden")
-            h = nn.Dense(cfg.hidden_size, dtype=cfg.dtype, name="down")(h)  # [B, T, H]
+            h = layer_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            width = cfg.mlp_expansion * cfg.hidden_size
+            h = nn.Dense(width, dtype=cfg.dtype, **dense_inits(("embed", "mlp"), ("mlp",)), name="up")(h)
+            h = constrain(checkpoint_name(nn.gelu(h), "mlp_hidden"), ("batch", "seq", "mlp"))  # [B, T, 4H]
+            h = nn.Dense(cfg.hidden_size, dtype=cfg.dtype, **dense_inits(("mlp", "embed"), ("embed",)), name="down")(h)
+            h = constrain(h, ("batch", "seq", "embed"))  # [B, T, H]
             return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
 
 
@@ -138,7 +222,7 @@ class Block(nn.Module):
         mlp_cls = maybe_remat(MLPBlock, "MLP", cfg)
         x = x + attn_cls(cfg, self.train, name="attn")(x)
         x = x + mlp_cls(cfg, self.train, name="mlp")(x)
-        return x, None
+        return constrain(x, ("batch", "seq", "embed")), None
 
 
 class Transformer(nn.Module):
@@ -157,6 +241,7 @@ class Transformer(nn.Module):
                 variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
                 length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},  # stacked params: ("layers", ...)
             )
             with jax.named_scope("blocks"):
                 x, _ = scanned(cfg, self.train, name="blocks")(x, None)
@@ -178,15 +263,21 @@ class GPT(nn.Module):
         cfg = self.config
         seq = tokens.shape[1]
         with jax.named_scope("embed"):
-            x = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, name="embed")(tokens)  # [B, T, H]
-            pos_emb = self.param("pos_emb", nn.initializers.normal(0.02), (cfg.max_seq_len, cfg.hidden_size))
+            embed_init = partitioned(nn.linear.default_embed_init, ("vocab", "embed"))
+            x = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, embedding_init=embed_init, name="embed")(
+                tokens
+            )  # [B, T, H]
+            pos_init = partitioned(nn.initializers.normal(0.02), ("pos", "embed"))
+            pos_emb = self.param("pos_emb", pos_init, (cfg.max_seq_len, cfg.hidden_size))
             x = x + pos_emb[None, :seq].astype(cfg.dtype)
-            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not self.train)
+            x = constrain(nn.Dropout(cfg.dropout_rate)(x, deterministic=not self.train), ("batch", "seq", "embed"))
         x = Transformer(cfg, self.train, name="transformer")(x)
         with jax.named_scope("head"):
-            x = nn.LayerNorm(dtype=cfg.dtype, name="post_norm")(x)
-            logits = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, name="output")(x)  # [B, T, V]
-            return logits.astype(jnp.float32)
+            x = layer_norm(cfg, "post_norm")(x)
+            logits = nn.Dense(
+                cfg.vocab_size, dtype=cfg.dtype, **dense_inits(("embed", "vocab"), ("vocab",)), name="output"
+            )(x)
+            return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))  # [B, T, V]
 
 
 def count_params(params) -> int:

@@ -13,11 +13,14 @@ warning from their stderr, and returns result-row fields:
 - `compile_cache_hit`, `compile_cache_saved_s`: whether the plans came from the plan cache
   (jaxscale.compile_cache; this module writes a child's plan and its stderr there after a compile).
 - `predicted_*`: the step time predicted from the compiled programs' kernels (jaxscale.plan.predict).
+- on several GPUs (`devices`, the config's mesh): `plan_devices`, `plan_topology` ("1x1x8": slices x hosts
+  x GPUs per host), and the plan per device; the compiled_collective_* columns (jaxscale.measure.collectives).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -35,6 +38,7 @@ import ml_collections
 
 from jaxscale import _env, compile_cache
 from jaxscale.cli import UsageError
+from jaxscale.config import ConfigError, check_mesh_devices, mesh_shape
 from jaxscale.measure import kernels
 from jaxscale.plan import predict, targets
 
@@ -100,6 +104,25 @@ def check_target_flag(target: str | None, plan: bool, gemm: str = "both") -> Non
         raise UsageError(missing)
 
 
+def check_devices_flag(config: ml_collections.ConfigDict, target: str | None, devices: int | None) -> None:
+    """Checks `--devices` (the target GPUs to plan on): with --target, a count XLA's CUDA topology takes, and
+    the config's mesh uses them all.
+
+    Raises:
+      UsageError: one line naming --devices or mesh and what would work.
+    """
+    if target is None:
+        raise UsageError(
+            f"--devices {devices}: sets how many target GPUs to plan for; add --plan --target (a run uses the "
+            "devices it has; simulate CPU devices with --host_devices)"
+        )
+    try:
+        targets.topology(devices or 1)
+        check_mesh_devices(config, devices or 1, f"target {target} (--devices)", "; --devices sets the target's count")
+    except (ConfigError, ValueError) as error:
+        raise UsageError(str(error)) from None
+
+
 def parse_remat_warning(stderr: str) -> dict[str, int] | None:
     """The numbers of XLA's last "Can't reduce memory use below ..." warning, or None if there is none."""
     found = _REMAT_WARNING.findall(stderr)
@@ -125,14 +148,18 @@ def _failure(returncode: int, stderr: str) -> str:
 
 
 def compile_in_subprocess(
-    config: ml_collections.ConfigDict, config_text: str, gemm: str, timeout_s: float = DEFAULT_TIMEOUT_S
+    config: ml_collections.ConfigDict,
+    config_text: str,
+    gemm: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    devices: int = 1,
 ) -> tuple[dict[str, Any], str]:
-    """Runs `jaxscale.target_compile` for one GEMM mode; returns (its result, its stderr).
+    """Runs `jaxscale.target_compile` for one GEMM mode on `devices` target GPUs; returns (its result, its stderr).
 
     Raises:
       PlanError: the child crashed, was killed, timed out or raised.
     """
-    request = pickle.dumps({"config": config, "target_config_text": config_text})
+    request = pickle.dumps({"config": config, "target_config_text": config_text, "devices": devices})
     with tempfile.TemporaryDirectory(prefix="jaxscale_plan_") as tmp:
         result_path = pathlib.Path(tmp) / "plan.json"
         command = [sys.executable, "-m", "jaxscale.plan.target_compile", str(result_path)]
@@ -164,7 +191,11 @@ def _fits(target: targets.GpuTarget, peak: int, warning: dict[str, int] | None) 
 
 
 def plan_for_target(
-    config: ml_collections.ConfigDict, target: str, gemm: str = "both", timeout_s: float = DEFAULT_TIMEOUT_S
+    config: ml_collections.ConfigDict,
+    target: str,
+    gemm: str = "both",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    devices: int = 1,
 ) -> dict[str, Any]:
     """XLA's memory plan of the run's train step on a GPU target, as result-row fields.
 
@@ -173,8 +204,11 @@ def plan_for_target(
       target: a name in jaxscale.targets.TARGETS or a GpuTargetConfig .txtpb path.
       gemm: "both" (default; the reported plan is the larger), "triton" or "cublas".
       timeout_s: per child compile.
+      devices: target GPUs the config's mesh runs on (its product; 1 for the 1x1x1 mesh). The plan, and
+        whether it fits, is per device.
     Returns:
-      The row fields listed in this module's docstring, plus params and plan_wall_s (all children, seconds).
+      The row fields listed in this module's docstring, plus params, plan_devices, plan_topology, the
+      compiled_collective_* columns and plan_wall_s (all children, seconds).
     Raises:
       targets.UnknownTargetError, ValueError: bad target; PlanError: a compile failed.
     """
@@ -186,7 +220,7 @@ def plan_for_target(
     start = time.perf_counter()
     plans, warnings = {}, {}
     for mode in modes:
-        plans[mode], stderr = compile_in_subprocess(config, text, mode, timeout_s)
+        plans[mode], stderr = compile_in_subprocess(config, text, mode, timeout_s, devices)
         warnings[mode] = parse_remat_warning(stderr)
     chosen = max(modes, key=lambda m: plans[m]["compiled_peak_bytes"])
     plan = plans[chosen]
@@ -207,6 +241,8 @@ def plan_for_target(
         "plan_target": spec.name,
         "plan_target_device_kind": plan["device_kind"],
         "plan_target_memory_bytes": spec.device_memory_size,
+        "plan_devices": devices if math.prod(mesh_shape(config)) > 1 else 1,
+        "plan_topology": plan["plan_topology"],
         "plan_fits": fits,
         "plan_fits_reason": reason,
         **predict.target_columns(config, spec, by_mode),
@@ -220,8 +256,10 @@ def summary_line(row: dict[str, Any]) -> str:
     band = [row.get(f"compiled_{m}_peak_bytes") for m in GEMM_FLAGS]
     band_text = " / ".join("-" if b is None else f"{b / gib:.3f}" for b in band)
     verdict = "fits" if row["plan_fits"] else f"does NOT fit: {row['plan_fits_reason']}"
+    devices = row.get("plan_devices") or 1
+    each = f" x {devices} (topology {row.get('plan_topology')}; plan per device)" if devices > 1 else ""
     return (
-        f"  target {row['plan_target']} ({row['plan_target_device_kind']}, "
+        f"  target {row['plan_target']}{each} ({row['plan_target_device_kind']}, "
         f"{row['plan_target_memory_bytes'] / gib:.2f} GiB): {verdict}; "
         f"peak triton / cublas GEMMs {band_text} GiB"
     )

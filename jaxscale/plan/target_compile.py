@@ -1,16 +1,21 @@
 """Compiles the train step for a GPU target without a GPU: the child process behind `jaxscale.plan.gpu_plan`.
 
-Run as `python -m jaxscale.plan.target_compile RESULT.json` with a pickled {"config", "target_config_text"} on
-stdin and `JAX_PLATFORMS=cpu` in the environment; it writes the compiled plan as JSON to RESULT.json. XLA
-logs (its rematerialization warning among them) go to this process's stderr, which the parent reads.
-It runs in its own process because a malformed target config can kill it with a signal (SIGFPE).
+Run as `python -m jaxscale.plan.target_compile RESULT.json` with a pickled {"config", "target_config_text",
+"devices"} on stdin and `JAX_PLATFORMS=cpu` in the environment; it writes the compiled plan as JSON to
+RESULT.json. XLA logs (its rematerialization warning among them) go to this process's stderr, which the
+parent reads. It runs in its own process because a malformed target config can kill it with a signal (SIGFPE).
 A plan already in the plan cache (jaxscale.compile_cache; the parent writes it) is not compiled again:
 its stored stderr is written to stderr, as the compile wrote it, and the result says compile_cache_hit.
+
+For several GPUs (the config's mesh on `devices` of them) the CUDA topology "<slices>x<hosts>x<devices>"
+(`targets.topology`) gives that many compile-only devices; the step is the run's sharded step
+(`jaxscale.train.sharding`), and XLA's plan is one device's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import sys
@@ -24,8 +29,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale import compile_cache, train
 from jaxscale.cli import fail, wants_help
-from jaxscale.measure import kernels, memory
+from jaxscale.config import mesh_shape
+from jaxscale.measure import collectives, kernels, memory
 from jaxscale.model import count_params
+from jaxscale.plan import targets
+from jaxscale.train import sharding
 
 USAGE = (
     "usage: python -m jaxscale.plan.target_compile RESULT.json < REQUEST.pickle\n\n"
@@ -55,23 +63,48 @@ def abstract_inputs(config: ml_collections.ConfigDict, sharding: NamedSharding) 
     return place(train.abstract_inputs(config))
 
 
-def compile_for_target(config: ml_collections.ConfigDict, target_config_text: str) -> dict[str, Any]:
-    """Lowers and compiles the run's train step (same accumulation, remat, scan) for the target.
+def sharded_inputs(
+    config: ml_collections.ConfigDict, target_config_text: str, devices: int
+) -> tuple[Any, tuple[Any, Any, Any], jax.Device]:
+    """(the sharded step, its abstract inputs, one device) for the config's mesh on `devices` target GPUs."""
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=target_config_text, topology=targets.topology(devices)
+    )
+    mesh = sharding.make_mesh(config, topology.devices)
+    init_fn = train.make_init_fn(config)
+    layout = sharding.make_layout(config, mesh, init_fn)
+    return sharding.make_step(config, layout), sharding.abstract_inputs(config, layout, init_fn), topology.devices[0]
+
+
+def compile_for_target(config: ml_collections.ConfigDict, target_config_text: str, devices: int = 1) -> dict[str, Any]:
+    """Lowers and compiles the run's train step (same accumulation, remat, scan, mesh) for the target.
 
     Args:
       config: a validated run config.
       target_config_text: an XLA GpuTargetConfig text proto (see jaxscale.targets).
+      devices: target GPUs; the config's mesh must use them all (a 1x1x1 mesh compiles for one).
     Returns:
-      compiled_{argument,output,temp,alias,peak}_bytes of XLA's GPU plan, compile_s (lower + compile, or lower
-      + cache read on a hit, seconds), params, the device_kind the compile-only device reports, plan_key,
-      compile_cache_hit (None: cache off), compile_cache_saved_s, and `kernels`: the kernels the program
-      launches (jaxscale.measure.kernels, as dicts) for the time prediction.
+      compiled_{argument,output,temp,alias,peak}_bytes of XLA's GPU plan (one device's), the
+      compiled_collective_* columns of its HLO, compile_s (lower + compile, or lower + cache read on a hit,
+      seconds), params, the device_kind the compile-only device reports, the topology compiled for,
+      plan_key, compile_cache_hit (None: cache off), compile_cache_saved_s, and `kernels`: the kernels the
+      program launches (jaxscale.measure.kernels, as dicts) for the time prediction.
     """
-    sharding = target_sharding(target_config_text)
-    state, metrics, batch = abstract_inputs(config, sharding)
+    if math.prod(mesh_shape(config)) == 1:
+        target = target_sharding(target_config_text)
+        step, inputs, device = (
+            train.make_train_step(config),
+            abstract_inputs(config, target),
+            target.mesh.devices.flat[0],
+        )
+        devices = 1
+    else:
+        step, inputs, device = sharded_inputs(config, target_config_text, devices)
     start = time.perf_counter()
-    lowered = train.make_train_step(config).lower(state, metrics, batch)
-    key = compile_cache.plan_key(lowered.as_text(), target_config_text, os.environ.get("XLA_FLAGS", ""))
+    lowered = step.lower(*inputs)
+    key = compile_cache.plan_key(
+        lowered.as_text(), target_config_text, os.environ.get("XLA_FLAGS", ""), targets.topology(devices)
+    )
     cached = compile_cache.read_plan(key)
     if cached is not None:
         sys.stderr.write(cached["stderr"])  # XLA's warnings, as the compile that made the plan wrote them
@@ -81,15 +114,18 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
         return {**cached["result"], "compile_s": seconds, "compile_cache_hit": True, "compile_cache_saved_s": saved}
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
+    text = compiled.as_text()
     return {
         **memory.compiled_memory(compiled),
+        **collectives.collective_columns(text),
         "compile_s": seconds,
-        "params": count_params(state.params),
-        "device_kind": next(iter(sharding.mesh.devices.flat)).device_kind,
+        "params": count_params(inputs[0].params),
+        "device_kind": device.device_kind,
+        "plan_topology": targets.topology(devices),
         "plan_key": key,
         "compile_cache_hit": False if compile_cache.enabled() else None,
         "compile_cache_saved_s": None,
-        "kernels": kernels.as_dicts(kernels.kernels(compiled.as_text())),
+        "kernels": kernels.as_dicts(kernels.kernels(text)),
     }
 
 
@@ -106,7 +142,7 @@ def main(argv: list[str]) -> int:
         return fail(f"stdin: not a pickled planning request ({type(error).__name__}); see --help")
     # JAX's own cache cannot load a deviceless executable back (see jaxscale.compile_cache): not used here.
     jax.config.update("jax_enable_compilation_cache", False)
-    result = compile_for_target(request["config"], request["target_config_text"])
+    result = compile_for_target(request["config"], request["target_config_text"], request.get("devices", 1))
     with open(argv[1], "w") as handle:
         json.dump(result, handle)
     return 0

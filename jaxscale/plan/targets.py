@@ -337,3 +337,20 @@ def device_slug(device_kind: str) -> str:
         return target.name
     words = re.sub(r"^nvidia\s+", "", device_kind.strip().lower())
     return re.sub(r"[^a-z0-9]+", "-", words).strip("-") or "device"
+
+
+GPUS_PER_HOST = 8  # an NVIDIA HGX/DGX node
+
+
+def topology(devices: int) -> str:
+    """The "<slices>x<hosts>x<devices per host>" string of `devices` GPUs for get_topology_desc(platform="cuda"):
+    up to 8 on one host ("1x1x4"), else hosts of 8 ("1x2x8" for 16).
+
+    Raises:
+      ValueError: a count that is neither at most 8 nor a multiple of 8.
+    """
+    if devices < 1 or (devices > GPUS_PER_HOST and devices % GPUS_PER_HOST):
+        raise ValueError(f"--devices {devices}: plan for 1 to {GPUS_PER_HOST} GPUs on one host, or a multiple of "
+                         f"{GPUS_PER_HOST} ({GPUS_PER_HOST} per host)")  # fmt: skip
+    per_host = min(devices, GPUS_PER_HOST)
+    return f"1x{devices // per_host}x{per_host}"

@@ -30,7 +30,7 @@ from jaxscale.report.plots import (
     variant_labels,
     with_peak,
 )
-from jaxscale.sweep.results import RESULTS_FILE, load_results
+from jaxscale.sweep.results import RESULTS_FILE, load_results, mesh_of
 
 __all__ = [
     "figures",
@@ -87,9 +87,10 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
       frame: rows from jaxscale.sweep.load_results (one sweep, or several concatenated).
 
     Returns:
-      DataFrame with variant, status, step time, tokens/s, compile time, peak memory (GiB) and its source,
-      the analytic peak where known, the predicted step time beside the measured (or the notebook's) where
-      rows have it, and the change against the baseline variant; the error of failures.
+      DataFrame with variant, status, the mesh (where a variant has one), step time, tokens/s, compile time,
+      peak memory (GiB, per device on a mesh) and its source, the analytic peak where known, the predicted
+      step time beside the measured (or the notebook's) where rows have it, the collectives' MiB per device
+      and step by kind (where any), and the change against the baseline variant; the error of failures.
     """
     frame = with_peak(frame)
     divisor, unit = memory_unit(frame["best_peak_bytes"])
@@ -109,6 +110,14 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
     for column, header in PREDICTED_COLUMNS.items():
         if column in frame and frame[column].notna().any():
             table[header] = pd.to_numeric(frame[column], errors="coerce")
+    meshes = [mesh_of(row) for row in frame.to_dict("records")]
+    if any(mesh != "1x1x1" for mesh in meshes):
+        table.insert(2, "mesh", meshes)
+    if pd.to_numeric(frame["compiled_collective_bytes"], errors="coerce").fillna(0).gt(0).any():
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            column = frame.get(f"compiled_collective_{kind}_bytes", pd.Series([None] * len(frame)))
+            table[f"{kind.replace('_', '-')} MiB"] = pd.to_numeric(column, errors="coerce") / 2**20
+        table["collective MiB"] = pd.to_numeric(frame["compiled_collective_bytes"], errors="coerce") / 2**20
     is_baseline = frame["variant"] == frame["baseline"]
     speed = [_ratio_text(v, True) for v in frame["throughput_vs_baseline"]]
     memory = [_ratio_text(v, False) for v in frame["peak_vs_baseline"]]
@@ -147,6 +156,9 @@ def notes(frame: pd.DataFrame) -> list[str]:
     if sources:
         found.append(f"Peak memory source: {', '.join(sources)} (the device allocator's peak where the backend "
                      "has one, else XLA's compiled plan; a CPU plan is only a proxy for a GPU's).")  # fmt: skip
+    if any(mesh_of(row) != "1x1x1" for row in frame.to_dict("records")):
+        found.append("Mesh variants: memory and collective MiB are per device; collectives are counted per optimizer "
+                     "step from the compiled HLO (bytes each device's collectives work on; docs/mesh.md).")  # fmt: skip
     device_notes = frame.get("device_peak_note", pd.Series(dtype=object)).dropna().unique()
     if len(device_notes):
         found.append(f"Device peak: {device_notes[0]}.")

@@ -19,9 +19,10 @@ CSV_FILE = "results.csv"
 
 # Columns load_results always returns (None where a row lacks them), in this order, before the rest.
 COLUMNS = (
-    "sweep", "variant", "baseline", "status", "error", "params", "tokens_per_step",
+    "sweep", "variant", "baseline", "status", "error", "params", "tokens_per_step", "mesh", "mesh_devices",
     "step_s_median", "step_s_p90", "tokens_per_s", "compile_s",
     "compiled_peak_bytes", "compiled_backend", "device_peak_bytes", "host_peak_rss_bytes",
+    "compiled_collective_bytes", "compiled_collective_ring_bytes",
     "best_peak_bytes", "best_peak_source", "throughput_vs_baseline", "peak_vs_baseline",
     "variant_overrides", "process_wall_s", "run_dir", "trace_dir",
 )  # fmt: skip
@@ -210,6 +211,27 @@ def _fits(row: dict) -> str:
     return {True: "yes", False: "NO"}.get(row.get("plan_fits"), "-")
 
 
+def _mib(value: float | None) -> str:
+    return "-" if value is None or pd.isna(value) else f"{value / 2**20:.2f}"
+
+
+def _collectives_by_kind(row: dict) -> str:
+    """MiB per device per step of all-reduce / all-gather / reduce-scatter (the kinds a layout is made of)."""
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    return " / ".join(_mib(row.get(f"compiled_collective_{kind}_bytes")) for kind in kinds)
+
+
+def mesh_of(row: dict) -> str:
+    """The row's mesh as data x fsdp x tensor (from its config where the run left no mesh column)."""
+    if row.get("mesh"):
+        return row["mesh"]
+    return "x".join(str(row.get(f"config.mesh.{axis}") or 1) for axis in ("data", "fsdp", "tensor"))
+
+
+def _is_mesh(row: dict) -> bool:
+    return mesh_of(row) != "1x1x1"
+
+
 def _band(row: dict) -> str:
     triton, cublas = row.get("compiled_triton_peak_bytes"), row.get("compiled_cublas_peak_bytes")
     return "-" if triton is None and cublas is None else f"{_gib(triton)} / {_gib(cublas)}"
@@ -218,6 +240,7 @@ def _band(row: dict) -> str:
 # (header, cell, shown when): columns of the printed table; a column is shown when any row has its field.
 _TABLE_COLUMNS = (
     ("status", lambda r: r.get("status"), None),
+    ("mesh", mesh_of, "mesh"),
     ("step s (median)", lambda r: _cell(r.get("step_s_median"), ".4f"), "ran"),
     ("tokens/s", lambda r: _cell(r.get("tokens_per_s"), ",.0f"), "ran"),
     ("compile s", lambda r: _cell(r.get("compile_s"), ".1f"), None),
@@ -225,6 +248,9 @@ _TABLE_COLUMNS = (
     ("peak source", lambda r: r["best_peak_source"] or "-", None),
     ("analytic GiB", lambda r: _gib(r.get("analytic_peak_bytes")), "analytic_peak_bytes"),
     ("MFU", lambda r: _cell(r.get("mfu"), ".1%"), "mfu"),
+    ("collective MiB", lambda r: _mib(r.get("compiled_collective_bytes")), "collectives"),
+    ("AR / AG / RS MiB", _collectives_by_kind, "collectives"),
+    ("ring MiB", lambda r: _mib(r.get("compiled_collective_ring_bytes")), "collectives"),
     ("trace DUS", lambda r: _cell(r.get("trace_dus_share"), ".1%"), "trace_dus_share"),
     ("triton / cublas GiB", _band, "plan_target"),
     ("fits", _fits, "plan_target"),
@@ -243,6 +269,10 @@ def _shown(rows: list[dict], when: str | None) -> bool:
         return True
     if when == "ran":  # step columns: hidden only for a sweep of plans (--plan), where no step runs
         return not all(r.get("plan_only") for r in rows) or any(r.get("step_s_median") is not None for r in rows)
+    if when == "mesh":  # only where some variant runs on a mesh
+        return any(_is_mesh(r) for r in rows)
+    if when == "collectives":
+        return any(r.get("compiled_collective_bytes") for r in rows)
     return any(r.get(when) is not None for r in rows)
 
 
@@ -265,8 +295,10 @@ def _notes(rows: list[dict]) -> list[str]:
 def format_table(rows: list[dict], order: list[str] | None = None) -> str:
     """The sweep as a text table, one line per variant, against the baseline variant.
 
-    Columns: status, step time and tokens/s (not for a sweep of plans), compile time, peak memory with its
-    source, the analytic peak estimate, MFU and the trace's dynamic-update-slice share where rows have
+    Columns: status, the mesh (data x fsdp x tensor, where any variant has one), step time and tokens/s (not
+    for a sweep of plans), compile time, peak memory with its source (per device on a mesh), the analytic
+    peak estimate, MFU, the collectives' MiB per device and step (all of them, all-reduce / all-gather /
+    reduce-scatter, and what a ring sends) and the trace's dynamic-update-slice share where rows have
     them, and for GPU-target plans the Triton / cuBLAS band and whether it fits, and where the sweep file
     gives them the notebook's measured peak and planned / notebook; the predicted step time beside the
     measured one (pred / meas) or the notebook's (pred / notebook); the change against the baseline last.
@@ -283,4 +315,6 @@ def format_table(rows: list[dict], order: list[str] | None = None) -> str:
     lines = [tuple(str(cell) for cell in line) for line in lines]
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     text = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in lines]
+    if any(_is_mesh(r) for r in rows):
+        text.append("  memory and collective MiB are per device; collectives per optimizer step (compiled HLO)")
     return "\n".join(text + _notes(rows))

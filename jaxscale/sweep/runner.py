@@ -5,7 +5,10 @@ runs as `python -m jaxscale.run --config <sweep file>:<preset> --config.<field>=
 process, so its peak memory is its own and a crash ends only it. Rows go to
 <output_root>/experiments/results/<sweep>/results.jsonl, traces to <output_root>/traces/<sweep>/.
 `--plan [--target a5000]` compiles only (for that GPU, no GPU needed; see docs/gpu_planning.md), and the
-sweep's name says so (seed_table_seed_plan_a5000), so a plan's rows never mix with a run's.
+sweep's name says so (seed_table_seed_plan_a5000), so a plan's rows never mix with a run's; `--devices 8`
+plans the variants' meshes on 8 target GPUs (seed_table_seed_plan_a5000_x8). `--host_devices N` and the
+multi-process flags (jaxscale.hosts) are passed to every variant's run; with several processes only process 0
+records rows (docs/mesh.md).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pandas as pd
 from absl import flags
 from tqdm import tqdm
 
-from jaxscale import compile_cache
+from jaxscale import compile_cache, hosts
 from jaxscale.cli import (
     Usage,
     UsageError,
@@ -47,7 +50,8 @@ __all__ = [
 # Run flags the sweep sets itself; anything else may be passed through run_args.
 _RESERVED_RUN_FLAGS = ("--config", "--name", "--run_dir", "--output_root", "--quiet")
 # Run flags that are the sweep's own flags (they name the sweep, so they may not come through run_args).
-_SWEEP_RUN_FLAGS = ("--plan", "--noplan", "--target", "--gemm", "--device_memory", "--device-memory")
+_SWEEP_RUN_FLAGS = ("--plan", "--noplan", "--target", "--gemm", "--device_memory", "--device-memory", "--devices",
+                    *(f"--{name}" for name in hosts.FLAG_NAMES))  # fmt: skip
 DEFAULT_TIMEOUT_S = 1800.0
 
 USAGE = Usage(
@@ -94,9 +98,16 @@ class SweepOutcome:
 
 
 def _run_args(
-    run_args: Sequence[str], device_memory: int | str | None, plan: bool, target: str | None, gemm: str
+    run_args: Sequence[str],
+    device_memory: int | str | None,
+    plan: bool,
+    target: str | None,
+    gemm: str,
+    devices: int | None = None,
+    host_args: Sequence[str] = (),
 ) -> list[str]:
-    """The run flags of every variant: the sweep's own (--plan, --target, --gemm, --device_memory), then run_args."""
+    """The run flags of every variant: the sweep's own (--plan, --target, --gemm, --devices, --device_memory,
+    then the jaxscale.hosts flags), then run_args."""
     for arg in run_args:
         flag = arg.split("=", 1)[0].split(".", 1)[0]
         if flag in _RESERVED_RUN_FLAGS:
@@ -105,15 +116,19 @@ def _run_args(
         if flag in _SWEEP_RUN_FLAGS:
             raise UsageError(f"--run_arg: {arg!r}: use the sweep's own {flag.replace('--no', '--')} flag")
     gpu_plan.check_target_flag(target, plan, gemm)
+    if devices is not None and target is None:
+        raise UsageError(f"--devices {devices}: sets how many target GPUs to plan for; add --plan --target")
     args = ["--plan"] if plan else []
     if target is not None:
         args.append(f"--target={target}")
     if gemm != "both":
         args.append(f"--gemm={gemm}")
+    if devices is not None:
+        args.append(f"--devices={devices}")
     if device_memory is not None:
         budget = device_memory if isinstance(device_memory, int) else parse_bytes(device_memory, "--device-memory")
         args.append(f"--device_memory={budget}")
-    return [*args, *run_args]
+    return [*args, *host_args, *run_args]
 
 
 def _is_current(row: dict | None, variant: Variant, run_args: list[str]) -> bool:
@@ -131,20 +146,33 @@ def _on_device(row: dict, target: str | None) -> bool:
     return row.get("plan_target") == target or row.get("device_kind") == targets.TARGETS[target].device_kind
 
 
+def _process_id(run_args: Sequence[str]) -> int | None:
+    """The --process_id among a variant's run flags (a multi-process sweep), else None."""
+    found = [arg.split("=", 1)[1] for arg in run_args if arg.startswith("--process_id=")]
+    return int(found[-1]) if found else None
+
+
 def run_variant(
     sweep: Sweep, variant: Variant, output_root: pathlib.Path, run_args: list[str], timeout_s: float | None
-) -> dict:
-    """Runs one variant in a fresh `python -m jaxscale.run` process; always returns its row."""
+) -> dict | None:
+    """Runs one variant in a fresh `python -m jaxscale.run` process; returns its row (None on process i > 0 of
+    a multi-process sweep, whose run writes only its trace, in <run dir>/process_<i>)."""
     run_dir = output_root / "traces" / sweep.name / variant.name
-    if run_dir.exists():
+    process = _process_id(run_args)
+    if process is None and run_dir.exists():
         shutil.rmtree(run_dir)  # an unfinished or replaced attempt: its run refuses to overwrite a result
-    run_dir.mkdir(parents=True)
+    elif process == 0:  # other processes may be writing their traces inside it
+        (run_dir / "result.json").unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     command = [
         "-m", "jaxscale.run", f"--config={sweep.path}:{sweep.preset}",
         *(f"--config.{field}={cli_value(value, field)}" for field, value in variant.overrides.items()),
         f"--config.name={variant.name}", f"--run_dir={run_dir}", "--quiet", *run_args,
     ]  # fmt: skip
-    finished = variant_process.launch(command, run_dir / "run.log", timeout_s)
+    log = run_dir / ("run.log" if not process else f"run_process_{process}.log")
+    finished = variant_process.launch(command, log, timeout_s)
+    if process:
+        return None
     result_path = run_dir / "result.json"
     if result_path.exists():
         row = json.loads(result_path.read_text())
@@ -196,6 +224,11 @@ def device_suffix(plan: bool) -> str:
     return f"_{targets.device_slug(kind)}"
 
 
+def _for_process_0(run_args: list[str]) -> list[str]:
+    """The run flags process 0 of the same sweep records in its rows (only --process_id differs)."""
+    return [("--process_id=0" if arg.startswith("--process_id=") else arg) for arg in run_args]
+
+
 def _one_line(row: dict) -> str:
     text = f"{row['variant']}: {row['status']}"
     if row.get("step_s_median") is not None:
@@ -215,6 +248,8 @@ def run_sweep(
     plan: bool = False,
     target: str | None = None,
     gemm: str = "both",
+    devices: int | None = None,
+    host_args: Sequence[str] = (),
     output_root: str | os.PathLike = ".",
     name: str | None = None,
     run_args: Sequence[str] = (),
@@ -235,6 +270,9 @@ def run_sweep(
       plan: compile only (`jaxscale.run --plan`); the default name gets "_plan".
       target: with plan, plan for this GPU (a name in jaxscale.targets or a .txtpb); the name gets "_<target>".
       gemm: with target, "both" GEMM modes (the band), or only "triton" or "cublas" (the name gets it).
+      devices: with target, plan each variant's mesh on this many target GPUs (the name gets "_x<devices>").
+      host_args: jaxscale.hosts flags for every run (--host_devices=8, the multi-process flags); a sweep
+        that is process i > 0 of a multi-process run records nothing (process 0 records every row).
       output_root: root of experiments/results/<sweep>/ and traces/<sweep>/<variant>/.
       name: sweep name (default <file stem>_<preset>[_plan[_<target>[_<gemm>]]]).
       run_args: extra `python -m jaxscale.run` flags for every variant.
@@ -245,12 +283,18 @@ def run_sweep(
     Returns:
       SweepOutcome: the results path, the selected variants, and the table / DataFrame of all rows.
     """
-    run_args = _run_args(run_args, device_memory, plan, target, gemm)
-    suffix = plan_suffix(plan, target, gemm) + (device_suffix(plan) if on_this_device else "")
+    run_args = _run_args(run_args, device_memory, plan, target, gemm, devices, host_args)
+    suffix = plan_suffix(plan, target, gemm, devices) + (device_suffix(plan) if on_this_device else "")
     sweep = load_sweep(config, preset, name, suffix)
     selected = select_variants(sweep.variant_names, only, skip)
     output_root = pathlib.Path(output_root)
     store = ResultsFile(output_root / "experiments" / "results" / sweep.name)
+    if _process_id(run_args):  # process i > 0: the same variants as process 0 (read from its rows), no records
+        recorded = {row.get("variant"): row for row in store.rows()}
+        for variant in (v for v in sweep.variants if v.name in selected):
+            if rerun or not _is_current(recorded.get(variant.name), variant, _for_process_0(run_args)):
+                run_variant(sweep, variant, output_root, run_args, timeout_s)
+        return SweepOutcome(sweep, store.path, tuple(selected))
     with store.locked():
         recorded = {row.get("variant"): row for row in store.rows()}
         chosen = [v for v in sweep.variants if v.name in selected]
@@ -296,6 +340,11 @@ def _flag_values() -> flags.FlagValues:
         "gemm", "both", gpu_plan.GEMM_CHOICES, "With --target: Triton GEMMs, cuBLAS GEMMs or both (the band).",
         flag_values=fv,
     )  # fmt: skip
+    flags.DEFINE_integer(
+        "devices", None, "With --target: plan each variant's mesh on this many target GPUs; the name gets _x<N>.",
+        lower_bound=1, flag_values=fv,
+    )  # fmt: skip
+    hosts.define_flags(fv)
     flags.DEFINE_string("output_root", ".", "Root of experiments/results/ and traces/.", flag_values=fv)
     flags.DEFINE_string("name", None, "Sweep name (default: <file stem>_<preset>).", flag_values=fv)
     flags.DEFINE_multi_string("run_arg", [], "Extra jaxscale.run flag for every run", flag_values=fv)
@@ -356,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan=fv.plan,
             target=fv.target,
             gemm=fv.gemm,
+            devices=fv.devices,
+            host_args=hosts.forwarded(fv),
             output_root=fv.output_root,
             name=fv.name,
             run_args=fv.run_arg,
@@ -367,6 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jaxscale: interrupted; finished rows are kept, run the same command to resume", file=sys.stderr)
         return 130
+    if fv.process_id:
+        print(f"sweep {outcome.sweep.name}: process {fv.process_id} done; process 0 records the rows")
+        return 0
     print(outcome.table())
     print(f"results: {outcome.results_path} (and {outcome.results_path.with_suffix('.csv')})")
     return 1 if fv.strict and outcome.failed() else 0

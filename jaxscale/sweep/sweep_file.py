@@ -153,12 +153,14 @@ def _notebook_peaks(module, path: pathlib.Path, preset: str, names: list[str]) -
     }
 
 
-def plan_suffix(plan: bool, target: str | None, gemm: str = "both") -> str:
-    """What a plan adds to the sweep's default name: "", "_plan", "_plan_a5000" or "_plan_a5000_triton"."""
+def plan_suffix(plan: bool, target: str | None, gemm: str = "both", devices: int | None = None) -> str:
+    """What a plan adds to the sweep's default name: "", "_plan", "_plan_a5000", "_plan_a5000_triton" or, on
+    several target GPUs, "_plan_a5000_x8"."""
     if not plan:
         return ""
     target_part = f"_{pathlib.Path(target).stem}" if target else ""
-    return f"_plan{target_part}" + (f"_{gemm}" if target and gemm != "both" else "")
+    gemm_part = f"_{gemm}" if target and gemm != "both" else ""
+    return f"_plan{target_part}{gemm_part}" + (f"_x{devices}" if target and devices else "")
 
 
 def load_sweep(

@@ -1,4 +1,5 @@
-"""Training: train state, next-token loss, gradient accumulation and the jitted step (see step.py)."""
+"""Training: train state, next-token loss, gradient accumulation and the jitted step (step.py); the device mesh
+and the logical-axis rules that lay the step out on it (sharding.py)."""
 
 from jaxscale.train.step import (
     Batch,
@@ -6,6 +7,7 @@ from jaxscale.train.step import (
     TrainState,
     abstract_inputs,
     accumulate_gradients,
+    batch_gradients,
     batch_shape,
     init_metrics,
     make_batch,
@@ -23,6 +25,7 @@ __all__ = [
     "TrainState",
     "abstract_inputs",
     "accumulate_gradients",
+    "batch_gradients",
     "batch_shape",
     "init_metrics",
     "make_batch",

@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -78,11 +79,17 @@ def make_model(config: ml_collections.ConfigDict, train: bool = True) -> GPT:
     return GPT(ModelConfig.from_config(config.model), train=train)
 
 
-def make_init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
+def make_init_fn(config: ml_collections.ConfigDict, boxed: bool = False) -> Callable[[], TrainState]:
     """A function that builds the initial train state (float32 params, optimizer state, dropout key).
 
     The model and optimizer are made once here, so every state the function returns (abstract through
     jax.eval_shape, or real through jax.jit) has the same static fields and fits one compiled step.
+
+    Args:
+      config: the run config.
+      boxed: keep Flax's `LogicallyPartitioned` boxes around the parameters and the optimizer moments
+        that mirror them (jaxscale.train.sharding reads their logical axis names); the default returns
+        plain arrays, the state the train step takes.
     """
     model, init_model, tx = make_model(config), make_model(config, train=False), make_optimizer(config.optimizer)
 
@@ -90,7 +97,8 @@ def make_init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
         init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.train.seed))
         tokens = jnp.zeros((1, config.data.seq_len), jnp.int32)
         params = init_model.init(init_rng, tokens)["params"]
-        return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
+        return state if boxed else nn.meta.unbox(state)
 
     return init_fn
 
@@ -116,6 +124,11 @@ def _tree_add(a: Any, b: Any) -> Any:
     return jax.tree_util.tree_map(jnp.add, a, b)
 
 
+def constrain_batch(batch: Batch, leading: tuple[str | None, ...] = ()) -> Batch:
+    """Token arrays split along the batch over the mesh (logical ("batch", "seq")); a no-op off a mesh."""
+    return jax.tree_util.tree_map(lambda x: nn.with_logical_constraint(x, (*leading, "batch", "seq")), batch)
+
+
 def accumulate_gradients(
     grad_fn: Callable[[Any, Batch, jax.Array], tuple[Any, Metrics]],
     params: Any,
@@ -123,6 +136,7 @@ def accumulate_gradients(
     rng: jax.Array,
     num_minibatches: int,
     method: str = "scan",
+    constrain_grads: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, Metrics]:
     """Splits the batch into minibatches, averages their gradients and sums their metrics.
 
@@ -134,6 +148,8 @@ def accumulate_gradients(
       num_minibatches: 1 means no accumulation.
       method: "scan" (one lax.scan body, one minibatch's activations live at a time) or "loop" (unrolled,
         the reference; XLA may keep every minibatch's activations alive at once).
+      constrain_grads: on a mesh, pins the gradient accumulator to the parameters' layout (FSDP keeps it
+        sharded); None off a mesh.
     Returns:
       (grads averaged over minibatches, metrics summed over minibatches).
     """
@@ -153,9 +169,12 @@ def accumulate_gradients(
     elif method == "scan":
         # [n, B/n, ...]: minibatch i is rows i*B/n ... (i+1)*B/n - 1, as in the loop.
         minibatches = jax.tree_util.tree_map(lambda x: x.reshape(num_minibatches, minibatch_size, *x.shape[1:]), batch)
+        minibatches = constrain_batch(minibatches, leading=(None,))  # on a mesh each minibatch spans every device
         first = jax.tree_util.tree_map(lambda x: x[0], minibatches)
         carry_shape = jax.eval_shape(grad_fn, params, first, rng)  # size the accumulator without running
         carry = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), carry_shape)
+        if constrain_grads is not None:
+            carry = (constrain_grads(carry[0]), carry[1])
 
         def body(carry, xs):
             index, minibatch = xs
@@ -169,18 +188,48 @@ def accumulate_gradients(
     return grads, metrics
 
 
-def train_step(state: TrainState, metrics: Metrics, batch: Batch, num_minibatches: int, accumulate: str):
-    """One optimizer step over `batch`; metrics are added to the running sums (no host sync)."""
-    rng, step_rng = jax.random.split(state.rng)
+def batch_gradients(
+    state: TrainState,
+    batch: Batch,
+    rng: jax.Array,
+    num_minibatches: int,
+    accumulate: str,
+    grad_shardings: Any = None,
+) -> tuple[Any, Metrics]:
+    """Gradients of the mean next-token loss over `batch` (accumulated over its minibatches) and the summed
+    metrics: the train step's work before the optimizer.
+
+    `grad_shardings` (on a mesh: the parameters' NamedShardings, see jaxscale.train.sharding) pins every
+    minibatch's gradients and their accumulator to the parameters' layout; None off a mesh.
+    """
+
+    def constrain_grads(grads: Any) -> Any:
+        return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
     def grad_fn(params, minibatch, minibatch_rng):
         (_, step_metrics), grads = jax.value_and_grad(next_token_loss, has_aux=True)(
-            params, state.apply_fn, minibatch, minibatch_rng
+            params, state.apply_fn, constrain_batch(minibatch), minibatch_rng
         )
-        return grads, step_metrics
+        return constrain_grads(grads), step_metrics
 
+    return accumulate_gradients(grad_fn, state.params, batch, rng, num_minibatches, accumulate, constrain_grads)
+
+
+def train_step(
+    state: TrainState,
+    metrics: Metrics,
+    batch: Batch,
+    num_minibatches: int,
+    accumulate: str,
+    grad_shardings: Any = None,
+):
+    """One optimizer step over `batch`; metrics are added to the running sums (no host sync).
+
+    `grad_shardings`: see batch_gradients (None off a mesh).
+    """
+    rng, step_rng = jax.random.split(state.rng)
     with jax.named_scope("accumulate"):
-        grads, step_metrics = accumulate_gradients(grad_fn, state.params, batch, step_rng, num_minibatches, accumulate)
+        grads, step_metrics = batch_gradients(state, batch, step_rng, num_minibatches, accumulate, grad_shardings)
     with jax.named_scope("optimizer"):
         state = state.apply_gradients(grads=grads, rng=rng)
     return state, _tree_add(metrics, step_metrics)

@@ -209,3 +209,43 @@ def test_without_the_extra_target_is_one_line_naming_it(monkeypatch, capsys, tmp
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("jaxscale: error: --target: GPU planning needs the gpu-plan extra")
     assert "\n" not in err
+
+
+@needs_extra
+def test_a_mesh_is_planned_per_device_on_8_target_gpus(tmp_path):
+    """FSDP over 8 deviceless H100s: one device's plan holds an eighth of the state, and the GPU program
+    all-gathers weights and reduce-scatters gradients (counted from its HLO)."""
+    config = _tiny("bf16_remat", **{"mesh.fsdp": 8, "data.batch_size": 16})
+    row = run.run(config, tmp_path, "fsdp8", plan_only=True, progress=False, target="h100", gemm="triton", devices=8)
+    assert row["status"] == "ok", row["error"]
+    assert (row["plan_devices"], row["plan_topology"], row["mesh"]) == (8, "1x1x8", "1x8x1")
+    assert row["plan_fits"] is True and row["compiled_backend"] == "cuda:h100"
+    one = gpu_plan.plan_for_target(_tiny("bf16_remat", **{"data.batch_size": 16}), "h100", gemm="triton")
+    assert row["compiled_argument_bytes"] < one["compiled_argument_bytes"] / 4  # the state is split 8 ways
+    assert one["compiled_collective_count"] == 0
+    assert row["compiled_collective_reduce_scatter_count"] > 0 and row["compiled_collective_all_gather_count"] > 0
+    assert row["compiled_collective_bytes"] > 0 and row["analytic_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--devices=12"], "--devices 12: plan for 1 to 8 GPUs on one host, or a multiple of 8"),
+        (
+            ["--devices=8", "--config.mesh.data=2", "--config.mesh.fsdp=2"],
+            "mesh: data x fsdp x tensor = 2x2x1 = 4 devices, but target h100 (--devices) has 8",
+        ),
+    ],
+)
+@needs_extra
+def test_devices_that_the_mesh_does_not_use_are_one_line_errors(args, message, capsys):
+    argv = ["run", "--config", "configs/bf16_remat.py:tiny", "--config.data.batch_size=16", "--plan", "--target",
+            "h100", *args]  # fmt: skip
+    assert run.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_topology_of_n_gpus_is_hosts_of_eight():
+    assert [targets.topology(n) for n in (1, 4, 8, 16, 64)] == ["1x1x1", "1x1x4", "1x1x8", "1x2x8", "1x8x8"]
+    with pytest.raises(ValueError, match="--devices 12"):
+        targets.topology(12)

@@ -1,0 +1,301 @@
+"""The device mesh and the one table that maps the model's logical axis names onto it.
+
+The model names every parameter's axes (`nn.with_logical_partitioning`) and constrains the activations
+between its sharded matmuls (`nn.with_logical_constraint`); `RULES` below is the only place that says which
+mesh axis splits which name. From the table and the mesh sizes (`config.mesh`) come all three layouts:
+
+- data parallel (`mesh.data`): the batch is split, every parameter is replicated, gradients are all-reduced;
+- FSDP / ZeRO-3 (`mesh.fsdp`): parameters, gradients and optimizer state are split along their `embed`
+  axis, the batch along `data` x `fsdp`; XLA all-gathers a weight before its use and reduce-scatters its
+  gradient;
+- tensor parallel, Megatron-style (`mesh.tensor`): the QKV and attention-output projections split by heads,
+  the MLP by its width, the embedding and output head by vocabulary; activations between the two matmuls
+  of a block are split, the residual stream is replicated over `tensor` (an all-reduce after each block
+  half, Shoeybi et al. 2019).
+
+JAX's SPMD partitioner does the rest: the train step is jitted with the state's and batch's shardings as
+in/out shardings (`Layout`), and tracing happens with the rules and the mesh in context
+(`Layout.activate`), which turns the model's logical constraints into sharding constraints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxscale.config import MESH_AXES, check_mesh_devices, mesh_shape
+from jaxscale.train.step import Batch, TrainState, init_metrics, make_init_fn, make_train_step, train_step
+from jaxscale.train.step import abstract_inputs as unsharded_inputs
+
+# Logical axis name -> mesh axes, in order of precedence (Flax's logical_to_mesh_axes): a name takes its
+# mesh axes only when no earlier dimension of the same array took them. So in an activation
+# ("batch", "seq", "embed") the batch takes data and fsdp and "embed" stays whole, while in a parameter
+# ("embed", "mlp") "embed" is split over fsdp. A name not listed (seq, pos, head_dim, qkv, layers) is never
+# split. The names are the lab's conventions, shared by every model family (docs/mesh.md).
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),  # activations and tokens: data parallel x FSDP
+    ("vocab", "tensor"),  # token embedding, output head, logits
+    ("heads", "tensor"),  # QKV, attention output, the attention itself
+    ("kv_heads", "tensor"),  # grouped-query K/V (the Llama family)
+    ("mlp", "tensor"),  # MLP up (and gate) columns, down rows, the hidden activation
+    ("embed", "fsdp"),  # ZeRO-3: every parameter with an embed axis, and its gradient and optimizer state
+    ("layers", None),  # the stacked axis of nn.scan
+    ("seq", None),
+    ("pos", None),
+    ("head_dim", None),
+    ("qkv", None),
+)
+
+BATCH_AXES = ("batch", "seq")  # a token batch [batch, seq]
+
+
+def logical_specs(tree: Any) -> Any:
+    """PartitionSpecs of logical names for a tree holding Flax's LogicallyPartitioned boxes (P() elsewhere)."""
+    return nn.get_partition_spec(tree)
+
+
+def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh of `config` over `devices` (default: all of jax.devices()).
+
+    Devices fill the mesh in order, tensor fastest: the tensor-parallel group is made of neighbouring
+    devices (one host's NVLink island on a GPU cluster), data parallel spans the farthest ones.
+
+    Raises:
+      ConfigError: the mesh's product is not the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(config)
+    if math.prod(shape) == 1:
+        devices = devices[:1]
+    check_mesh_devices(config, len(devices), f"the device list ({len(devices)} {devices[0].platform} devices)")
+    return Mesh(np.array(devices).reshape(shape), MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every input and output of the train step lives on a mesh.
+
+    Attributes:
+      mesh: the (data, fsdp, tensor) device mesh.
+      state: a TrainState of NamedShardings (params, optimizer state, step, dropout key).
+      metrics: NamedShardings of the running metric sums (replicated).
+      batch: a Batch of NamedShardings (tokens split along the batch).
+      rules: the logical-to-mesh rules the model's constraints are resolved with.
+    """
+
+    mesh: Mesh
+    state: Any
+    metrics: Any
+    batch: Any
+    rules: tuple = RULES
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        """Mesh and rules in context while a step is traced: the model's logical constraints take effect."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            yield
+
+    def named(self, logical: Any) -> Any:
+        """NamedShardings on this mesh for a tree of logical PartitionSpecs."""
+        return nn.logical_to_mesh_sharding(logical, self.mesh, self.rules)
+
+    @property
+    def devices(self) -> int:
+        return self.mesh.devices.size
+
+
+def make_layout(config: ml_collections.ConfigDict, mesh: Mesh, init_fn: Callable[[], TrainState]) -> Layout:
+    """The layout of the train step's state, metrics and batch on `mesh`, from the logical names and RULES.
+
+    Args:
+      config: the run config (its model and optimizer decide the state's tree).
+      mesh: from make_mesh (or a deviceless target's mesh, jaxscale.plan.target_compile).
+      init_fn: the init function whose states the step will take (make_init_fn(config)); the layout's
+        state tree has its static fields (apply_fn, tx), so jit accepts one for the other.
+    """
+    names = logical_specs(jax.eval_shape(make_init_fn(config, boxed=True)))  # shapes and axis names only
+    structure = jax.tree_util.tree_structure(jax.eval_shape(init_fn))
+    leaves = jax.tree_util.tree_leaves(names, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    logical_state = jax.tree_util.tree_unflatten(structure, leaves)
+    metrics = jax.tree_util.tree_map(lambda _: PartitionSpec(), jax.eval_shape(init_metrics))
+    batch = Batch(inputs=PartitionSpec(*BATCH_AXES), labels=PartitionSpec(*BATCH_AXES))
+
+    def named(logical: Any) -> Any:
+        return nn.logical_to_mesh_sharding(logical, mesh, RULES)
+
+    return Layout(mesh=mesh, state=named(logical_state), metrics=named(metrics), batch=named(batch))
+
+
+def make_step(config: ml_collections.ConfigDict, layout: Layout | None) -> Any:
+    """The jitted train step: the single-device one (layout None, jaxscale.train.make_train_step), or the same
+    `train_step` jitted with the layout's in/out shardings, the gradients constrained to the parameters'
+    layout, and tracing (`.lower`, a first call) inside `layout.activate()`."""
+    if layout is None:
+        return make_train_step(config)
+    step = functools.partial(
+        train_step,
+        num_minibatches=config.train.num_minibatches,
+        accumulate=config.train.accumulate,
+        grad_shardings=layout.state.params,
+    )
+    shardings = (layout.state, layout.metrics, layout.batch)
+    jitted = jax.jit(step, in_shardings=shardings, out_shardings=shardings[:2], donate_argnums=(0, 1))
+    return MeshStep(jitted, layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshStep:
+    """A jitted step whose tracing happens with its layout's mesh and logical rules in context."""
+
+    jitted: Any
+    layout: Layout
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        with self.layout.activate():
+            return self.jitted.lower(*args)
+
+    def __call__(self, *args: Any) -> Any:
+        with self.layout.activate():
+            return self.jitted(*args)
+
+
+def abstract_inputs(
+    config: ml_collections.ConfigDict, layout: Layout, init_fn: Callable[[], TrainState]
+) -> tuple[Any, Any, Batch]:
+    """(state, metrics, batch) as ShapeDtypeStructs that carry the layout's shardings (nothing allocated)."""
+    shapes = unsharded_inputs(config, init_fn)
+    shardings = (layout.state, layout.metrics, layout.batch)
+    return jax.tree_util.tree_map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, shardings
+    )
+
+
+def init_state(init_fn: Callable[[], TrainState], layout: Layout) -> TrainState:
+    """The initial state built directly in its shards: the init is jitted with the layout as out_shardings,
+    so under FSDP no device ever holds the whole state. Same values as the single-device init (JAX's
+    partitionable threefry generates each shard's random numbers where it lives)."""
+    # Traced without the mesh in context: there Flax's boxes would constrain DenseGeneral's flat kernels.
+    return jax.jit(init_fn, out_shardings=layout.state)()
+
+
+def place_metrics(metrics: Any, layout: Layout) -> Any:
+    """The running metric sums, replicated on every device of the mesh."""
+    return jax.device_put(metrics, layout.metrics)
+
+
+def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
+    """The rows of a [batch, ...] array that this process's devices hold under `sharding`: its share.
+
+    Raises:
+      ValueError: the process's rows are not one contiguous block (a mesh ordered across hosts).
+    """
+    starts, stops = set(), set()
+    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+        rows = index[0]
+        starts.add(rows.start or 0)
+        stops.add(batch_size if rows.stop is None else rows.stop)
+    first, last = min(starts), max(stops)
+    covered = sorted(set(zip(sorted(starts), sorted(stops), strict=True)))
+    if sum(stop - start for start, stop in covered) != last - first:
+        raise ValueError(f"this process's batch rows are not contiguous: {covered}")
+    return slice(first, last)
+
+
+def place_batch(batch: Batch, layout: Layout) -> Batch:
+    """A host batch (the global [batch, seq] tokens, numpy or jax) as global arrays split over the mesh.
+
+    Each process passes only its own rows to `jax.make_array_from_process_local_data` (`process_rows`), so
+    on several hosts every process feeds its share of the global batch and nothing else.
+    """
+
+    def place(host: Any, sharding: NamedSharding) -> jax.Array:
+        host = np.asarray(host)
+        local = host[process_rows(sharding, host.shape[0])]
+        return jax.make_array_from_process_local_data(sharding, local, host.shape)
+
+    return jax.tree_util.tree_map(place, batch, layout.batch)
+
+
+def state_bytes_per_device(abstract_state: Any) -> dict[str, int]:
+    """Bytes of params and optimizer state that one device holds under the state's shardings (exact).
+
+    Args:
+      abstract_state: the step's state as ShapeDtypeStructs carrying NamedShardings (abstract_inputs).
+    """
+
+    def shard_bytes(leaf: jax.ShapeDtypeStruct) -> int:
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        return int(math.prod(shape)) * leaf.dtype.itemsize
+
+    def total(tree: Any) -> int:
+        return sum(shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+
+    return {"params": total(abstract_state.params), "optimizer": total(abstract_state.opt_state)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one run's train step is compiled and fed: on one device (layout None, the program of old) or on a
+    mesh. The run asks it for the step, its abstract inputs, the initial state, and places every batch
+    through `place_batch`, so the run's code is the same for both.
+    """
+
+    config: ml_collections.ConfigDict
+    init_fn: Callable[[], TrainState]
+    layout: Layout | None
+
+    def step(self) -> Any:
+        """The jitted train step (make_step)."""
+        return make_step(self.config, self.layout)
+
+    def abstract_inputs(self) -> tuple[Any, Any, Batch]:
+        """(state, metrics, batch) as ShapeDtypeStructs, with the layout's shardings on a mesh."""
+        if self.layout is None:
+            return unsharded_inputs(self.config, self.init_fn)
+        return abstract_inputs(self.config, self.layout, self.init_fn)
+
+    def init_state(self) -> TrainState:
+        """The initial state, built in its shards on a mesh (init_state)."""
+        return jax.jit(self.init_fn)() if self.layout is None else init_state(self.init_fn, self.layout)
+
+    def init_metrics(self) -> Any:
+        metrics = init_metrics()
+        return metrics if self.layout is None else place_metrics(metrics, self.layout)
+
+    def place_batch(self, batch: Batch) -> Batch:
+        """A global host batch where the step takes it: as is on one device, split over the mesh otherwise."""
+        return batch if self.layout is None else place_batch(batch, self.layout)
+
+    @property
+    def local_devices(self) -> list[jax.Device]:
+        """The devices of this process that the step runs on."""
+        if self.layout is None:
+            return jax.local_devices()[:1]
+        return [d for d in self.layout.mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def placement(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Placement:
+    """The Placement of `config`'s step: one device for the 1x1x1 mesh, else its mesh over `devices`.
+
+    Raises:
+      ConfigError: the mesh does not use every device (see config.check_mesh_devices).
+    """
+    init_fn = make_init_fn(config)
+    if math.prod(mesh_shape(config)) == 1:
+        return Placement(config, init_fn, None)
+    return Placement(config, init_fn, make_layout(config, make_mesh(config, devices), init_fn))
+
+
+def host_scalars(tree: Any) -> dict[str, float]:
+    """Replicated scalars as Python floats, read from this process's first shard (works across hosts)."""
+    return {key: float(np.asarray(value.addressable_shards[0].data)) for key, value in tree.items()}

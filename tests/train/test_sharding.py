@@ -1,0 +1,148 @@
+"""jaxscale.train.sharding: the rules table gives each layout, the per-device state matches the memory model, bad
+meshes are one-line errors, and (in a process with 8 simulated CPU devices) every mesh computes what one device does.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+
+from jaxscale import train
+from jaxscale.config import ConfigError, base_config, check_mesh_devices, validate
+from jaxscale.measure import memory
+from jaxscale.train import sharding
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def _config(mesh=(1, 1, 1), scan_layers=True, **groups):
+    config = base_config("tiny", "sharding")
+    config.model.scan_layers = scan_layers
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+    for dotted, value in groups.items():
+        group, field = dotted.split("__")
+        config[group][field] = value
+    return config
+
+
+def _layout(config):
+    """The layout on an abstract mesh of the config's shape: no devices needed."""
+    mesh = AbstractMesh(sharding.mesh_shape(config), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    init_fn = train.make_init_fn(config)
+    return sharding.make_layout(config, mesh, init_fn), init_fn
+
+
+def _spec(layout, *path):
+    node = layout.state.params
+    for key in path:
+        node = node[key]
+    return node.spec
+
+
+def test_one_table_gives_data_parallel_fsdp_and_tensor_parallel_layouts():
+    layout, _ = _layout(_config((2, 2, 2)))
+    blocks = ("transformer", "blocks")
+    assert _spec(layout, *blocks, "attn", "qkv", "kernel") == PartitionSpec(None, "fsdp", "tensor", None)
+    assert _spec(layout, *blocks, "attn", "out", "kernel") == PartitionSpec(None, "tensor", None, "fsdp")
+    assert _spec(layout, *blocks, "mlp", "up", "kernel") == PartitionSpec(None, "fsdp", "tensor")
+    assert _spec(layout, *blocks, "mlp", "down", "kernel") == PartitionSpec(None, "tensor", "fsdp")
+    assert _spec(layout, *blocks, "mlp", "up", "bias") == PartitionSpec(None, "tensor")
+    assert _spec(layout, *blocks, "attn", "pre_norm", "scale") == PartitionSpec(None, "fsdp")
+    assert _spec(layout, "embed", "embedding") == PartitionSpec("tensor", "fsdp")
+    assert _spec(layout, "output", "kernel") == PartitionSpec("fsdp", "tensor")
+    assert _spec(layout, "pos_emb") == PartitionSpec(None, "fsdp")  # "pos" is never split
+    # Optimizer moments follow their parameters (ZeRO-3); the batch splits over data x fsdp.
+    mu = layout.state.opt_state[0].mu["transformer"]["blocks"]["mlp"]["up"]["kernel"]
+    assert mu.spec == PartitionSpec(None, "fsdp", "tensor")
+    assert layout.batch.inputs.spec == PartitionSpec(("data", "fsdp"), None)
+    assert layout.state.step.spec == PartitionSpec()
+
+
+@pytest.mark.parametrize("mesh", [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4), (1, 1, 4)])
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_analytic_state_per_device_equals_the_real_shardings(mesh, scan_layers):
+    """memory.sharded_param_count (the analytic model) against the shard shapes of the step's real layout."""
+    config = _config(mesh, scan_layers)
+    layout, init_fn = _layout(config)
+    state = sharding.abstract_inputs(config, layout, init_fn)[0]
+    per_device = sharding.state_bytes_per_device(state)
+    _, fsdp, tensor = mesh
+    params = 4 * memory.sharded_param_count(config.model, fsdp, tensor)
+    assert per_device["params"] == params
+    assert 0 <= per_device["optimizer"] - 2 * params <= 16  # Adam's two moments, plus its step counters
+    row = memory.analytic_memory(config)
+    assert row["analytic_params_bytes"] == params and row["analytic_optimizer_bytes"] == 2 * params
+
+
+def test_analytic_activations_split_by_batch_and_tensor():
+    def analytic(mesh):  # unrolled float32 layers: every activation term is proportional to the batch
+        return memory.analytic_memory(_config(mesh, False, data__batch_size=16, model__dtype="float32"))
+
+    one, data, tensor, fsdp = analytic((1, 1, 1)), analytic((8, 1, 1)), analytic((1, 1, 4)), analytic((1, 8, 1))
+    assert data["analytic_params_bytes"] == one["analytic_params_bytes"]  # data parallel replicates the state
+    assert data["analytic_activation_per_layer_bytes"] * 8 == one["analytic_activation_per_layer_bytes"]
+    assert fsdp["analytic_activation_per_layer_bytes"] == data["analytic_activation_per_layer_bytes"]
+    assert fsdp["analytic_fsdp_gather_bytes"] > 0 == data["analytic_fsdp_gather_bytes"]
+    # Tensor parallelism splits only what lies between a block's two matmuls (Korthikanti et al. Sec. 4.2.2).
+    ratio = tensor["analytic_activation_per_layer_bytes"] / one["analytic_activation_per_layer_bytes"]
+    assert 0.25 < ratio < 0.7
+
+
+@pytest.mark.parametrize(
+    "mesh,changes,field,hint",
+    [
+        ((8, 1, 1), {"data__batch_size": 8}, "mesh:", "may be: 1, 2, 4"),  # minibatch of 4 sequences
+        ((1, 3, 1), {"data__batch_size": 24}, "mesh.fsdp:", "allowed: 1, 2, 4, 8, 16, 32, 64"),  # hidden 64
+        ((1, 1, 8), {}, "mesh.tensor:", "1, 2, 4"),  # 4 heads
+        ((1, 1, 2), {"model__vocab_size": 127}, "mesh.tensor:", "model.vocab_size"),
+        ((0, 1, 1), {}, "mesh.data:", "positive integer"),
+    ],
+)
+def test_bad_meshes_name_the_field_and_what_would_work(mesh, changes, field, hint):
+    with pytest.raises(ConfigError) as error:
+        validate(_config(mesh, **changes))
+    assert str(error.value).startswith(field) and hint in str(error.value)
+
+
+def test_mesh_must_use_every_device_except_the_single_device_default():
+    check_mesh_devices(_config((1, 1, 1)), 8)  # 1x1x1 runs on one device wherever it is
+    check_mesh_devices(_config((2, 2, 2)), 8)
+    with pytest.raises(ConfigError, match=r"^mesh: .*2x2x1 = 4 devices, but the run has 8.*mesh.data=8"):
+        check_mesh_devices(_config((2, 2, 1)), 8, "the run")
+
+
+def test_single_device_placement_is_the_unsharded_step():
+    config = _config((1, 1, 1))
+    placement = sharding.placement(config)
+    assert placement.layout is None
+    compiled = placement.step().lower(*placement.abstract_inputs()).compile()
+    assert "all-reduce" not in compiled.as_text() and len(jax.tree_util.tree_leaves(placement.init_state())) > 0
+
+
+def _run_device_tests(*pytest_args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))  # fmt: skip
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_sharding_devices.py")]
+    return subprocess.run([*command, *pytest_args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_meshes_equal_one_device_on_8_simulated_cpu_devices():
+    """Runs tests/train/test_sharding_devices.py in a process with 8 simulated CPU devices (XLA reads the
+    flag when its CPU backend starts, so it cannot be set in this process)."""
+    done = _run_device_tests("-m", "not slow")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_slow_mesh_variants_equal_one_device():
+    done = _run_device_tests("-m", "slow")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout, done.stdout[-2000:]

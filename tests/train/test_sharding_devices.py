@@ -1,0 +1,155 @@
+"""Every mesh computes what one device computes (float32): same initial parameters, loss, gradients and step.
+
+Needs 8 devices: tests/train/test_sharding.py runs this file in a process started with
+XLA_FLAGS=--xla_force_host_platform_device_count=8; in an ordinary test process it is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxscale import train
+from jaxscale.config import base_config, validate
+from jaxscale.train import sharding
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see tests/train/test_sharding.py)")
+
+# Float32 everywhere; a sharded program adds its partial sums in another order, nothing else differs.
+RTOL, ATOL = 2e-5, 2e-7
+
+
+def _config(mesh, **changes):
+    config = base_config("tiny", "mesh")
+    config.model.dtype = "float32"
+    config.model.dropout_rate = 0.0
+    config.data.batch_size, config.train.num_minibatches = 16, 2
+    config.optimizer.update(name="sgd", warmup_steps=0, learning_rate=0.5, b1=0.0)  # params move by -0.5 * grads
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+    for dotted, value in changes.items():
+        group, field = dotted.split(".")
+        config[group][field] = value
+    validate(config)
+    return config
+
+
+def _gradients(placement, state, batch):
+    """loss sums and gradients of train.batch_gradients (the step's work before the optimizer)."""
+    config, layout = placement.config, placement.layout
+    fn = functools.partial(
+        train.batch_gradients,
+        rng=jax.random.PRNGKey(5),
+        num_minibatches=config.train.num_minibatches,
+        accumulate=config.train.accumulate,
+        grad_shardings=None if layout is None else layout.state.params,
+    )
+    if layout is None:
+        return jax.jit(fn)(state, batch)
+    jitted = jax.jit(fn, in_shardings=(layout.state, layout.batch), out_shardings=(layout.state.params, None))
+    with layout.activate():
+        return jitted(state, batch)
+
+
+def _everything(config, devices=None, step: bool = True):
+    """(initial params, (grads, metrics), (params, metrics) after one train step or None) on the config's mesh."""
+    placement = sharding.placement(config, devices)
+    batch = train.make_batch(
+        jax.random.PRNGKey(1), config.data.batch_size, config.data.seq_len, config.model.vocab_size
+    )
+    batch = placement.place_batch(batch)
+    state = placement.init_state()
+    initial = jax.device_get(state.params)
+    grads = jax.device_get(_gradients(placement, state, batch))
+    stepped = None
+    if step:
+        stepped = jax.device_get(placement.step()(state, placement.init_metrics(), batch))
+        stepped = (stepped[0].params, stepped[1])
+    return initial, grads, stepped, placement
+
+
+@functools.cache
+def _one_device(changes: tuple, step: bool):
+    return _everything(_config((1, 1, 1), **dict(changes)), step=step)
+
+
+def _assert_close(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL)
+
+
+def _assert_same_function(mesh, step=False, **changes):
+    """The mesh on the first prod(mesh) of the 8 devices (a mesh must use every device it is given)."""
+    one = _one_device(tuple(sorted(changes.items())), step)
+    many = _everything(_config(mesh, **changes), jax.devices()[: int(np.prod(mesh))], step)
+    assert many[3].layout is not None and many[3].layout.devices == int(np.prod(mesh))
+    _assert_close(many[0], one[0])  # the sharded init draws the same numbers
+    _assert_close(many[1], one[1])  # loss sums, accuracy counts and every gradient
+    assert float(many[1][1]["tokens"]) == 16 * 32 and float(many[1][1]["loss_sum"]) > 0
+    if step:
+        _assert_close(many[2], one[2])  # the parameters after one optimizer step, and the running metrics
+
+
+def test_remat_scan_accumulation_and_dropout_on_a_2x2x2_mesh_equal_one_device():
+    """Data, FSDP and tensor parallel at once, with scanned layers, remat of MLP and Attn, 4 minibatches in
+    lax.scan, and dropout, whose masks are drawn identically in shards (JAX's partitionable threefry);
+    gradients, and the parameters after a whole train step."""
+    _assert_same_function(
+        (2, 2, 2),
+        step=True,
+        **{"model.scan_layers": True, "model.remat": ("MLP", "Attn"), "train.num_minibatches": 4,
+           "model.dropout_rate": 0.1},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (1, 8, 1), (2, 2, 2)])
+def test_mesh_equals_one_device(mesh):
+    """Each layout on its own (the default tiny model: unrolled layers, 2 minibatches in lax.scan)."""
+    _assert_same_function(mesh, step=True)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_on_two_devices_equals_one_device():
+    """1x1x2 on the first 2 of the 8 devices."""
+    _assert_same_function((1, 1, 2), step=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh,changes",
+    [
+        ((1, 2, 4), {"train.accumulate": "loop", "model.remat": ("Block",), "model.attention": "xla"}),
+        ((4, 2, 1), {"model.scan_layers": True, "model.remat": ("Block",), "model.remat_policy": "dots_saveable"}),
+        ((1, 1, 4), {"model.scan_layers": True, "train.num_minibatches": 1}),
+    ],
+)
+def test_more_variants_on_a_mesh_equal_one_device(mesh, changes):
+    _assert_same_function(mesh, **changes)
+
+
+def test_fsdp_init_builds_each_shard_where_it_lives():
+    """Under 1x8x1 the jitted init writes its outputs in shards: no device's buffers hold the whole state."""
+    config = _config((1, 8, 1), **{"model.scan_layers": True})
+    placement = sharding.placement(config)
+    compiled = jax.jit(placement.init_fn, out_shardings=placement.layout.state).lower().compile()
+    analysis = compiled.memory_analysis()
+    whole = sum(
+        leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(jax.eval_shape(placement.init_fn))
+    )
+    assert analysis.output_size_in_bytes < whole / 6  # about 1/8 (the replicated scalars aside)
+    assert analysis.output_size_in_bytes + analysis.temp_size_in_bytes < whole / 2
+    kernel = placement.init_state().params["transformer"]["blocks"]["mlp"]["up"]["kernel"]  # [L, H, 4H]
+    assert kernel.addressable_shards[0].data.shape == (2, 64 // 8, 256)
+
+
+def test_place_batch_splits_the_rows_over_data_and_fsdp():
+    config = _config((2, 2, 2))
+    placement = sharding.placement(config)
+    batch = placement.place_batch(train.make_batch(jax.random.PRNGKey(1), 16, 32, 128))
+    shards = {shard.device.id: shard.data.shape for shard in batch.inputs.addressable_shards}
+    assert set(shards.values()) == {(4, 32)} and len(shards) == 8  # 16 rows / (data x fsdp = 4), whole over tensor
+    assert sharding.process_rows(placement.layout.batch.inputs, 16) == slice(0, 16)  # one process feeds all rows
