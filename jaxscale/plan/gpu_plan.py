@@ -228,6 +228,7 @@ def plan_for_target(
     fits, reason = _fits(spec, plan["compiled_peak_bytes"], warning)
     hits = [plans[m].get("compile_cache_hit") for m in modes]
     by_mode = {mode: kernels.from_dicts(plans[mode]["kernels"]) for mode in modes}
+    plan_devices = devices if math.prod(mesh_shape(config)) > 1 else 1
     return {
         "params": plan["params"],
         "compile_s": plan["compile_s"],
@@ -241,11 +242,11 @@ def plan_for_target(
         "plan_target": spec.name,
         "plan_target_device_kind": plan["device_kind"],
         "plan_target_memory_bytes": spec.device_memory_size,
-        "plan_devices": devices if math.prod(mesh_shape(config)) > 1 else 1,
+        "plan_devices": plan_devices,
         "plan_topology": plan["plan_topology"],
         "plan_fits": fits,
         "plan_fits_reason": reason,
-        **predict.target_columns(config, spec, by_mode),
+        **predict.target_columns(config, spec, by_mode, plan_devices),
         "plan_wall_s": time.perf_counter() - start,
     }
 

@@ -210,19 +210,25 @@ def step_columns(
 
 
 def target_columns(
-    config: ml_collections.ConfigDict, target: targets.GpuTarget, by_mode: dict[str, list[kernels.Kernel]]
+    config: ml_collections.ConfigDict,
+    target: targets.GpuTarget,
+    by_mode: dict[str, list[kernels.Kernel]],
+    devices: int = 1,
 ) -> dict[str, object]:
     """Predicted columns of a GPU target's plan, from the kernels of each compiled GEMM mode.
 
     On the GPU, XLA's autotuner picks Triton or cuBLAS per GEMM; the faster of the two whole programs is
     reported (predicted_gemm names it), both are kept as predicted_<mode>_step_s. A target without a
-    datasheet peak gets null columns and predicted_error.
+    datasheet peak gets null columns and predicted_error. On `devices` GPUs (a mesh) the program is one
+    device's share of the step, run on every device at once: the step's tokens and model FLOPs are the
+    whole mesh's, so predicted MFU divides by the mesh's peak (devices x one GPU's), as the row's `mfu` does.
     """
     try:
         roof = gpu_roofline(target)
     except ValueError as error:
         return {"predicted_step_s": None, "predicted_error": str(error)}
     peak, _ = peaks.peak_flops(target.device_kind, config.model.dtype)
+    peak = None if peak is None else peak * devices
     per_mode = {mode: step_columns(config, found, roof, peak) for mode, found in by_mode.items()}
     best = min(per_mode, key=lambda m: per_mode[m]["predicted_step_s"])
     return {

@@ -76,6 +76,16 @@ def test_a_target_without_a_datasheet_peak_gets_no_prediction_and_says_why():
     assert columns["predicted_step_s"] is None and "Mystery GPU 9000" in columns["predicted_error"]
 
 
+def test_predicted_mfu_on_a_mesh_divides_by_every_gpus_peak():
+    # The same per-device program on 8 GPUs: the step's model FLOPs are the mesh's, so is the peak.
+    config = load_config("bf16", "tiny")
+    found = [_kernel(bytes_read=10**6, times=4, trips=(4,))]
+    one = predict.target_columns(config, A5000, {"cublas": found})
+    eight = predict.target_columns(config, A5000, {"cublas": found}, devices=8)
+    assert eight["predicted_step_s"] == one["predicted_step_s"]
+    assert eight["predicted_mfu"] == pytest.approx(one["predicted_mfu"] / 8)
+
+
 def test_variants_rank_by_predicted_tokens_per_s_and_plans_that_do_not_fit_drop_out():
     rows = [
         {"variant": "slow", "status": "ok", "plan_fits": True, "predicted_tokens_per_s": 1000.0},
