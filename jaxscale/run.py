@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import pathlib
 import platform
 import sys
@@ -19,12 +18,15 @@ import ml_collections  # noqa: E402
 from absl import flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jaxscale import train  # noqa: E402
+from jaxscale import data, train  # noqa: E402
 from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
 from jaxscale.config import flatten  # noqa: E402
 from jaxscale.measure import columns, flops, memory, profiling, timing  # noqa: E402
+from jaxscale.measure.scalars import ScalarWriter  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
 from jaxscale.plan import gpu_plan, targets  # noqa: E402
+from jaxscale.train import evaluate  # noqa: E402
+from jaxscale.train import loop as train_loop  # noqa: E402
 
 # Rough sustained FLOP/s per backend, used only to warn before a long run (never reported as a measurement).
 _ASSUMED_FLOPS_FOR_ESTIMATE = {"cpu": 5e10, "gpu": 5e13, "tpu": 5e13}
@@ -109,58 +111,87 @@ def compile_step(config: ml_collections.ConfigDict):
     return compiled, init_fn, abstract_state, time.perf_counter() - start
 
 
-def _read_metrics(metrics: train.Metrics) -> dict[str, float]:
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+def _evaluation(config: ml_collections.ConfigDict):
+    """params -> validation loss on the fixed held-out batches, or None when train.eval_every is 0."""
+    if not config.train.eval_every:
+        return None
+    batches, eval_step = data.validation_batches(config), evaluate.make_eval_step(config)
+    return lambda params: evaluate.evaluate(eval_step, params, batches)
 
 
-def _step_stats(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
-    """(mean loss, accuracy) of the steps between two snapshots of the running sums."""
-    tokens = after["tokens"] - before["tokens"]
-    return (after["loss_sum"] - before["loss_sum"]) / tokens, (after["correct"] - before["correct"]) / tokens
+def _steps(config, loop: train_loop.TrainLoop, run_dir: pathlib.Path, row: dict, bar: tqdm) -> None:
+    """Warm-up, timed and profiled steps from wherever the loop starts (0, or a checkpoint's step)."""
+    trained = config.train.warmup_steps + config.train.steps
+    while loop.steps_done < trained:
+        record = loop.step()
+        if record.step == 1:
+            row["loss_first"] = record.loss
+        bar.update()
+        bar.set_postfix(loss=f"{record.loss:.3f}")
+    remaining = trained + config.profile.steps - loop.steps_done
+    if config.profile.steps > 0 and remaining > 0:
+        first = loop.steps_done
+        row["trace_files"] = profiling.capture(run_dir, remaining, lambda: loop.step().loss, first_step=first)
+        row["trace_dir"] = str(run_dir)
+        bar.update(remaining)
+    if loop.evaluation is not None and (not loop.validation or loop.validation[-1][0] != loop.steps_done):
+        loop.evaluate()  # and at the end
+
+
+def _loop_columns(config, loop: train_loop.TrainLoop, row: dict) -> dict:
+    """Step times, input waits, losses and validation of the steps this process ran."""
+    warmup, trained = config.train.warmup_steps, config.train.warmup_steps + config.train.steps
+    timed = [r for r in loop.records if warmup < r.step <= trained]
+    last = [r for r in loop.records if r.step <= trained][-1:] or loop.records[-1:]
+    columns = {**timing.summarize([r.step_s for r in timed]), "step_s_all": [r.step_s for r in timed]}
+    columns.update(timing.input_wait_columns([r.input_wait_s for r in timed], [r.step_s for r in timed]))
+    columns["tokens_per_s"] = row["tokens_per_step"] / columns["step_s_median"] if timed else None
+    both = columns["step_with_input_wait_s_median"]
+    columns["tokens_per_s_with_input_wait"] = row["tokens_per_step"] / both if timed else None
+    columns["loss"], columns["accuracy"] = (last[0].loss, last[0].accuracy) if last else (None, None)
+    columns["loss_all"] = [r.loss for r in loop.records]
+    columns["validation_steps"] = [step for step, _ in loop.validation]
+    columns["validation_loss_all"] = [result["loss"] for _, result in loop.validation]
+    final = loop.validation[-1][1] if loop.validation else {}
+    columns["validation_loss"], columns["validation_accuracy"] = final.get("loss"), final.get("accuracy")
+    columns["validation_tokens"] = final.get("tokens")
+    return columns
 
 
 def execute(config, compiled, init_fn, run_dir: pathlib.Path, row: dict, progress: bool) -> None:
-    """Warm-up, timed and profiled steps; fills `row` in place. Raises RunError on a non-finite loss."""
+    """Warm-up, timed and profiled steps, resumed from the last checkpoint if there is one; fills `row` in place.
+
+    Raises RunError on a non-finite loss.
+    """
     state = jax.jit(init_fn)()
-    metrics = train.init_metrics()
-    batch = train.make_batch(
-        jax.random.PRNGKey(config.data.seed), config.data.batch_size, config.data.seq_len, config.model.vocab_size
-    )
+    checkpoints, first, data_state = None, 0, None
+    if config.train.checkpoint_every:
+        from jaxscale.train.checkpoint import Checkpoints  # orbax is imported only by runs that checkpoint
+
+        checkpoints = Checkpoints(run_dir / "checkpoints", config)
+        if checkpoints.latest_step() is not None:
+            first, state, data_state = checkpoints.restore(state)
+    row["resumed_from_step"] = first or None
+    row.update(data.data_columns(config))
+    source = data.make_source(config, state=data_state)
+    scalars = ScalarWriter(run_dir)
+    loop = train_loop.TrainLoop(compiled, state, source, scalars, _evaluation(config), config.train.eval_every,
+                                checkpoints, first_step=first)  # fmt: skip
     total = config.train.warmup_steps + config.train.steps + config.profile.steps
-    bar = tqdm(total=total, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
-    seconds, previous = [], _read_metrics(metrics)
-    for i in range(config.train.warmup_steps + config.train.steps):
-        (state, metrics), elapsed = timing.time_call(compiled, state, metrics, batch)
-        current = _read_metrics(metrics)  # after the timer: a few bytes, the step already finished
-        loss, accuracy = _step_stats(previous, current)
-        if i == 0:
-            row["loss_first"] = loss
-        if not math.isfinite(loss):
-            raise RunError("nan", f"loss became {loss} at step {i}; lower optimizer.learning_rate or use float32")
-        if i >= config.train.warmup_steps:
-            seconds.append(elapsed)
-        previous = current
-        bar.update()
-        bar.set_postfix(loss=f"{loss:.3f}")
-    row.update(timing.summarize(seconds))
-    row["step_s_all"] = seconds
-    row["tokens_per_s"] = row["tokens_per_step"] / row["step_s_median"]
-    row["loss"], row["accuracy"] = loss, accuracy
-    if config.profile.steps > 0:
-        holder = {"state": state, "metrics": metrics}
-
-        def step():
-            holder["state"], holder["metrics"] = compiled(holder["state"], holder["metrics"], batch)
-            return holder["metrics"]
-
-        files = profiling.capture(run_dir, config.profile.steps, step, first_step=i + 1)
-        bar.update(config.profile.steps)
-        row["trace_dir"] = str(run_dir)
-        row["trace_files"] = files
-        final = _read_metrics(holder["metrics"])
-        if not math.isfinite(final["loss_sum"]):
-            raise RunError("nan", "loss became non-finite during the profiled steps")
-    bar.close()
+    bar = tqdm(total=total, initial=first, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
+    try:
+        _steps(config, loop, run_dir, row, bar)
+    except FloatingPointError as error:
+        raise RunError("nan", str(error)) from None
+    finally:
+        bar.close()
+        source.close()
+        scalars.close()
+        if checkpoints is not None:
+            checkpoints.close()
+            row["checkpoint_dir"], row["checkpoint_steps"] = str(checkpoints.directory), checkpoints.saved_steps
+            row["checkpoint_save_s_total"] = checkpoints.save_s
+        row.update(_loop_columns(config, loop, row))
 
 
 def classify_failure(text: str) -> str:
@@ -237,6 +268,27 @@ def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.3f} GiB"
 
 
+def _data_lines(row: dict) -> list[str]:
+    """Summary lines for the input wait, validation loss and checkpoints, where the row has them."""
+    lines = []
+    if row.get("input_wait_s_median") is not None and row.get("config.data.source") == "text":
+        lines.append(
+            f"  input wait {row['input_wait_s_median']:.4f} s median, {row['input_wait_s_total']:.3f} s total "
+            f"({row['input_wait_fraction']:.0%} of step + wait; workers {row['config.data.workers']}, prefetch "
+            f"{row['config.data.prefetch']})   {row['tokens_per_s_with_input_wait']:,.0f} tokens/s with the wait"
+        )
+    if row.get("validation_loss") is not None:
+        lines.append(
+            f"  validation loss {row['validation_loss']:.4f} after step {row['validation_steps'][-1]} "
+            f"(unigram entropy of the validation tokens {row['data_validation_unigram_entropy_nats']:.4f})"
+        )
+    if row.get("checkpoint_steps"):
+        lines.append(f"  checkpoints at steps {row['checkpoint_steps']} in {row['checkpoint_dir']}")
+    if row.get("resumed_from_step"):
+        lines.append(f"  resumed from the checkpoint after step {row['resumed_from_step']}")
+    return lines
+
+
 def summary(row: dict) -> str:
     """A short human-readable account of a result row."""
     lines = [f"run {row['name']}: {row['status']}" + (f" ({row['error']})" if row["error"] else "")]
@@ -257,6 +309,7 @@ def summary(row: dict) -> str:
             f"{len(row['step_s_all'])} steps   {row['tokens_per_s']:,.0f} tokens/s"
         )
         lines.append(f"  loss {row['loss']:.4f} (first step {row['loss_first']:.4f})   accuracy {row['accuracy']:.4f}")
+    lines += _data_lines(row)
     lines += columns.summary_lines(row)
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
     lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}")
@@ -312,7 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm)
         name, run_dir = _resolve_run_dir(fv, config)
         budget = None if fv.device_memory is None else parse_bytes(fv.device_memory, "--device_memory")
-    except UsageError as error:
+        if config.data.source == "text" and not fv.plan:
+            data.check(config)  # token files against the config, before anything is written
+    except (UsageError, data.DataError) as error:
         return fail(str(error))
     if config.preset_source != "given":
         print(

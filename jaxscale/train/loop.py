@@ -1,0 +1,96 @@
+"""The training loop's step: a batch from the data source, the compiled step, per-step records, validation
+every N steps and checkpoints, with the losses written as TensorBoard scalars.
+
+The data source is anything with `next_batch() -> (batch on device, seconds waited)` and `state() -> dict`
+(jaxscale.data.source.DataSource); jaxscale.run drives the loop through its warm-up, timed and profiled phases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxscale.measure import timing
+from jaxscale.measure.scalars import ScalarWriter
+from jaxscale.train.step import init_metrics
+
+if TYPE_CHECKING:  # orbax is imported only by runs that checkpoint
+    from jaxscale.train.checkpoint import Checkpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One step: its number (steps done after it), mean loss and accuracy, and host seconds."""
+
+    step: int
+    loss: float
+    accuracy: float
+    step_s: float  # the compiled step, dispatch to block_until_ready
+    input_wait_s: float  # waiting for the batch before the step
+
+
+def _read(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+class TrainLoop:
+    """Runs steps one at a time and keeps what a result row needs from them."""
+
+    def __init__(
+        self,
+        compiled: Callable,
+        state: Any,
+        source: Any,
+        scalars: ScalarWriter,
+        evaluation: Callable[[Any], dict[str, float]] | None = None,
+        eval_every: int = 0,
+        checkpoints: Checkpoints | None = None,
+        first_step: int = 0,
+    ):
+        self.compiled, self.state, self.source, self.scalars = compiled, state, source, scalars
+        self.evaluation, self.eval_every, self.checkpoints = evaluation, eval_every, checkpoints
+        self.metrics = init_metrics()
+        self.steps_done = first_step
+        self.records: list[StepRecord] = []
+        self.validation: list[tuple[int, dict[str, float]]] = []  # (steps done, evaluate()'s result)
+        self._previous = _read(self.metrics)
+
+    def step(self) -> StepRecord:
+        """One optimizer step; then validation and a checkpoint when due.
+
+        Raises:
+          FloatingPointError: the step's loss is not finite (nothing is evaluated or saved after it).
+        """
+        batch, waited = self.source.next_batch()
+        (self.state, self.metrics), elapsed = timing.time_call(self.compiled, self.state, self.metrics, batch)
+        current = _read(self.metrics)  # after the timer: a few bytes, the step already finished
+        tokens = current["tokens"] - self._previous["tokens"]
+        loss = (current["loss_sum"] - self._previous["loss_sum"]) / tokens
+        accuracy = (current["correct"] - self._previous["correct"]) / tokens
+        self._previous = current
+        record = StepRecord(self.steps_done + 1, loss, accuracy, elapsed, waited)
+        self.records.append(record)
+        self.scalars.add("loss/train", loss, record.step)
+        self.scalars.add("input/wait_s", waited, record.step)
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"loss became {loss} at step {self.steps_done}; lower optimizer.learning_rate or use float32"
+            )
+        self.steps_done = record.step
+        if self.evaluation is not None and self.eval_every and self.steps_done % self.eval_every == 0:
+            self.evaluate()
+        if self.checkpoints is not None and self.checkpoints.due(self.steps_done):
+            self.checkpoints.save(self.steps_done, self.state, self.source.state())
+        return record
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation now (after `steps_done` steps), recorded and written as `loss/validation`."""
+        result = self.evaluation(self.state.params)
+        self.validation.append((self.steps_done, result))
+        self.scalars.add("loss/validation", result["loss"], self.steps_done)
+        self.scalars.flush()
+        return result
