@@ -5,6 +5,7 @@ compile (ahead of time, timed) -> warm-up -> timed steps -> profiled steps -> re
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import pathlib
@@ -21,7 +22,7 @@ from tqdm import tqdm  # noqa: E402
 from jaxscale import data, train  # noqa: E402
 from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
 from jaxscale.config import flatten  # noqa: E402
-from jaxscale.measure import columns, flops, memory, profiling, timing  # noqa: E402
+from jaxscale.measure import columns, flops, memory, profiling  # noqa: E402
 from jaxscale.measure.scalars import ScalarWriter  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
 from jaxscale.plan import gpu_plan, targets  # noqa: E402
@@ -138,60 +139,43 @@ def _steps(config, loop: train_loop.TrainLoop, run_dir: pathlib.Path, row: dict,
         loop.evaluate()  # and at the end
 
 
-def _loop_columns(config, loop: train_loop.TrainLoop, row: dict) -> dict:
-    """Step times, input waits, losses and validation of the steps this process ran."""
-    warmup, trained = config.train.warmup_steps, config.train.warmup_steps + config.train.steps
-    timed = [r for r in loop.records if warmup < r.step <= trained]
-    last = [r for r in loop.records if r.step <= trained][-1:] or loop.records[-1:]
-    columns = {**timing.summarize([r.step_s for r in timed]), "step_s_all": [r.step_s for r in timed]}
-    columns.update(timing.input_wait_columns([r.input_wait_s for r in timed], [r.step_s for r in timed]))
-    columns["tokens_per_s"] = row["tokens_per_step"] / columns["step_s_median"] if timed else None
-    both = columns["step_with_input_wait_s_median"]
-    columns["tokens_per_s_with_input_wait"] = row["tokens_per_step"] / both if timed else None
-    columns["loss"], columns["accuracy"] = (last[0].loss, last[0].accuracy) if last else (None, None)
-    columns["loss_all"] = [r.loss for r in loop.records]
-    columns["validation_steps"] = [step for step, _ in loop.validation]
-    columns["validation_loss_all"] = [result["loss"] for _, result in loop.validation]
-    final = loop.validation[-1][1] if loop.validation else {}
-    columns["validation_loss"], columns["validation_accuracy"] = final.get("loss"), final.get("accuracy")
-    columns["validation_tokens"] = final.get("tokens")
-    return columns
-
-
 def execute(config, compiled, init_fn, run_dir: pathlib.Path, row: dict, progress: bool) -> None:
     """Warm-up, timed and profiled steps, resumed from the last checkpoint if there is one; fills `row` in place.
 
     Raises RunError on a non-finite loss.
     """
-    state = jax.jit(init_fn)()
-    checkpoints, first, data_state = None, 0, None
-    if config.train.checkpoint_every:
-        from jaxscale.train.checkpoint import Checkpoints  # orbax is imported only by runs that checkpoint
+    state, evaluation = jax.jit(init_fn)(), _evaluation(config)
+    first, data_state, checkpoints = 0, None, None
+    with contextlib.ExitStack() as cleanup:  # closed in reverse, also on errors and Ctrl-C
+        if config.train.checkpoint_every:
+            from jaxscale.train.checkpoint import Checkpoints  # orbax is imported only by runs that checkpoint
 
-        checkpoints = Checkpoints(run_dir / "checkpoints", config)
-        if checkpoints.latest_step() is not None:
-            first, state, data_state = checkpoints.restore(state)
-    row["resumed_from_step"] = first or None
-    row.update(data.data_columns(config))
-    source = data.make_source(config, state=data_state)
-    scalars = ScalarWriter(run_dir)
-    loop = train_loop.TrainLoop(compiled, state, source, scalars, _evaluation(config), config.train.eval_every,
-                                checkpoints, first_step=first)  # fmt: skip
-    total = config.train.warmup_steps + config.train.steps + config.profile.steps
-    bar = tqdm(total=total, initial=first, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
-    try:
-        _steps(config, loop, run_dir, row, bar)
-    except FloatingPointError as error:
-        raise RunError("nan", str(error)) from None
-    finally:
-        bar.close()
-        source.close()
-        scalars.close()
-        if checkpoints is not None:
-            checkpoints.close()
-            row["checkpoint_dir"], row["checkpoint_steps"] = str(checkpoints.directory), checkpoints.saved_steps
-            row["checkpoint_save_s_total"] = checkpoints.save_s
-        row.update(_loop_columns(config, loop, row))
+            checkpoints = Checkpoints(run_dir / "checkpoints", config)
+            cleanup.callback(_close_checkpoints, checkpoints, row)
+            if checkpoints.latest_step() is not None:
+                first, state, data_state = checkpoints.restore(state)
+        row["resumed_from_step"] = first or None
+        row.update(data.data_columns(config))
+        source = data.make_source(config, state=data_state)
+        cleanup.callback(source.close)
+        scalars = ScalarWriter(run_dir)
+        cleanup.callback(scalars.close)
+        loop = train_loop.TrainLoop(compiled, state, source, scalars, evaluation, config.train.eval_every,
+                                    checkpoints, first_step=first)  # fmt: skip
+        cleanup.callback(lambda: row.update(loop.columns(config, row["tokens_per_step"])))
+        total = config.train.warmup_steps + config.train.steps + config.profile.steps
+        bar = tqdm(total=total, initial=first, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
+        cleanup.callback(bar.close)
+        try:
+            _steps(config, loop, run_dir, row, bar)
+        except FloatingPointError as error:
+            raise RunError("nan", str(error)) from None
+
+
+def _close_checkpoints(checkpoints, row: dict) -> None:
+    checkpoints.close()
+    row["checkpoint_dir"], row["checkpoint_steps"] = str(checkpoints.directory), checkpoints.saved_steps
+    row["checkpoint_save_s_total"] = checkpoints.save_s
 
 
 def classify_failure(text: str) -> str:
@@ -268,27 +252,6 @@ def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.3f} GiB"
 
 
-def _data_lines(row: dict) -> list[str]:
-    """Summary lines for the input wait, validation loss and checkpoints, where the row has them."""
-    lines = []
-    if row.get("input_wait_s_median") is not None and row.get("config.data.source") == "text":
-        lines.append(
-            f"  input wait {row['input_wait_s_median']:.4f} s median, {row['input_wait_s_total']:.3f} s total "
-            f"({row['input_wait_fraction']:.0%} of step + wait; workers {row['config.data.workers']}, prefetch "
-            f"{row['config.data.prefetch']})   {row['tokens_per_s_with_input_wait']:,.0f} tokens/s with the wait"
-        )
-    if row.get("validation_loss") is not None:
-        lines.append(
-            f"  validation loss {row['validation_loss']:.4f} after step {row['validation_steps'][-1]} "
-            f"(unigram entropy of the validation tokens {row['data_validation_unigram_entropy_nats']:.4f})"
-        )
-    if row.get("checkpoint_steps"):
-        lines.append(f"  checkpoints at steps {row['checkpoint_steps']} in {row['checkpoint_dir']}")
-    if row.get("resumed_from_step"):
-        lines.append(f"  resumed from the checkpoint after step {row['resumed_from_step']}")
-    return lines
-
-
 def summary(row: dict) -> str:
     """A short human-readable account of a result row."""
     lines = [f"run {row['name']}: {row['status']}" + (f" ({row['error']})" if row["error"] else "")]
@@ -309,7 +272,7 @@ def summary(row: dict) -> str:
             f"{len(row['step_s_all'])} steps   {row['tokens_per_s']:,.0f} tokens/s"
         )
         lines.append(f"  loss {row['loss']:.4f} (first step {row['loss_first']:.4f})   accuracy {row['accuracy']:.4f}")
-    lines += _data_lines(row)
+    lines += train_loop.summary_lines(row)
     lines += columns.summary_lines(row)
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
     lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}")

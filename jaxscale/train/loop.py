@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import ml_collections
 
 from jaxscale.measure import timing
 from jaxscale.measure.scalars import ScalarWriter
@@ -94,3 +95,43 @@ class TrainLoop:
         self.scalars.add("loss/validation", result["loss"], self.steps_done)
         self.scalars.flush()
         return result
+
+    def columns(self, config: ml_collections.ConfigDict, tokens_per_step: int) -> dict:
+        """Row columns of the steps run: times and input waits of the timed ones, losses, validation."""
+        warmup, trained = config.train.warmup_steps, config.train.warmup_steps + config.train.steps
+        timed = [r for r in self.records if warmup < r.step <= trained]
+        last = [r for r in self.records if r.step <= trained][-1:] or self.records[-1:]
+        columns = {**timing.summarize([r.step_s for r in timed]), "step_s_all": [r.step_s for r in timed]}
+        columns.update(timing.input_wait_columns([r.input_wait_s for r in timed], [r.step_s for r in timed]))
+        columns["tokens_per_s"] = tokens_per_step / columns["step_s_median"] if timed else None
+        both = columns["step_with_input_wait_s_median"]
+        columns["tokens_per_s_with_input_wait"] = tokens_per_step / both if timed else None
+        columns["loss"], columns["accuracy"] = (last[0].loss, last[0].accuracy) if last else (None, None)
+        columns["loss_all"] = [r.loss for r in self.records]
+        columns["validation_steps"] = [step for step, _ in self.validation]
+        columns["validation_loss_all"] = [result["loss"] for _, result in self.validation]
+        final = self.validation[-1][1] if self.validation else {}
+        columns["validation_loss"], columns["validation_accuracy"] = final.get("loss"), final.get("accuracy")
+        columns["validation_tokens"] = final.get("tokens")
+        return columns
+
+
+def summary_lines(row: dict) -> list[str]:
+    """Summary lines for the input wait, validation loss and checkpoints, where the row has them."""
+    lines = []
+    if row.get("input_wait_s_median") is not None and row.get("config.data.source") == "text":
+        lines.append(
+            f"  input wait {row['input_wait_s_median']:.4f} s median, {row['input_wait_s_total']:.3f} s total "
+            f"({row['input_wait_fraction']:.0%} of step + wait; workers {row['config.data.workers']}, prefetch "
+            f"{row['config.data.prefetch']})   {row['tokens_per_s_with_input_wait']:,.0f} tokens/s with the wait"
+        )
+    if row.get("validation_loss") is not None:
+        lines.append(
+            f"  validation loss {row['validation_loss']:.4f} after step {row['validation_steps'][-1]} "
+            f"(unigram entropy of the validation tokens {row['data_validation_unigram_entropy_nats']:.4f})"
+        )
+    if row.get("checkpoint_steps"):
+        lines.append(f"  checkpoints at steps {row['checkpoint_steps']} in {row['checkpoint_dir']}")
+    if row.get("resumed_from_step"):
+        lines.append(f"  resumed from the checkpoint after step {row['resumed_from_step']}")
+    return lines
