@@ -112,6 +112,16 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
         assert sorted(tmp_path.iterdir()) == before
 
 
+def test_pydoc_text_command_writes_pythons_own_documentation(tmp_path, capsys):
+    from jaxscale.data import corpus
+
+    assert main(["pydoc-text", "--out", str(tmp_path / "sub" / "pydoc.txt")]) == 0
+    text = (tmp_path / "sub" / "pydoc.txt").read_text(encoding="utf-8")
+    assert text == corpus.pydoc_topics_text() and len(text) > 100_000
+    assert "The \"if\" statement" in text and "wrote" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["pydoc.txt"]  # no partial file left
+
+
 def test_command_line_help_and_a_real_process(pydoc_text, tmp_path):
     helped = run_cli("jaxscale.data", "prepare", "--help")
     assert helped.returncode == 0 and "--tokenizer {bytes,bpe}" in helped.stdout and "--vocab" in helped.stdout

@@ -56,6 +56,17 @@ def test_place_batch_puts_the_batch_on_the_device_or_its_sharding():
     assert place_batch(host, sharding).labels.sharding == sharding
 
 
+def test_place_batch_assembles_the_global_batch_from_each_process_share(monkeypatch):
+    # One process here: its share is the whole batch; the multi-process path must still give the same array.
+    host = windows_to_batch(np.arange(20, dtype=np.uint16).reshape(4, 5))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    placed = place_batch(host, sharding)
+    assert placed.inputs.sharding == sharding
+    np.testing.assert_array_equal(placed.inputs, host.inputs)
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_text_batches_do_not_depend_on_prefetch_and_resume_from_a_saved_position(tmp_path, prefetch):
     config = _counting_config(tmp_path, prefetch=prefetch)
