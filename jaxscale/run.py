@@ -123,6 +123,7 @@ def _evaluation(config: ml_collections.ConfigDict):
 def _steps(config, loop: train_loop.TrainLoop, run_dir: pathlib.Path, row: dict, bar: tqdm) -> None:
     """Warm-up, timed and profiled steps from wherever the loop starts (0, or a checkpoint's step)."""
     trained = config.train.warmup_steps + config.train.steps
+    row.setdefault("loss_first", None)  # stays None when resumed after step 1
     while loop.steps_done < trained:
         record = loop.step()
         if record.step == 1:
@@ -271,7 +272,8 @@ def summary(row: dict) -> str:
             f"  step {row['step_s_median']:.4f} s median, {row['step_s_p90']:.4f} s p90 over "
             f"{len(row['step_s_all'])} steps   {row['tokens_per_s']:,.0f} tokens/s"
         )
-        lines.append(f"  loss {row['loss']:.4f} (first step {row['loss_first']:.4f})   accuracy {row['accuracy']:.4f}")
+        first = "n/a: resumed" if row.get("loss_first") is None else f"{row['loss_first']:.4f}"
+        lines.append(f"  loss {row['loss']:.4f} (first step {first})   accuracy {row['accuracy']:.4f}")
     lines += train_loop.summary_lines(row)
     lines += columns.summary_lines(row)
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]

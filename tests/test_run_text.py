@@ -17,7 +17,7 @@ from jax.profiler import ProfileData
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxscale import run
-from jaxscale.data import TextSource, prepare_tokens, read, tokenizer
+from jaxscale.data import TextSource, prepare_tokens, read
 
 
 def unigram_entropy(directory: pathlib.Path, split: str = "validation") -> float:
@@ -93,6 +93,7 @@ def test_a_stopped_run_resumes_from_its_last_checkpoint_on_the_same_loss_curve(p
     monkeypatch.setattr(TextSource, "next_batch", original)
     resumed = _execute(config, compiled, init_fn, tmp_path / "stopped")
     assert resumed["resumed_from_step"] == 6 and resumed["checkpoint_steps"] == [9]
+    assert resumed["loss_first"] is None and full["loss_first"] == full["loss_all"][0]
     np.testing.assert_allclose(resumed["loss_all"], full["loss_all"][6:], rtol=1e-6, atol=0)
     assert resumed["validation_steps"] == [9]
     np.testing.assert_allclose(resumed["validation_loss"], full["validation_loss"], rtol=1e-6)
@@ -136,15 +137,16 @@ def test_bad_data_is_one_line_with_exit_2_and_nothing_written(tmp_path, pydoc_by
 
 
 @pytest.mark.slow
-def test_the_cpu_preset_learns_english_below_its_unigram_entropy(pydoc_text, tmp_path):
-    """The :cpu preset (4 layers, hidden 256, 16 x 256 tokens) on the pydoc text with a BPE of its own vocabulary
-    (2048) for 300 steps: minutes on 2 cores."""
-    prepared = prepare_tokens([pydoc_text], tmp_path / "bpe", kind="bpe", vocab_size=2048, progress=False)
-    config = text_config("bf16_remat", "cpu", prepared.directory, steps=300, warmup_steps=0, eval_every=100)
+def test_the_cpu_preset_learns_english_below_its_unigram_entropy(pydoc_bytes, tmp_path):
+    """The :cpu model and batch (bf16_remat: 4 layers, hidden 256, 16 x 256 tokens) on the pydoc bytes for 300
+    steps: 5 minutes on 2 quiet cores, 20 on busy ones. The reference schedule decays the learning rate by 1%
+    per step (to 5% of the peak by step 300: made for 10 timed steps, not for learning), so here it decays by
+    1% per 100 steps; the bytes tokenizer makes model.vocab_size 256."""
+    config = text_config("bf16_remat", "cpu", pydoc_bytes, steps=300, warmup_steps=0, eval_every=100)
+    config.optimizer.transition_steps = 100
     config.profile.steps = 0
-    assert config.model.vocab_size == 2048 and tokenizer.MIN_BPE_VOCAB < 2048
     row = run.run(config, tmp_path / "cpu_text", "cpu_text", progress=False)
     assert row["status"] == "ok", row["error"]
-    entropy = unigram_entropy(prepared.directory)
+    entropy = unigram_entropy(pydoc_bytes)
     print(json.dumps({k: row[k] for k in ("validation_steps", "validation_loss_all", "step_s_median")}), entropy)
-    assert row["validation_loss"] < entropy - 1.0, (row["validation_loss_all"], entropy)
+    assert row["validation_loss"] < entropy - 0.5, (row["validation_loss_all"], entropy)

@@ -14,6 +14,10 @@ Worker processes (spawned) unpickle these classes, so they stay small and hold o
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import sys
 import time
 
 import grain
@@ -21,6 +25,8 @@ import numpy as np
 from absl import flags
 
 from jaxscale.data.manifest import Split
+
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 
 
 class WindowSource:
@@ -64,13 +70,42 @@ class HostDelay(grain.transforms.Map):
         return element
 
 
-def batches(split: Split, batch_size: int, seq_len: int, seed: int, host_delay_s: float = 0.0) -> grain.MapDataset:
-    """Batch j (of the infinite, deterministic sequence): [batch_size, seq_len + 1] token ids of the split's dtype."""
+def batches(
+    split: Split,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    host_delay_s: float = 0.0,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.MapDataset:
+    """This process's share of batch j of the infinite, deterministic sequence.
+
+    Returns:
+      A MapDataset whose element j is [batch_size // process_count, seq_len + 1] token ids (the split's dtype):
+      with several processes, each takes every process_count-th share, so the shares of one step differ.
+    """
     dataset = grain.MapDataset.source(WindowSource(split, seq_len + 1)).shuffle(seed=seed).repeat()
-    dataset = dataset.batch(batch_size, drop_remainder=True)
+    dataset = dataset.batch(batch_size // process_count, drop_remainder=True)
+    if process_count > 1:
+        dataset = dataset[process_index::process_count]
     if host_delay_s > 0:
         dataset = dataset.map(HostDelay(host_delay_s))
     return dataset
+
+
+def exit_with_parent(worker_index: int, worker_count: int) -> None:
+    """Worker start (grain's worker_init_fn): on Linux, SIGKILL this worker when its parent dies, even by kill -9.
+
+    Without it a killed run leaves its workers orphaned, blocked on a full buffer. The signal follows the
+    thread that started the worker (grain starts them on the first `next`): TextSource's prefetch thread, which
+    ends only when the source is closed, or the main thread.
+    """
+    del worker_index, worker_count
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before the prctl
+            os._exit(1)
 
 
 def iterate(dataset: grain.MapDataset, workers: int, buffer_per_worker: int) -> grain.DatasetIterator:
@@ -85,5 +120,5 @@ def iterate(dataset: grain.MapDataset, workers: int, buffer_per_worker: int) -> 
         if not flags.FLAGS.is_parsed():  # grain reads its absl flags; our entry points parse their own FlagValues
             flags.FLAGS.mark_as_parsed()
         options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, buffer_per_worker))
-        iterable = iterable.mp_prefetch(options)
+        iterable = iterable.mp_prefetch(options, worker_init_fn=exit_with_parent)
     return iter(iterable)

@@ -94,7 +94,10 @@ class TextSource:
         d = config.data
         split = check(config).split("train")
         self._sharding = sharding
-        dataset = loader.batches(split, d.batch_size, d.seq_len, d.seed, d.host_delay_s)
+        if d.batch_size % jax.process_count():
+            raise DataError(f"data.batch_size: {d.batch_size} is not divisible by the {jax.process_count()} processes")
+        dataset = loader.batches(split, d.batch_size, d.seq_len, d.seed, d.host_delay_s,
+                                 jax.process_index(), jax.process_count())  # fmt: skip
         self._iterator = loader.iterate(dataset, d.workers, d.prefetch)
         if state:
             self._iterator.set_state(state["grain"])
@@ -124,6 +127,13 @@ class TextSource:
                 self._put(self._produce())
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
             self._put(_Failed(error))
+        finally:  # the thread that uses the iterator closes it (worker processes end with their starter thread)
+            self._close_iterator()
+
+    def _close_iterator(self) -> None:
+        if self._iterator is not None and hasattr(self._iterator, "close"):
+            self._iterator.close()
+        self._iterator = None  # freed now, not at interpreter exit (where grain's __del__ fails noisily)
 
     def next_batch(self) -> tuple[Batch, float]:
         start = time.perf_counter()
@@ -141,8 +151,8 @@ class TextSource:
         self._stop.set()
         if self._queue is not None:
             self._thread.join(timeout=60)
-        if hasattr(self._iterator, "close"):
-            self._iterator.close()
+        else:
+            self._close_iterator()
 
 
 def check(config: ml_collections.ConfigDict) -> manifest.Manifest:

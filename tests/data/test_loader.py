@@ -58,3 +58,13 @@ def test_a_window_longer_than_the_split_is_refused(tmp_path):
     split = read(write_counting_tokens(tmp_path / "d", train=10)).split("train")
     with pytest.raises(ValueError, match="does not fit"):
         loader.WindowSource(split, 11)
+
+
+def test_each_process_reads_its_own_share_of_every_batch(tmp_path):
+    split = read(write_counting_tokens(tmp_path / "d", train=1000)).split("train")
+    single = _take(loader.iterate(loader.batches(split, 4, 16, seed=3), 0, 0), 2)
+    shares = [_take(loader.iterate(loader.batches(split, 4, 16, seed=3, process_index=p, process_count=2), 0, 0), 2)
+              for p in (0, 1)]  # fmt: skip
+    assert all(share.shape == (2, 17) for per_process in shares for share in per_process)
+    for step in range(2):  # the processes' shares of a step are, together, the single process's batch
+        np.testing.assert_array_equal(np.concatenate([shares[0][step], shares[1][step]]), single[step])

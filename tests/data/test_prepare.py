@@ -118,7 +118,7 @@ def test_pydoc_text_command_writes_pythons_own_documentation(tmp_path, capsys):
     assert main(["pydoc-text", "--out", str(tmp_path / "sub" / "pydoc.txt")]) == 0
     text = (tmp_path / "sub" / "pydoc.txt").read_text(encoding="utf-8")
     assert text == corpus.pydoc_topics_text() and len(text) > 100_000
-    assert "The \"if\" statement" in text and "wrote" in capsys.readouterr().out
+    assert 'The "if" statement' in text and "wrote" in capsys.readouterr().out
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["pydoc.txt"]  # no partial file left
 
 
