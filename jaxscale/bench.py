@@ -14,6 +14,7 @@ import os
 import pathlib
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -125,7 +126,8 @@ def runner_overhead(config: ml_collections.ConfigDict, compiled, placement, roun
     for _ in range(rounds):
         bare_round = bare_step_seconds(config, compiled, placement, steps)
         row: dict = {"name": "overhead", "tokens_per_step": config.data.batch_size * config.data.seq_len}
-        run.execute(quiet, compiled, placement, pathlib.Path("."), row, progress=False)
+        with tempfile.TemporaryDirectory() as scratch:  # the runner writes its scalars into the run directory
+            run.execute(quiet, compiled, placement, pathlib.Path(scratch), row, progress=False)
         bare += bare_round
         runner += row["step_s_all"]
         ratios.append(np.median(row["step_s_all"]) / np.median(bare_round))

@@ -46,6 +46,7 @@ REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_
 ATTENTION_IMPLS = ("reference", "xla", "cudnn")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd")
+DATA_SOURCES = ("synthetic", "text")
 
 
 class ConfigError(ValueError):
@@ -96,7 +97,12 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.batch_size = 64  # sequences per optimizer step (split into train.num_minibatches)
     c.data.seq_len = 512  # tokens per sequence, at most model.max_seq_len
-    c.data.seed = 0  # seed of the random-token batch (the reference trains on random tokens)
+    c.data.seed = 0  # seed of the random-token batch (synthetic) or of the window order (text)
+    c.data.source = "synthetic"  # synthetic: one random batch kept on device (the reference); text: token files
+    c.data.path = ""  # data.source=text: a directory written by `python -m jaxscale.data prepare` (docs/data.md)
+    c.data.workers = 0  # text: grain worker processes preparing batches (0: prepared in this process)
+    c.data.prefetch = 2  # text: batches prepared and placed on device ahead of the step (0: when it asks)
+    c.data.host_delay_s = 0.0  # text: seconds of sleep per batch on the host, a slow pipeline on purpose
 
     c.train = ml_collections.ConfigDict()
     c.train.num_minibatches = 4  # gradient accumulation: minibatches per step (1 = none)
@@ -104,6 +110,10 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.train.steps = 10  # timed steps (median and p90 are taken over these)
     c.train.warmup_steps = 2  # untimed steps run before timing, after the ahead-of-time compile
     c.train.seed = 42  # seed of parameter init and dropout
+    c.train.eval_every = 0  # validation loss on the held-out split every N steps and at the end (0: never; text)
+    c.train.eval_batches = 4  # batches of data.batch_size sequences per validation (fixed windows)
+    c.train.checkpoint_every = 0  # orbax checkpoint every N steps under <run dir>/checkpoints; resumes (0: none)
+    c.train.checkpoint_keep = 2  # checkpoints kept on disk (the newest)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "adam"  # one of OPTIMIZERS
@@ -194,6 +204,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     _check(0.0 <= m.dropout_rate < 1.0, "model.dropout_rate", f"must be in [0, 1), got {m.dropout_rate}")
     _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")
+    _validate_data_and_eval(d, t)
     _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _check(config.profile.steps >= 0, "profile.steps", f"must be >= 0, got {config.profile.steps}")
     _validate_mesh(config)
@@ -308,6 +319,29 @@ def check_mesh_devices(
     raise ConfigError(
         f"mesh: data x fsdp x tensor = {mesh_text(config)} = {product} devices, but {where} has {devices}; {fix}{hint}"
     )
+
+
+def _non_negative_int(value: object, field: str) -> None:
+    _check(isinstance(value, int) and value >= 0, field, f"must be an integer >= 0, got {value!r}")
+
+
+def _validate_data_and_eval(d: ml_collections.ConfigDict, t: ml_collections.ConfigDict) -> None:
+    """The data source, its pipeline knobs, validation and checkpoint fields (the files are checked later)."""
+    _one_of(d.source, DATA_SOURCES, "data.source")
+    if d.source == "text":
+        _check(bool(d.path), "data.path", "required with data.source=text: a directory written by "
+               "python -m jaxscale.data prepare --text FILES --out DIR")  # fmt: skip
+    _non_negative_int(d.workers, "data.workers")
+    _non_negative_int(d.prefetch, "data.prefetch")
+    _check(d.host_delay_s >= 0, "data.host_delay_s", f"must be >= 0 seconds, got {d.host_delay_s}")
+    _non_negative_int(t.eval_every, "train.eval_every")
+    _check(t.eval_every == 0 or d.source == "text", "train.eval_every",
+           f"validation needs a held-out split: set data.source=text (it is {d.source!r}), or 0")  # fmt: skip
+    _check(isinstance(t.eval_batches, int) and t.eval_batches > 0, "train.eval_batches",
+           f"must be a positive integer, got {t.eval_batches!r}")  # fmt: skip
+    _non_negative_int(t.checkpoint_every, "train.checkpoint_every")
+    _check(isinstance(t.checkpoint_keep, int) and t.checkpoint_keep > 0, "train.checkpoint_keep",
+           f"must be a positive integer, got {t.checkpoint_keep!r}")  # fmt: skip
 
 
 def flatten(config: ml_collections.ConfigDict, prefix: str = "config.") -> dict[str, object]:

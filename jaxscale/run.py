@@ -5,6 +5,7 @@ compile (ahead of time, timed) -> warm-up -> timed steps -> profiled steps -> re
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -19,7 +20,7 @@ import ml_collections
 from absl import flags
 from tqdm import tqdm
 
-from jaxscale import compile_cache, hosts, train
+from jaxscale import compile_cache, data, hosts
 from jaxscale.cli import (
     CONFIG_FIELDS_NOTE,
     Usage,
@@ -34,10 +35,12 @@ from jaxscale.cli import (
     wants_help,
 )
 from jaxscale.config import ConfigError, check_mesh_devices, describe, flatten, mesh_shape, mesh_text
-from jaxscale.measure import columns, flops, memory, profiling, timing
+from jaxscale.measure import columns, flops, memory, profiling
+from jaxscale.measure.scalars import ScalarWriter
 from jaxscale.model import count_params
 from jaxscale.plan import gpu_plan, predict, targets
-from jaxscale.train import sharding
+from jaxscale.train import evaluate, sharding
+from jaxscale.train import loop as train_loop
 
 USAGE = Usage(
     command="python -m jaxscale.run --config CONFIG.py[:PRESET] [--config.GROUP.FIELD=VALUE ...] [flags]",
@@ -172,59 +175,80 @@ def local_prediction(config: ml_collections.ConfigDict, compiled: jax.stages.Com
         return {"predicted_step_s": None, "predicted_error": f"{type(error).__name__}: {error}"[:300]}
 
 
-def _read_metrics(metrics: train.Metrics) -> dict[str, float]:
-    return sharding.host_scalars(metrics)
+def _evaluation(config: ml_collections.ConfigDict, placement: sharding.Placement):
+    """params -> validation loss on the fixed held-out batches, or None when train.eval_every is 0.
+
+    On a mesh the batches are split like the training batch and the model is traced with the mesh's rules.
+    """
+    if not config.train.eval_every:
+        return None
+    batches = data.validation_batches(config, placement)
+    eval_step = evaluate.make_eval_step(config)
+
+    def evaluation(params):
+        with placement.activate():
+            return evaluate.evaluate(eval_step, params, batches)
+
+    return evaluation
 
 
-def _step_stats(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
-    """(mean loss, accuracy) of the steps between two snapshots of the running sums."""
-    tokens = after["tokens"] - before["tokens"]
-    return (after["loss_sum"] - before["loss_sum"]) / tokens, (after["correct"] - before["correct"]) / tokens
-
-
-def execute(config, compiled, placement, run_dir: pathlib.Path, row: dict, progress: bool) -> None:
-    """Warm-up, timed and profiled steps; fills `row` in place. Raises RunError on a non-finite loss."""
-    state = placement.init_state()
-    metrics = placement.init_metrics()
-    batch = train.make_batch(
-        jax.random.PRNGKey(config.data.seed), config.data.batch_size, config.data.seq_len, config.model.vocab_size
-    )
-    batch = placement.place_batch(batch)  # one device: as is; a mesh: each process feeds its rows
-    total = config.train.warmup_steps + config.train.steps + config.profile.steps
-    bar = tqdm(total=total, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
-    seconds, previous = [], _read_metrics(metrics)
-    for i in range(config.train.warmup_steps + config.train.steps):
-        (state, metrics), elapsed = timing.time_call(compiled, state, metrics, batch)
-        current = _read_metrics(metrics)  # after the timer: a few bytes, the step already finished
-        loss, accuracy = _step_stats(previous, current)
-        if i == 0:
-            row["loss_first"] = loss
-        if not math.isfinite(loss):
-            raise RunError("nan", f"loss became {loss} at step {i}; lower optimizer.learning_rate or use float32")
-        if i >= config.train.warmup_steps:
-            seconds.append(elapsed)
-        previous = current
+def _steps(config, loop: train_loop.TrainLoop, run_dir: pathlib.Path, row: dict, bar: tqdm) -> None:
+    """Warm-up, timed and profiled steps from wherever the loop starts (0, or a checkpoint's step)."""
+    trained = config.train.warmup_steps + config.train.steps
+    row.setdefault("loss_first", None)  # stays None when resumed after step 1
+    while loop.steps_done < trained:
+        record = loop.step()
+        if record.step == 1:
+            row["loss_first"] = record.loss
         bar.update()
-        bar.set_postfix(loss=f"{loss:.3f}")
-    row.update(timing.summarize(seconds))
-    row["step_s_all"] = seconds
-    row["tokens_per_s"] = row["tokens_per_step"] / row["step_s_median"]
-    row["loss"], row["accuracy"] = loss, accuracy
-    if config.profile.steps > 0:
-        holder = {"state": state, "metrics": metrics}
-
-        def step():
-            holder["state"], holder["metrics"] = compiled(holder["state"], holder["metrics"], batch)
-            return holder["metrics"]
-
-        files = profiling.capture(run_dir, config.profile.steps, step, first_step=i + 1)
-        bar.update(config.profile.steps)
+        bar.set_postfix(loss=f"{record.loss:.3f}")
+    remaining = trained + config.profile.steps - loop.steps_done
+    if config.profile.steps > 0 and remaining > 0:
+        first = loop.steps_done
+        row["trace_files"] = profiling.capture(run_dir, remaining, lambda: loop.step().loss, first_step=first)
         row["trace_dir"] = str(run_dir)
-        row["trace_files"] = files
-        final = _read_metrics(holder["metrics"])
-        if not math.isfinite(final["loss_sum"]):
-            raise RunError("nan", "loss became non-finite during the profiled steps")
-    bar.close()
+        bar.update(remaining)
+    if loop.evaluation is not None and (not loop.validation or loop.validation[-1][0] != loop.steps_done):
+        loop.evaluate()  # and at the end
+
+
+def execute(config, compiled, placement: sharding.Placement, run_dir: pathlib.Path, row: dict, progress: bool) -> None:
+    """Warm-up, timed and profiled steps, resumed from the last checkpoint if there is one; fills `row` in place.
+
+    Raises RunError on a non-finite loss.
+    """
+    state, evaluation = placement.init_state(), _evaluation(config, placement)
+    first, data_state, checkpoints = 0, None, None
+    with contextlib.ExitStack() as cleanup:  # closed in reverse, also on errors and Ctrl-C
+        if config.train.checkpoint_every:
+            from jaxscale.train.checkpoint import Checkpoints  # orbax is imported only by runs that checkpoint
+
+            checkpoints = Checkpoints(run_dir / "checkpoints", config)
+            cleanup.callback(_close_checkpoints, checkpoints, row)
+            if checkpoints.latest_step() is not None:
+                first, state, data_state = checkpoints.restore(state)
+        row["resumed_from_step"] = first or None
+        row.update(data.data_columns(config))
+        source = data.make_source(config, placement, state=data_state)
+        cleanup.callback(source.close)
+        scalars = ScalarWriter(run_dir)
+        cleanup.callback(scalars.close)
+        loop = train_loop.TrainLoop(compiled, state, placement.init_metrics(), source, scalars, evaluation,
+                                    config.train.eval_every, checkpoints, first_step=first)  # fmt: skip
+        cleanup.callback(lambda: row.update(loop.columns(config, row["tokens_per_step"])))
+        total = config.train.warmup_steps + config.train.steps + config.profile.steps
+        bar = tqdm(total=total, initial=first, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
+        cleanup.callback(bar.close)
+        try:
+            _steps(config, loop, run_dir, row, bar)
+        except FloatingPointError as error:
+            raise RunError("nan", str(error)) from None
+
+
+def _close_checkpoints(checkpoints, row: dict) -> None:
+    checkpoints.close()
+    row["checkpoint_dir"], row["checkpoint_steps"] = str(checkpoints.directory), checkpoints.saved_steps
+    row["checkpoint_save_s_total"] = checkpoints.save_s
 
 
 def classify_failure(text: str) -> str:
@@ -338,7 +362,9 @@ def summary(row: dict) -> str:
             f"  step {row['step_s_median']:.4f} s median, {row['step_s_p90']:.4f} s p90 over "
             f"{len(row['step_s_all'])} steps   {row['tokens_per_s']:,.0f} tokens/s"
         )
-        lines.append(f"  loss {row['loss']:.4f} (first step {row['loss_first']:.4f})   accuracy {row['accuracy']:.4f}")
+        first = "n/a: resumed" if row.get("loss_first") is None else f"{row['loss_first']:.4f}"
+        lines.append(f"  loss {row['loss']:.4f} (first step {first})   accuracy {row['accuracy']:.4f}")
+    lines += train_loop.summary_lines(row)
     lines += columns.summary_lines(row)
     if row.get("predicted_step_s") is not None:
         lines.append(predict.summary_line(row))
@@ -437,7 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_devices(config, fv.target, fv.devices)
         name, run_dir = _resolve_run_dir(fv, config)
         budget = None if fv.device_memory is None else parse_bytes(fv.device_memory, "--device_memory")
-    except UsageError as error:
+        if config.data.source == "text" and not fv.plan:
+            data.check(config)  # token files against the config, before anything is written
+    except (UsageError, data.DataError) as error:
         return fail(str(error))
     if config.preset_source != "given":
         print(

@@ -45,6 +45,53 @@ def tiny_config():
     return load_config
 
 
+@pytest.fixture(scope="session")
+def pydoc_text(tmp_path_factory) -> pathlib.Path:
+    """Python's pydoc topics (real English, ~0.5 MB) as a text file."""
+    from jaxscale.data import corpus
+
+    return corpus.write_pydoc_text(tmp_path_factory.mktemp("pydoc") / "pydoc.txt")
+
+
+@pytest.fixture(scope="session")
+def pydoc_bytes(pydoc_text, tmp_path_factory) -> pathlib.Path:
+    """The pydoc text prepared with the bytes tokenizer (vocab 256): a directory for data.path."""
+    from jaxscale.data import prepare_tokens
+
+    return prepare_tokens([pydoc_text], tmp_path_factory.mktemp("prepared") / "bytes", progress=False).directory
+
+
+def write_counting_tokens(directory: pathlib.Path, train: int, validation: int = 64) -> pathlib.Path:
+    """A prepared directory whose token i is i (uint16): a window shows where it starts."""
+    import json
+
+    import numpy as np
+
+    from jaxscale.data.manifest import FORMAT, MANIFEST
+
+    directory.mkdir(parents=True)
+    np.arange(train, dtype=np.uint16).tofile(directory / "train.bin")
+    np.arange(validation, dtype=np.uint16).tofile(directory / "validation.bin")
+    raw = {
+        "format": FORMAT, "tokenizer": "bytes", "vocab_size": 2**16, "dtype": "uint16",
+        "splits": {"train": {"file": "train.bin", "tokens": train},
+                   "validation": {"file": "validation.bin", "tokens": validation}},
+    }  # fmt: skip
+    (directory / MANIFEST).write_text(json.dumps(raw))
+    return directory
+
+
+def text_config(name: str, preset: str, data_path: pathlib.Path, **train_fields):
+    """configs/<name>.py at `preset` on prepared text: data.source=text, model.vocab_size from the manifest."""
+    from jaxscale.data import read
+
+    config = load_config(name, preset)
+    config.data.source, config.data.path = "text", str(data_path)
+    config.model.vocab_size = read(data_path).vocab_size
+    config.train.update(train_fields)
+    return config
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests are skipped (not deleted) where JAX has no GPU backend."""
     import jax

@@ -19,6 +19,7 @@ FLOORS: dict[str, int] = {
     "jaxscale.measure": 0,
     "jaxscale.model": 1,
     "jaxscale.train": 2,
+    "jaxscale.data": 2,
     "jaxscale.plan": 3,
     "jaxscale.run": 4,
     "jaxscale.sweep": 5,

@@ -1,8 +1,10 @@
-"""The real TensorBoard server on a trace captured here: the profile plugin is active, lists the run by name, and
-serves the trace viewer's and memory viewer's data for it; `python -m jaxscale.tensorboard` prints its URL."""
+"""The real TensorBoard server on a run captured here (on text, with validation): the profile plugin is active,
+lists the run by name, and serves the trace viewer's (with the input wait) and memory viewer's data for it; the
+scalars plugin serves its training and validation loss; `python -m jaxscale.tensorboard` prints its URL."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
@@ -21,13 +23,15 @@ RUN_NAME = "tb_tiny"
 
 
 @pytest.fixture(scope="module")
-def logdir(tmp_path_factory) -> pathlib.Path:
-    """traces/ with one run of the bf16 config (layers scanned, no remat), captured by `python -m jaxscale.run`."""
+def logdir(tmp_path_factory, pydoc_bytes) -> pathlib.Path:
+    """traces/ with one run of the bf16 config (layers scanned, no remat) on text with validation every step,
+    captured by `python -m jaxscale.run`."""
     root = tmp_path_factory.mktemp("tensorboard")
     command = [
         sys.executable, "-m", "jaxscale.run", "--config", "configs/bf16.py:tiny",
         "--config.train.steps=1", "--config.train.warmup_steps=0", "--output_root", str(root), "--name", RUN_NAME,
-        "--quiet",
+        "--config.data.source=text", f"--config.data.path={pydoc_bytes}", "--config.model.vocab_size=256",
+        "--config.train.eval_every=1", "--quiet",
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO))
     completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -58,6 +62,7 @@ def test_profiler_lists_the_run_and_serves_its_trace_and_memory_viewer(logdir):
         names = {event.get("name", "") for event in trace["traceEvents"]}
         assert any(name.startswith("train ") for name in names), "no StepTraceAnnotation 'train <step>' in the trace"
         assert any(name.startswith("PjitFunction(jit(train_step))") for name in names)
+        assert "input_wait" in names, "no TraceAnnotation of the step's wait for its batch"
         # Scanned layers without remat write each layer's activations into the stacked scan output.
         assert any("dynamic-update-slice" in name for name in names)
 
@@ -72,6 +77,21 @@ def test_profiler_lists_the_run_and_serves_its_trace_and_memory_viewer(logdir):
         scopes = {part for b in buffers for part in b.get("tfOpName", "").split("/")}
         assert {"accumulate", "minibatch", "blocks"} <= scopes, scopes  # the model's named scopes
     assert server.process.poll() is not None  # stopped with the context
+
+
+def test_scalars_show_training_and_validation_loss_of_the_run(logdir):
+    row = json.loads((logdir / RUN_NAME / "result.json").read_text())
+    with tensorboard.start(logdir) as server:
+        tags = fetch_json(server.url + "data/plugin/scalars/tags")
+        assert {"loss/train", "loss/validation"} <= set(tags[RUN_NAME]), tags
+        for tag, steps, values in (
+            ("loss/train", [1, 2], row["loss_all"]),
+            ("loss/validation", row["validation_steps"], row["validation_loss_all"]),
+        ):
+            query = urllib.parse.urlencode({"run": RUN_NAME, "tag": tag})
+            points = fetch_json(f"{server.url}data/plugin/scalars/scalars?{query}")  # [[wall time, step, value]]
+            assert [p[1] for p in points] == steps
+            assert [p[2] for p in points] == pytest.approx(values, rel=1e-6)
 
 
 def test_command_prints_url_and_runs_and_stops_on_sigterm(logdir, tmp_path):

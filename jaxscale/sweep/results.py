@@ -243,6 +243,8 @@ _TABLE_COLUMNS = (
     ("mesh", mesh_of, "mesh"),
     ("step s (median)", lambda r: _cell(r.get("step_s_median"), ".4f"), "ran"),
     ("tokens/s", lambda r: _cell(r.get("tokens_per_s"), ",.0f"), "ran"),
+    ("input wait s", lambda r: _cell(r.get("input_wait_s_median"), ".4f"), "text"),
+    ("step+wait s", lambda r: _cell(r.get("step_with_input_wait_s_median"), ".4f"), "text"),
     ("compile s", lambda r: _cell(r.get("compile_s"), ".1f"), None),
     ("peak GiB", lambda r: _gib(r["best_peak_bytes"]), None),
     ("peak source", lambda r: r["best_peak_source"] or "-", None),
@@ -273,6 +275,8 @@ def _shown(rows: list[dict], when: str | None) -> bool:
         return any(_is_mesh(r) for r in rows)
     if when == "collectives":
         return any(r.get("compiled_collective_bytes") for r in rows)
+    if when == "text":  # input-pipeline columns: shown when some variant trains on text
+        return any(r.get("config.data.source") == "text" for r in rows)
     return any(r.get(when) is not None for r in rows)
 
 
@@ -296,9 +300,10 @@ def format_table(rows: list[dict], order: list[str] | None = None) -> str:
     """The sweep as a text table, one line per variant, against the baseline variant.
 
     Columns: status, the mesh (data x fsdp x tensor, where any variant has one), step time and tokens/s (not
-    for a sweep of plans), compile time, peak memory with its source (per device on a mesh), the analytic
-    peak estimate, MFU, the collectives' MiB per device and step (all of them, all-reduce / all-gather /
-    reduce-scatter, and what a ring sends) and the trace's dynamic-update-slice share where rows have
+    for a sweep of plans), the median input wait and step + wait (when a variant trains on text), compile
+    time, peak memory with its source (per device on a mesh), the analytic peak estimate, MFU, the
+    collectives' MiB per device and step (all of them, all-reduce / all-gather / reduce-scatter, and what a
+    ring sends) and the trace's dynamic-update-slice share where rows have
     them, and for GPU-target plans the Triton / cuBLAS band and whether it fits, and where the sweep file
     gives them the notebook's measured peak and planned / notebook; the predicted step time beside the
     measured one (pred / meas) or the notebook's (pred / notebook); the change against the baseline last.

@@ -277,6 +277,21 @@ class Placement:
         return batch if self.layout is None else place_batch(batch, self.layout)
 
     @property
+    def batch_sharding(self) -> NamedSharding | None:
+        """The sharding of a [batch, seq] token array on the mesh (None on one device)."""
+        return None if self.layout is None else self.layout.batch.inputs
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        """The mesh and its logical rules in context (nothing on one device), for other functions of the
+        model traced on the mesh, such as the validation step."""
+        if self.layout is None:
+            yield
+        else:
+            with self.layout.activate():
+                yield
+
+    @property
     def local_devices(self) -> list[jax.Device]:
         """The devices of this process that the step runs on."""
         if self.layout is None:

@@ -153,3 +153,28 @@ def test_place_batch_splits_the_rows_over_data_and_fsdp():
     shards = {shard.device.id: shard.data.shape for shard in batch.inputs.addressable_shards}
     assert set(shards.values()) == {(4, 32)} and len(shards) == 8  # 16 rows / (data x fsdp = 4), whole over tensor
     assert sharding.process_rows(placement.layout.batch.inputs, 16) == slice(0, 16)  # one process feeds all rows
+
+
+def test_text_data_with_validation_on_a_mesh_gives_the_losses_of_one_device(pydoc_bytes, tmp_path):
+    """The run's loop on prepared text (grain loader, prefetch, validation) feeds a 2x2x2 mesh the same
+    batches as one device: training and validation losses agree (float32, no dropout)."""
+    from conftest import text_config
+
+    from jaxscale import run
+
+    rows = {}
+    for mesh in ((1, 1, 1), (2, 2, 2)):
+        config = text_config("bf16", "tiny", pydoc_bytes, steps=3, warmup_steps=1, eval_every=2)
+        config.model.update(dtype="float32", dropout_rate=0.0)
+        config.profile.steps = 0
+        config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+        validate(config)
+        compiled, placement, _, _ = run.compile_step(config)
+        assert (placement.layout is None) == (mesh == (1, 1, 1))
+        row = {"name": "x".join(map(str, mesh)), "tokens_per_step": config.data.batch_size * config.data.seq_len}
+        run.execute(config, compiled, placement, tmp_path / row["name"], row, progress=False)
+        rows[mesh] = row
+    one, many = rows[(1, 1, 1)], rows[(2, 2, 2)]
+    assert len(one["loss_all"]) == 4 and one["validation_steps"] == many["validation_steps"] == [2, 4]
+    np.testing.assert_allclose(many["loss_all"], one["loss_all"], rtol=RTOL)
+    np.testing.assert_allclose(many["validation_loss_all"], one["validation_loss_all"], rtol=RTOL)

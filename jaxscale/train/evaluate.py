@@ -1,0 +1,40 @@
+"""Validation loss: the model without dropout on held-out batches, summed on the device, averaged per token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jaxscale.train.sharding import host_scalars
+from jaxscale.train.step import Batch, Metrics, make_model, next_token_loss
+
+
+def make_eval_step(config: ml_collections.ConfigDict) -> Callable[[Any, Batch], Metrics]:
+    """A jitted (params, batch) -> {"loss_sum", "correct", "tokens"} of the model in eval mode (no dropout)."""
+    model = make_model(config, train=False)
+    key = jax.random.PRNGKey(0)  # unused without dropout; next_token_loss takes one
+
+    def eval_step(params: Any, batch: Batch) -> Metrics:
+        _, metrics = next_token_loss(params, model.apply, batch, key)
+        return metrics
+
+    return jax.jit(eval_step)
+
+
+def evaluate(eval_step: Callable[[Any, Batch], Metrics], params: Any, batches: Sequence[Batch]) -> dict[str, float]:
+    """Mean next-token loss and accuracy over `batches` (each [rows, seq]), per token.
+
+    Returns:
+      {"loss": nats per token, "accuracy": fraction of tokens predicted exactly, "tokens": tokens evaluated}.
+    """
+    totals = None
+    for batch in batches:
+        metrics = eval_step(params, batch)
+        totals = metrics if totals is None else jax.tree_util.tree_map(jnp.add, totals, metrics)
+    totals = host_scalars(totals)  # replicated sums: read from this process's shard (works across hosts)
+    return {"loss": totals["loss_sum"] / totals["tokens"], "accuracy": totals["correct"] / totals["tokens"],
+            "tokens": totals["tokens"]}  # fmt: skip
