@@ -1,92 +1,31 @@
-"""The GPT of the reference experiment (Flax linen): bf16 compute, fp32 params and softmax, remat and scan."""
+"""The GPT of the reference experiment (Flax linen): pre-LayerNorm, fused QKV, GELU MLP, learned positions.
+
+bf16 compute, fp32 params and softmax; remat, scan and the attention kernels come from jaxscale.model.stack
+and jaxscale.model.attention, shared with the other families. `tie_embeddings` gives GPT-2's output head:
+the token embedding transposed, with no output bias.
+"""
 
 from __future__ import annotations
-
-import dataclasses
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 
-# Named remat policies (MaxText's vocabulary). An unknown name is a KeyError, caught by config validation.
-REMAT_POLICIES = {
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv_proj"),
-}
+from jaxscale.model.attention import attention
+from jaxscale.model.hparams import ModelConfig
+from jaxscale.model.stack import ResidualBlock, Transformer, dense, partitioned
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Hashable model hyper-parameters (Flax module attributes must be hashable); see config.base_config."""
-
-    vocab_size: int = 2048
-    hidden_size: int = 1024
-    head_dim: int = 128
-    num_layers: int = 12
-    mlp_expansion: int = 4
-    max_seq_len: int = 512
-    dropout_rate: float = 0.1
-    dtype: str = "bfloat16"
-    softmax_dtype: str = "float32"
-    causal: bool = True
-    remat: tuple[str, ...] = ()
-    remat_policy: str = "nothing_saveable"
-    scan_layers: bool = False
-    attention: str = "reference"
-
-    @property
-    def num_heads(self) -> int:
-        return self.hidden_size // self.head_dim
-
-    @classmethod
-    def from_config(cls, model: ml_collections.ConfigDict) -> ModelConfig:
-        return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls)})
-
-
-def maybe_remat(module: type[nn.Module], target: str, cfg: ModelConfig) -> type[nn.Module]:
-    """Wraps `module` in nn.remat when `target` is in cfg.remat.
-
-    prevent_cse: outside nn.scan it must be True, or XLA's common-subexpression elimination merges the
-    backward pass's recomputation with the forward pass and silently undoes the remat. Inside nn.scan
-    the loop boundary already stops that merge, and True would only add optimization barriers that
-    block fusion (the JAX and Flax docs advise False there), so it is `not cfg.scan_layers`.
-    """
-    if target not in cfg.remat:
-        return module
-    return nn.remat(module, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[cfg.remat_policy])
-
-
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, softmax_dtype) -> jax.Array:
-    """Scaled dot-product attention as the reference writes it: logits and softmax in `softmax_dtype`.
-
-    Args:
-      q, k, v: [batch, seq, heads, head_dim] in the compute dtype.
-    Returns:
-      [batch, seq, heads, head_dim] in the compute dtype.
-    """
-    dtype = q.dtype
-    q = (q * (q.shape[-1] ** -0.5)).astype(softmax_dtype)
-    k = k.astype(softmax_dtype)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)  # [B, nh, T, T] in softmax_dtype
-    if causal:
-        seq = q.shape[1]
-        mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))  # [T, T]
-        logits = jnp.where(mask, logits, jnp.finfo(softmax_dtype).min)
-    weights = nn.softmax(logits, axis=-1).astype(dtype)  # cast back after the softmax
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)  # [B, T, nh, hd]
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Dispatches to the configured attention kernel; all compute the same function."""
-    if cfg.attention == "reference":
-        return reference_attention(q, k, v, cfg.causal, jnp.dtype(cfg.softmax_dtype))
-    # jax.nn.dot_product_attention computes its logits and softmax in float32 for bf16/fp16 inputs.
-    return jax.nn.dot_product_attention(q, k, v, is_causal=cfg.causal, implementation=cfg.attention)
+def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
+    """LayerNorm in the compute dtype (statistics in float32), scale and bias named ("embed",)."""
+    return nn.LayerNorm(
+        epsilon=cfg.norm_epsilon,
+        dtype=cfg.dtype,
+        scale_init=partitioned(nn.initializers.ones_init(), ("embed",)),
+        bias_init=partitioned(nn.initializers.zeros_init(), ("embed",)),
+        name=name,
+    )
 
 
 class AttnBlock(nn.Module):
@@ -99,12 +38,12 @@ class AttnBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("attn"):
-            h = nn.LayerNorm(dtype=cfg.dtype, name="pre_norm")(x)  # [B, T, H]
-            qkv = nn.DenseGeneral((cfg.num_heads, 3 * cfg.head_dim), dtype=cfg.dtype, name="qkv")(h)
+            h = layer_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            qkv = dense((cfg.num_heads, 3 * cfg.head_dim), ("embed", "heads", "qkv"), cfg, "qkv")(h)
             qkv = checkpoint_name(qkv, "qkv_proj")  # [B, T, nh, 3*hd]
             q, k, v = jnp.split(qkv, 3, axis=-1)  # each [B, T, nh, hd]
             h = attention(q, k, v, cfg)  # [B, T, nh, hd]
-            h = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.dtype, name="out")(h)  # [B, T, H]
+            h = dense(cfg.hidden_size, ("heads", "head_dim", "embed"), cfg, "out", axis=(-2, -1))(h)  # [B, T, H]
             return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
 
 
@@ -118,53 +57,18 @@ class MLPBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("mlp"):
-            h = nn.LayerNorm(dtype=cfg.dtype, name="pre_norm")(x)  # [B, T, H]
-            h = nn.Dense(cfg.mlp_expansion * cfg.hidden_size, dtype=cfg.dtype, name="up")(h)  # [B, T, 4H]
+            h = layer_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            h = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up")(h)  # [B, T, F], F = 4H by default
             h = checkpoint_name(nn.gelu(h), "mlp_hidden")
-            h = nn.Dense(cfg.hidden_size, dtype=cfg.dtype, name="down")(h)  # [B, T, H]
+            h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down")(h)  # [B, T, H]
             return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
 
 
-class Block(nn.Module):
-    """One transformer block; returns (x, None) so that nn.scan can carry x."""
+class Block(ResidualBlock):
+    """One GPT block: attention then MLP, each with its residual."""
 
-    config: ModelConfig
-    train: bool
-
-    @nn.compact
-    def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
-        cfg = self.config
-        attn_cls = maybe_remat(AttnBlock, "Attn", cfg)
-        mlp_cls = maybe_remat(MLPBlock, "MLP", cfg)
-        x = x + attn_cls(cfg, self.train, name="attn")(x)
-        x = x + mlp_cls(cfg, self.train, name="mlp")(x)
-        return x, None
-
-
-class Transformer(nn.Module):
-    """The stack of blocks: nn.scan over layers (params stacked on axis 0) or an unrolled Python loop."""
-
-    config: ModelConfig
-    train: bool
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.config
-        block_cls = maybe_remat(Block, "Block", cfg)
-        if cfg.scan_layers:
-            scanned = nn.scan(
-                block_cls,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                length=cfg.num_layers,
-            )
-            with jax.named_scope("blocks"):
-                x, _ = scanned(cfg, self.train, name="blocks")(x, None)
-            return x
-        for i in range(cfg.num_layers):
-            with jax.named_scope(f"block_{i}"):
-                x, _ = block_cls(cfg, self.train, name=f"block_{i}")(x, None)
-        return x
+    attn_block = AttnBlock
+    mlp_block = MLPBlock
 
 
 class GPT(nn.Module):
@@ -177,29 +81,26 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
         seq = tokens.shape[1]
+        # GPT-2 draws its (tied) token embedding from N(0, 0.02); the reference keeps Flax's default.
+        embed_init = nn.initializers.normal(0.02) if cfg.tie_embeddings else nn.linear.default_embed_init
         with jax.named_scope("embed"):
-            x = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, name="embed")(tokens)  # [B, T, H]
-            pos_emb = self.param("pos_emb", nn.initializers.normal(0.02), (cfg.max_seq_len, cfg.hidden_size))
+            embed = nn.Embed(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                dtype=cfg.dtype,
+                embedding_init=partitioned(embed_init, ("vocab", "embed")),
+                name="embed",
+            )
+            x = embed(tokens)  # [B, T, H]
+            pos_init = partitioned(nn.initializers.normal(0.02), ("pos", "embed"))
+            pos_emb = self.param("pos_emb", pos_init, (cfg.max_seq_len, cfg.hidden_size))
             x = x + pos_emb[None, :seq].astype(cfg.dtype)
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not self.train)
-        x = Transformer(cfg, self.train, name="transformer")(x)
+        x = Transformer(cfg, self.train, Block, name="transformer")(x)
         with jax.named_scope("head"):
-            x = nn.LayerNorm(dtype=cfg.dtype, name="post_norm")(x)
-            logits = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, name="output")(x)  # [B, T, V]
+            x = layer_norm(cfg, "post_norm")(x)
+            if cfg.tie_embeddings:
+                logits = embed.attend(x)  # [B, T, V]: x @ embedding.T, no bias
+            else:
+                logits = dense(cfg.vocab_size, ("embed", "vocab"), cfg, "output")(x)  # [B, T, V]
             return logits.astype(jnp.float32)
-
-
-def count_params(params) -> int:
-    """Number of scalars in a params tree (arrays or ShapeDtypeStructs)."""
-    return sum(math.prod(p.shape) for p in jax.tree_util.tree_leaves(params))
-
-
-def unstack_scanned_params(params: dict, num_layers: int) -> dict:
-    """Maps params of a scan_layers=True model to the layout of the unrolled model (block_0 ... block_{L-1})."""
-    params = dict(params)
-    transformer = dict(params["transformer"])
-    stacked = transformer.pop("blocks")
-    for i in range(num_layers):
-        transformer[f"block_{i}"] = jax.tree_util.tree_map(lambda p, i=i: p[i], stacked)
-    params["transformer"] = transformer
-    return params
