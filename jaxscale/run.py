@@ -22,7 +22,7 @@ from tqdm import tqdm  # noqa: E402
 from jaxscale import train  # noqa: E402
 from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
 from jaxscale.config import flatten  # noqa: E402
-from jaxscale.measure import columns, flops, memory, profiling, timing  # noqa: E402
+from jaxscale.measure import columns, flops, memory, params, profiling, timing  # noqa: E402
 from jaxscale.model import count_params  # noqa: E402
 from jaxscale.plan import gpu_plan, targets  # noqa: E402
 
@@ -91,6 +91,7 @@ def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path
         "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "tokens_per_step": config.data.batch_size * config.data.seq_len,
         "analytic_model_flops_per_step": flops.model_flops_per_step(config),
+        "shape_warnings": params.shape_warnings(config.model),
         "run_dir": str(run_dir),
         "trace_dir": None,
     }
@@ -258,6 +259,7 @@ def summary(row: dict) -> str:
         )
         lines.append(f"  loss {row['loss']:.4f} (first step {row['loss_first']:.4f})   accuracy {row['accuracy']:.4f}")
     lines += columns.summary_lines(row)
+    lines += [f"  shape warning: {warning}" for warning in row.get("shape_warnings") or ()]
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
     lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}")
     if row.get("trace_dir"):

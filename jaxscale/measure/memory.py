@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jaxscale.measure import flops
+from jaxscale.measure import flops, params
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
@@ -57,7 +57,8 @@ def host_peak_rss_bytes() -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Analytic estimate: bytes of named tensors, per config (see docs/measurements.md for the derivation).
 
-# Optimizer state in float32 copies of the parameters: Adam's two moments, SGD's momentum trace.
+# Optimizer state in float32 copies of the parameters: Adam's two moments, SGD's momentum trace (Adafactor's
+# factored state is counted per parameter shape, see optimizer_state_bytes).
 OPTIMIZER_STATE_COPIES = {"adam": 2, "adamw": 2, "sgd": 1}
 _FLOAT32 = 4  # params, gradients, optimizer state and LayerNorm statistics are float32
 _BOOL = 1  # a dropout keep-mask element
@@ -70,14 +71,16 @@ class Dims:
     b: int  # sequences per minibatch
     s: int  # sequence length
     h: int  # hidden size
-    a: int  # attention heads
-    e: int  # MLP expansion
+    a: int  # attention heads (query heads)
+    k: int  # width of the keys and of the values: K/V heads x head_dim (h without grouped-query attention)
+    f: int  # MLP hidden width
     v: int  # vocabulary
     p: int  # bytes per activation element (compute dtype)
     q: int  # bytes per attention-logit element (softmax dtype)
     mask: int  # bytes per dropout-mask element: 1, or 0 without dropout
     kernel_casts: bool  # compute dtype differs from the float32 params, so matmuls read cast copies
     attention: str  # reference | xla | cudnn
+    family: str  # gpt | llama
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> Dims:
@@ -87,13 +90,15 @@ class Dims:
             s=config.data.seq_len,
             h=m.hidden_size,
             a=m.hidden_size // m.head_dim,
-            e=m.mlp_expansion,
+            k=params.kv_width(m),
+            f=params.mlp_width(m),
             v=m.vocab_size,
             p=p,
             q=jnp.dtype(m.softmax_dtype).itemsize,
             mask=_BOOL if m.dropout_rate > 0 else 0,
             kernel_casts=p != _FLOAT32,
             attention=m.attention,
+            family=m.family,
         )
 
 
@@ -127,44 +132,97 @@ def mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
     """Bytes the MLP sub-block keeps for its backward pass, per layer, by tensor (Korthikanti's 19sbh
     at p=2: LayerNorm input and output, GELU input, GELU output = down-projection input, dropout mask).
     Scanned, the tanh-approximate GELU's four intermediates and LayerNorm's float32 ones are kept too."""
-    sbh = d.s * d.b * d.h
+    sbh, sbf = d.s * d.b * d.h, d.s * d.b * d.f
     terms = {
         "ln_output": d.p * sbh,
-        "up_output": d.e * d.p * sbh,
-        "gelu_output": d.e * d.p * sbh,
+        "up_output": d.p * sbf,
+        "gelu_output": d.p * sbf,
         "dropout_mask": d.mask * sbh,
     }
     if scanned:
-        terms.update(gelu_intermediates=4 * d.e * d.p * sbh, ln_float32=3 * _FLOAT32 * sbh)
-        terms.update(kernel_casts=2 * d.e * d.h * d.h * d.p if d.kernel_casts else 0)
+        terms.update(gelu_intermediates=4 * d.p * sbf, ln_float32=3 * _FLOAT32 * sbh)
+        terms.update(kernel_casts=2 * d.f * d.h * d.p if d.kernel_casts else 0)
     else:
         terms.update(ln_input=d.p * sbh, ln_stats=2 * _FLOAT32 * d.s * d.b)
     return terms
 
 
+def llama_attention_residuals(d: Dims, scanned: bool) -> dict[str, int]:
+    """Bytes Llama's attention sub-block keeps for its backward pass, per layer, by tensor.
+
+    As attention_residuals, with the differences of the family: RMSNorm keeps one float32 statistic per
+    token (LayerNorm two); k and v are sbk, not sbh (grouped-query attention); q and k are kept after the
+    rotation (the rotation's sin and cos are constants). Scanned, RMSNorm's float32 input and the
+    rotation's float32 q and k stay as loop outputs.
+    """
+    sbh, sbk, as2b = d.s * d.b * d.h, d.s * d.b * d.k, d.a * d.s * d.s * d.b
+    terms = {"norm_output": d.p * sbh, "attention_output": d.p * sbh, "dropout_mask": d.mask * sbh}
+    if d.attention == "cudnn":
+        terms.update(qkv=d.p * (sbh + 2 * sbk), logsumexp=_FLOAT32 * d.a * d.s * d.b)
+    else:
+        terms.update(softmax_exp=d.q * as2b, softmax_weights=d.p * as2b)
+        q_k = d.q if d.attention == "reference" else d.p
+        terms.update(v=d.p * sbk, q_k=(q_k if scanned else d.p) * (sbh + sbk))
+    if scanned:
+        terms.update(norm_float32=3 * _FLOAT32 * sbh)
+        terms.update(kernel_casts=(2 * d.h * d.h + 2 * d.h * d.k) * d.p if d.kernel_casts else 0)
+    else:
+        terms.update(norm_input=d.p * sbh, norm_stats=_FLOAT32 * d.s * d.b)
+    return terms
+
+
+def llama_mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
+    """Bytes the SwiGLU MLP keeps for its backward pass, per layer: RMSNorm input and output, the gate and up
+    projections' outputs and their product silu(gate)·up (the down projection's input), a dropout mask.
+    Scanned, silu's sigmoid and RMSNorm's float32 intermediates stay too."""
+    sbh, sbf = d.s * d.b * d.h, d.s * d.b * d.f
+    terms = {
+        "norm_output": d.p * sbh,
+        "gate_output": d.p * sbf,
+        "up_output": d.p * sbf,
+        "hidden": d.p * sbf,
+        "dropout_mask": d.mask * sbh,
+    }
+    if scanned:
+        terms.update(silu_intermediates=3 * d.p * sbf, norm_float32=3 * _FLOAT32 * sbh)
+        terms.update(kernel_casts=3 * d.f * d.h * d.p if d.kernel_casts else 0)
+    else:
+        terms.update(norm_input=d.p * sbh, norm_stats=_FLOAT32 * d.s * d.b)
+    return terms
+
+
+# The residual functions of each family: (attention, MLP).
+RESIDUALS = {"gpt": (attention_residuals, mlp_residuals), "llama": (llama_attention_residuals, llama_mlp_residuals)}
+
+
 # Outputs of dots that each remat policy keeps besides the checkpointed module's input.
 def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
-    sbh, as2b = d.s * d.b * d.h, d.a * d.s * d.s * d.b
-    projections = {"Attn": 4 * d.p * sbh, "MLP": (d.e + 1) * d.p * sbh}  # qkv + out; up + down
+    sbh, sbk, sbf, as2b = d.s * d.b * d.h, d.s * d.b * d.k, d.s * d.b * d.f, d.a * d.s * d.s * d.b
+    up = 2 * sbf if d.family == "llama" else sbf  # llama: gate and up
+    qkv = d.p * (sbh + 2 * sbk)  # q, k, v (gpt: one fused qkv, k = h)
+    projections = {"Attn": qkv + d.p * sbh, "MLP": d.p * (up + sbh)}  # qkv + out; up (+ gate) + down
     saved = {
         "nothing_saveable": {"Attn": 0, "MLP": 0},
         "dots_saveable": {"Attn": projections["Attn"] + d.q * as2b + d.p * sbh, "MLP": projections["MLP"]},
         "dots_with_no_batch_dims_saveable": projections,
-        "save_qkv_proj": {"Attn": 3 * d.p * sbh, "MLP": 0},
+        "save_qkv_proj": {"Attn": qkv, "MLP": 0},
     }[policy]
     return {**saved, "Block": saved["Attn"] + saved["MLP"]}
 
 
 def head_residuals(d: Dims, causal_mask: bool) -> dict[str, int]:
-    """Bytes outside the layers: token inputs, the embedding's dropout mask, the final LayerNorm, and the
-    logits (compute dtype, their float32 cast, and the float32 softmax the cross-entropy gradient reads).
+    """Bytes outside the layers: token inputs, the embedding's dropout mask, the final norm, and the logits:
+    in the compute dtype, and their gradient in the compute dtype (XLA's GPU fusions compute the float32
+    softmax of the cross-entropy and its gradient inside the kernels: fitted on deviceless A5000 plans of
+    llama3.2-1b, vocabulary 128256, where the per-sequence slope of the plan is 4 bytes per logit at
+    p = 2, both GEMM modes; the earlier p + 2·4 was 2.5x the plan there).
     `causal_mask`: the [b, a, s, s] boolean mask that a scan hoists out of the loop and keeps once."""
     sbh, bsv = d.s * d.b * d.h, d.b * d.s * d.v
     return {
         "tokens": 2 * 4 * d.b * d.s,  # int32 inputs and labels
         "embedding_dropout_mask": d.mask * sbh,
         "final_ln": 2 * d.p * sbh,
-        "logits": (d.p + 2 * _FLOAT32) * bsv,
+        "logits": 2 * d.p * bsv,
         "causal_mask": _BOOL * d.a * d.s * d.s * d.b if causal_mask else 0,
     }
 
@@ -177,8 +235,9 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
     optimizes the recompute and its backward as one region, so the fused terms apply even when scanned).
     """
     sbh = d.s * d.b * d.h
-    kept = {"Attn": sum(attention_residuals(d, scanned).values()), "MLP": sum(mlp_residuals(d, scanned).values())}
-    fused = {"Attn": sum(attention_residuals(d, False).values()), "MLP": sum(mlp_residuals(d, False).values())}
+    attn, mlp = RESIDUALS[d.family]
+    kept = {"Attn": sum(attn(d, scanned).values()), "MLP": sum(mlp(d, scanned).values())}
+    fused = {"Attn": sum(attn(d, False).values()), "MLP": sum(mlp(d, False).values())}
     fused["Block"] = fused["Attn"] + fused["MLP"]
     saved = _policy_saved(d, policy)
     if "Block" in remat:
@@ -188,12 +247,22 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
     return layer, max((fused[unit] for unit in remat), default=0)
 
 
+def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
+    """Bytes of the optimizer's state: Adam/AdamW 2 × 4·N, SGD 4·N, Adafactor 4 × (its factored second
+    moments, params.adafactor_state_elements: n/d1 + n/d2 per matrix whose two largest dims are >= 128, n
+    for every other parameter)."""
+    m = config.model
+    if config.optimizer.name == "adafactor":
+        return _FLOAT32 * params.adafactor_state_elements(params.param_shapes(m))
+    return _FLOAT32 * flops.param_count(m) * OPTIMIZER_STATE_COPIES[config.optimizer.name]
+
+
 def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     """Analytic peak memory of one train step, in bytes, broken down for the result row.
 
     Peak = params + gradients + optimizer state + activations, at the start of the (last minibatch's)
     backward pass, when every layer's saved activations are alive:
-      params: 4·N (float32).  optimizer: OPTIMIZER_STATE_COPIES × 4·N.
+      params: 4·N (float32).  optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored).
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop).
       activations: L × per-layer bytes (layer_activation_bytes) + one recomputed unit + head_residuals;
@@ -209,7 +278,7 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     row = {
         "analytic_params_bytes": _FLOAT32 * n,
         "analytic_grads_bytes": _FLOAT32 * n * (2 if t.num_minibatches > 1 else 1),
-        "analytic_optimizer_bytes": _FLOAT32 * n * OPTIMIZER_STATE_COPIES[config.optimizer.name],
+        "analytic_optimizer_bytes": optimizer_state_bytes(config),
         "analytic_activation_bytes": live * per_minibatch + working,
         "analytic_activation_per_layer_bytes": layer,
     }
