@@ -10,10 +10,14 @@ warning from their stderr, and returns result-row fields:
 - `plan_target`, `plan_target_device_kind`, `plan_target_memory_bytes` (the target's device memory);
 - `plan_fits` and `plan_fits_reason`; `compiled_remat_{limit,reached,original}_bytes` from XLA's
   "Can't reduce memory use below ..." warning (None when XLA did not warn).
+
+`in_process=True` compiles in this process instead (the GEMM mode as a compile option, XLA's warning read
+from this process's own stderr): what the fit planner (jaxscale.plan.fit) uses for its many compiles.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -31,13 +36,19 @@ import ml_collections
 
 from jaxscale import _env
 from jaxscale.cli import UsageError
-from jaxscale.plan import targets
+from jaxscale.plan import target_compile, targets
 
 # Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
 # autotuner may pick cuBLAS instead. The plans differ, so both are compiled and the band is reported.
 GEMM_FLAGS: dict[str, str] = {
     "triton": "--xla_gpu_enable_triton_gemm=true",
     "cublas": "--xla_gpu_enable_triton_gemm=false",
+}
+# The same choice as compile options of one compile (`lowered.compile(compiler_options=...)`), for planners
+# that compile several programs in one process (jaxscale.plan.fit).
+GEMM_OPTIONS: dict[str, dict[str, bool]] = {
+    "triton": {"xla_gpu_enable_triton_gemm": True},
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
 }
 GEMM_CHOICES = ("both", *GEMM_FLAGS)
 EXTRA_HINT = "pip install -e '.[gpu-plan]'"
@@ -48,7 +59,7 @@ _REMAT_WARNING = re.compile(
     r"Can't reduce memory use below \S+ \((\d+) bytes\) by rematerialization; "
     r"only reduced to \S+ \((\d+) bytes\), down from \S+ \((\d+) bytes\) originally"
 )
-_REMAT_COLUMNS = ("compiled_remat_limit_bytes", "compiled_remat_reached_bytes", "compiled_remat_original_bytes")
+REMAT_COLUMNS = ("compiled_remat_limit_bytes", "compiled_remat_reached_bytes", "compiled_remat_original_bytes")
 _NOISE = ("cudart_stub.cc", "absl::InitializeLog()")
 
 
@@ -95,7 +106,7 @@ def parse_remat_warning(stderr: str) -> dict[str, int] | None:
     found = _REMAT_WARNING.findall(stderr)
     if not found:
         return None
-    return dict(zip(_REMAT_COLUMNS, (int(n) for n in found[-1]), strict=True))
+    return dict(zip(REMAT_COLUMNS, (int(n) for n in found[-1]), strict=True))
 
 
 def _child_env(gemm: str) -> dict[str, str]:
@@ -138,19 +149,70 @@ def compile_in_subprocess(
         return json.loads(result_path.read_text()), stderr
 
 
-def _fits(target: targets.GpuTarget, peak: int, warning: dict[str, int] | None) -> tuple[bool, str | None]:
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """Collects what this process writes to file descriptor 2 (XLA's C++ warnings included) inside the block.
+
+    Yields a list that holds the captured text once the block has ended.
+    """
+    sys.stderr.flush()
+    captured: list[str] = []
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.append(sink.read().decode(errors="replace"))
+
+
+def compile_in_process(
+    config: ml_collections.ConfigDict, config_text: str, gemm: str, timeout_s: float | None = None
+) -> tuple[dict[str, Any], str]:
+    """`target_compile.compile_for_target` in this process (GEMM mode as a compile option); (result, stderr).
+
+    Cheaper than a child per compile when many programs are planned (jaxscale.fit), but a malformed target
+    config can kill this process (see the module docstring), and `timeout_s` is not enforced.
+
+    Raises:
+      PlanError: the compile raised (an XLA error).
+    """
+    del timeout_s  # a compile in this process cannot be interrupted
+    with captured_stderr() as stderr:
+        try:
+            result = target_compile.compile_for_target(config, config_text, GEMM_OPTIONS[gemm])
+        except Exception as error:  # XLA raises many types; all mean the target compile failed
+            raise PlanError(f"target compile failed: {' '.join(str(error).split())[:400]}") from None
+    return result, stderr[0]
+
+
+def remat_warning_reason(warning: dict[str, int]) -> str:
+    """Why a plan with XLA's "Can't reduce memory use below ..." warning does not fit, on one line."""
+    return (
+        f"XLA could not rematerialize below its limit of {warning['compiled_remat_limit_bytes']} bytes "
+        f"(reached {warning['compiled_remat_reached_bytes']}, from {warning['compiled_remat_original_bytes']})"
+    )
+
+
+def fits(target: targets.GpuTarget, peak: int, warning: dict[str, int] | None) -> tuple[bool, str | None]:
+    """(whether a plan fits the target, why not): XLA could not rematerialize below its limit, or peak > memory."""
     if warning is not None:
-        return False, (
-            f"XLA could not rematerialize below its limit of {warning['compiled_remat_limit_bytes']} bytes "
-            f"(reached {warning['compiled_remat_reached_bytes']}, from {warning['compiled_remat_original_bytes']})"
-        )
+        return False, remat_warning_reason(warning)
     if peak > target.device_memory_size:
         return False, f"planned peak {peak} bytes > device memory {target.device_memory_size} bytes"
     return True, None
 
 
 def plan_for_target(
-    config: ml_collections.ConfigDict, target: str, gemm: str = "both", timeout_s: float = DEFAULT_TIMEOUT_S
+    config: ml_collections.ConfigDict,
+    target: str,
+    gemm: str = "both",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    in_process: bool = False,
 ) -> dict[str, Any]:
     """XLA's memory plan of the run's train step on a GPU target, as result-row fields.
 
@@ -159,6 +221,7 @@ def plan_for_target(
       target: a name in jaxscale.targets.TARGETS or a GpuTargetConfig .txtpb path.
       gemm: "both" (default; the reported plan is the larger), "triton" or "cublas".
       timeout_s: per child compile.
+      in_process: compile in this process (compile_in_process) instead of one child per GEMM mode.
     Returns:
       The row fields listed in this module's docstring, plus params and plan_wall_s (all children, seconds).
     Raises:
@@ -171,13 +234,14 @@ def plan_for_target(
     modes = tuple(GEMM_FLAGS) if gemm == "both" else (gemm,)
     start = time.perf_counter()
     plans, warnings = {}, {}
+    compile_one = compile_in_process if in_process else compile_in_subprocess
     for mode in modes:
-        plans[mode], stderr = compile_in_subprocess(config, text, mode, timeout_s)
+        plans[mode], stderr = compile_one(config, text, mode, timeout_s)
         warnings[mode] = parse_remat_warning(stderr)
     chosen = max(modes, key=lambda m: plans[m]["compiled_peak_bytes"])
     plan = plans[chosen]
     warning = next((warnings[m] for m in (chosen, *modes) if warnings[m] is not None), None)
-    fits, reason = _fits(spec, plan["compiled_peak_bytes"], warning)
+    plan_fits, reason = fits(spec, plan["compiled_peak_bytes"], warning)
     return {
         "params": plan["params"],
         "compile_s": plan["compile_s"],
@@ -185,11 +249,11 @@ def plan_for_target(
         "compiled_backend": f"cuda:{spec.name}",
         "compiled_gemm": chosen,
         **{f"compiled_{m}_peak_bytes": plans[m]["compiled_peak_bytes"] if m in plans else None for m in GEMM_FLAGS},
-        **(warning or dict.fromkeys(_REMAT_COLUMNS)),
+        **(warning or dict.fromkeys(REMAT_COLUMNS)),
         "plan_target": spec.name,
         "plan_target_device_kind": plan["device_kind"],
         "plan_target_memory_bytes": spec.device_memory_size,
-        "plan_fits": fits,
+        "plan_fits": plan_fits,
         "plan_fits_reason": reason,
         "plan_wall_s": time.perf_counter() - start,
     }

@@ -43,12 +43,15 @@ def abstract_inputs(config: ml_collections.ConfigDict, sharding: NamedSharding) 
     return place(train.abstract_inputs(config))
 
 
-def compile_for_target(config: ml_collections.ConfigDict, target_config_text: str) -> dict[str, Any]:
+def compile_for_target(
+    config: ml_collections.ConfigDict, target_config_text: str, compiler_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Lowers and compiles the run's train step (same accumulation, remat, scan) for the target.
 
     Args:
       config: a validated run config.
       target_config_text: an XLA GpuTargetConfig text proto (see jaxscale.targets).
+      compiler_options: XLA options of this compile (e.g. gpu_plan.GEMM_OPTIONS["cublas"]).
     Returns:
       compiled_{argument,output,temp,alias,peak}_bytes of XLA's GPU plan, compile_s (lower + compile,
       seconds), params and the device_kind the compile-only device reports.
@@ -56,7 +59,7 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
     sharding = target_sharding(target_config_text)
     state, metrics, batch = abstract_inputs(config, sharding)
     start = time.perf_counter()
-    compiled = train.make_train_step(config).lower(state, metrics, batch).compile()
+    compiled = train.make_train_step(config).lower(state, metrics, batch).compile(compiler_options=compiler_options)
     seconds = time.perf_counter() - start
     return {
         **memory.compiled_memory(compiled),
