@@ -85,30 +85,40 @@ def _question(config: ml_collections.ConfigDict, settings: dict[str, Any]) -> st
 
 
 class ProbeCache:
-    """Probes of earlier runs of the same question (probes/results.jsonl), and a store for new ones."""
+    """Compiled plans of earlier fits (probes/results.jsonl) for the same config, target and GEMM modes.
+
+    A plan does not depend on the budget, so a fit for another --memory or --headroom reuses them; each is
+    judged against the current budget again.
+    """
 
     def __init__(self, store: ResultsFile, question: str):
         self.store, self.question, self.reused = store, question, 0
         store.directory.mkdir(parents=True, exist_ok=True)
-        self.known = {r["variant"]: r for r in store.rows() if r.get("fit_question") == question}
+        self.known = {r["variant"]: r for r in store.rows() if r.get("fit_plan_question") == question}
 
     def measure(self, plan: fit.Planner, config, choice: str, usable: int, minibatch: int) -> fit.Probe:
         key = f"{choice}@{minibatch}"
         if key in self.known:
             self.reused += 1
-            return fit.Probe(**self.known[key]["probe"])
-        result = fit.probe(plan, config, choice, minibatch, usable)
-        status = "error" if result.failed else ("ok" if result.fits else "oom")
-        entry = {"variant": key, "status": status, "fit_question": self.question, "probe": result.__dict__}
-        self.store.record(json.loads(json.dumps(entry, default=str)))
-        return result
+            entry = self.known[key]
+        else:
+            row, error, seconds = fit.plan_row(plan, config, choice, minibatch)
+            entry = {"variant": key, "status": "error" if error else "ok", "error": error, "plan": row}
+            entry.update(seconds=seconds, fit_plan_question=self.question)
+            entry = json.loads(json.dumps(entry, default=str))
+            self.store.record(entry)
+            self.known[key] = entry
+        return fit.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable)
 
 
 def fit_choice(config, choice: str, plan: fit.Planner, cache: ProbeCache, settings: dict, limits: dict) -> dict:
     """Searches one remat choice (starting at the analytic model's answer) and returns its row."""
     start_time, reused_before = time.perf_counter(), cache.reused
     usable = settings["fit_usable_bytes"]
-    start = max(1, fit.analytic_largest_minibatch(config, choice, usable, limits["limit"]))
+    # A GPU plan fits only below XLA's own limit, which starts from 80% of the device's memory (XLA's
+    # GPU compiler's base limit): aim the analytic start there; the row keeps the analytic answer for `usable`.
+    aim = usable if settings["fit_target"] is None else min(usable, int(0.8 * settings["fit_target_memory_bytes"]))
+    start = max(1, fit.analytic_largest_minibatch(config, choice, aim, limits["limit"]))
     search = fit.search_largest(
         lambda m: cache.measure(plan, config, choice, usable, m), usable, start, limits["limit"], limits["max_compiles"]
     )
@@ -182,6 +192,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     spec = targets.get_target(fv.target) if fv.target else None
     settings = {
         "fit_target": spec.name if spec else None, "fit_gemm": fv.gemm if spec else None,
+        "fit_target_memory_bytes": spec.device_memory_size if spec else None,
         "fit_budget_bytes": total, "fit_budget_source": source, "fit_headroom": fv.headroom,
         "fit_usable_bytes": int(total * (1 - fv.headroom)),
     }  # fmt: skip
@@ -194,11 +205,12 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     output_root = pathlib.Path(fv.output_root)
     store = ResultsFile(output_root / "experiments" / "results" / name)
     question = _question(config, {**settings, **limits})
-    plan = fit.target_planner(spec.name if spec else "", fv.gemm) if spec else fit.local_planner
+    plan_question = _question(config, {k: settings[k] for k in ("fit_target", "fit_gemm", "fit_plan_source")})
+    plan = fit.target_planner(spec.name, fv.gemm, settings["fit_usable_bytes"]) if spec else fit.local_planner
     if not fv.quiet:
         print(_header(config, settings))
     with store.locked():
-        cache = ProbeCache(ResultsFile(store.directory / "probes"), question)
+        cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question)
         recorded = {r.get("variant"): r for r in store.rows() if r.get("fit_question") == question}
         for choice in fv.remat:
             if choice in recorded and not fv.rerun:

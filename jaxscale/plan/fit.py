@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +57,7 @@ class Probe:
     row: dict[str, Any]
     seconds: float
     failed: bool = False  # the compile itself failed (not a memory verdict)
+    limit_bytes: int | None = None  # XLA's own memory limit, when its rematerialization warning gave it
 
 
 @dataclasses.dataclass
@@ -89,9 +89,30 @@ def with_minibatch(config: ml_collections.ConfigDict, choice: str, minibatch: in
     return config
 
 
-def target_planner(target: str, gemm: str = "both") -> Planner:
-    """XLA's deviceless plan for a GPU target, compiled in this process (gpu_plan.plan_for_target's row)."""
-    return functools.partial(gpu_plan.plan_for_target, target=target, gemm=gemm, in_process=True)
+def target_planner(target: str, gemm: str = "both", usable: int | None = None) -> Planner:
+    """XLA's deviceless plan for a GPU target, compiled in this process (gpu_plan.plan_for_target's row).
+
+    With gemm="both" the cuBLAS plan (the larger one at large batches, docs/gpu_planning.md) is compiled
+    first; when it already does not fit (XLA's warning, or a peak above `usable`), the Triton plan cannot
+    change the verdict and is skipped (its peak stays null), which halves the cost of every probe that fails.
+    """
+
+    def plan(config: ml_collections.ConfigDict) -> dict[str, Any]:
+        if gemm != "both":
+            return gpu_plan.plan_for_target(config, target, gemm=gemm, in_process=True)
+        cublas = gpu_plan.plan_for_target(config, target, gemm="cublas", in_process=True)
+        if not cublas["plan_fits"] or (usable is not None and cublas["compiled_peak_bytes"] > usable):
+            return cublas
+        triton = gpu_plan.plan_for_target(config, target, gemm="triton", in_process=True)
+        row = max((cublas, triton), key=lambda r: r["compiled_peak_bytes"])
+        row = {**row, "compiled_cublas_peak_bytes": cublas["compiled_cublas_peak_bytes"]}
+        row.update(compiled_triton_peak_bytes=triton["compiled_triton_peak_bytes"])
+        row["plan_wall_s"] = cublas["plan_wall_s"] + triton["plan_wall_s"]
+        if not triton["plan_fits"]:
+            row.update(plan_fits=False, plan_fits_reason=triton["plan_fits_reason"])
+        return row
+
+    return plan
 
 
 def local_planner(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -108,19 +129,31 @@ def local_planner(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return row
 
 
-def probe(plan: Planner, config: ml_collections.ConfigDict, choice: str, minibatch: int, usable: int) -> Probe:
-    """Compiles `choice` at `minibatch` and judges it against `usable` bytes; a failed compile is a Probe too."""
+def plan_row(plan: Planner, config, choice: str, minibatch: int) -> tuple[dict[str, Any], str | None, float]:
+    """Compiles `choice` at `minibatch`: (the plan's row fields, the compile's error or None, seconds)."""
     start = time.perf_counter()
     try:
-        row = plan(with_minibatch(config, choice, minibatch))
+        return plan(with_minibatch(config, choice, minibatch)), None, time.perf_counter() - start
     except Exception as error:  # the compile failed: a row, not a crash (XLA raises many types)
         message = " ".join(f"{type(error).__name__}: {error}".split())[:500]
-        return Probe(minibatch, False, None, message, {}, time.perf_counter() - start, failed=True)
+        return {}, message, time.perf_counter() - start
+
+
+def judge(minibatch: int, row: dict[str, Any], error: str | None, seconds: float, usable: int) -> Probe:
+    """A plan against `usable` bytes: it fits when the planner says so (no XLA warning) and its peak is within."""
+    if error is not None:
+        return Probe(minibatch, False, None, error, row, seconds, failed=True)
     peak = row.get("compiled_peak_bytes")
     reason = row.get("plan_fits_reason") if row.get("plan_fits") is False else None
     if reason is None and peak is not None and peak > usable:
         reason = f"planned peak {peak} bytes > usable {usable} bytes"
-    return Probe(minibatch, reason is None, peak, reason, row, time.perf_counter() - start)
+    limit = row.get("compiled_remat_limit_bytes")
+    return Probe(minibatch, reason is None, peak, reason, row, seconds, limit_bytes=limit)
+
+
+def probe(plan: Planner, config: ml_collections.ConfigDict, choice: str, minibatch: int, usable: int) -> Probe:
+    """Compiles `choice` at `minibatch` and judges it against `usable` bytes; a failed compile is a Probe too."""
+    return judge(minibatch, *plan_row(plan, config, choice, minibatch), usable)
 
 
 def _interpolate(low: Probe, high: Probe, usable: int) -> int | None:
@@ -147,7 +180,9 @@ def search_largest(
 ) -> Search:
     """The largest minibatch in [1, limit] whose probe fits, by grow-then-bisect within `max_compiles`.
 
-    Assumes that fitting is monotone in the minibatch (a larger minibatch never needs less memory).
+    Assumes that fitting is monotone in the minibatch (a larger minibatch never needs less memory). The steps
+    aim at `usable`, or at XLA's own lower limit once a probe's rematerialization warning has named it (a GPU
+    plan fits only below that limit, about 77-80% of the device's memory).
     Args:
       measure: minibatch -> Probe (each call is one compile; repeated minibatches are not re-measured).
       usable: the budget in bytes (used to aim the steps; `measure` decides what fits).
@@ -162,6 +197,9 @@ def search_largest(
             probes[minibatch] = measure(minibatch)
         return probes[minibatch]
 
+    def aim() -> int:
+        return min([usable, *(p.limit_bytes for p in probes.values() if p.limit_bytes)])
+
     low: Probe | None = None  # largest fitting so far
     high: Probe | None = None  # smallest not fitting so far
     minibatch, previous = max(1, min(start, limit)), None
@@ -173,7 +211,7 @@ def search_largest(
             low, previous = current, low
             if high is not None or minibatch == limit:
                 break
-            minibatch = _next_grow(current, previous, usable, limit)
+            minibatch = _next_grow(current, previous, aim(), limit)
         else:
             high = current
             if low is not None or minibatch == 1:
@@ -182,7 +220,7 @@ def search_largest(
     moved: list[bool] = []  # which end each bisection step moved (True: low); twice the same end = stalling
     while low is not None and high is not None and high.minibatch - low.minibatch > 1 and len(probes) < max_compiles:
         stalled = len(moved) >= 2 and moved[-1] == moved[-2]
-        guess = None if stalled else _interpolate(low, high, usable)
+        guess = None if stalled else _interpolate(low, high, aim())
         if guess is None:
             guess = (low.minibatch + high.minibatch) // 2
         guess = min(max(guess, low.minibatch + 1), high.minibatch - 1)  # the line's edge, or just past `low`

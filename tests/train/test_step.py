@@ -14,8 +14,8 @@ from jaxscale.config import base_config
 from jaxscale.measure import memory
 
 
-def _setup(dropout: float = 0.0):
-    config = base_config("tiny", "accumulate")
+def _setup(dropout: float = 0.0, preset: str = "tiny"):
+    config = base_config(preset, "accumulate")
     config.model.dtype = "float32"
     config.model.dropout_rate = dropout
     state = train.make_init_fn(config)()
@@ -36,10 +36,11 @@ def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 @pytest.mark.parametrize("method", ["loop", "scan"])
 @pytest.mark.parametrize("num_minibatches", [1, 2, 4])
-def test_accumulated_gradients_equal_full_batch(method, num_minibatches):
-    state, batch, grad_fn = _setup()
+def test_accumulated_gradients_equal_full_batch(method, num_minibatches, preset):
+    state, batch, grad_fn = _setup(preset=preset)
     rng = jax.random.PRNGKey(0)
     full_grads, full_metrics = jax.jit(grad_fn)(state.params, batch, rng)
     accumulate = jax.jit(train.accumulate_gradients, static_argnums=(0, 4, 5))
@@ -100,7 +101,7 @@ def test_remat_with_scan_shrinks_the_compiled_plan():
 
 def test_optimizer_choices_build_and_clip():
     config = base_config("tiny", "opt")
-    for name in ("adam", "adamw", "sgd"):
+    for name in ("adam", "adamw", "sgd", "adafactor"):
         config.optimizer.name = name
         config.optimizer.grad_clip_norm = 1.0
         tx = train.make_optimizer(config.optimizer)
@@ -109,10 +110,11 @@ def test_optimizer_choices_build_and_clip():
         assert np.all(np.isfinite(updates["w"]))
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 @pytest.mark.parametrize("scan_layers,accumulate", [(False, "loop"), (True, "scan")])
-def test_named_scopes_reach_the_compiled_program(scan_layers, accumulate):
+def test_named_scopes_reach_the_compiled_program(scan_layers, accumulate, preset):
     """Traces and HLO name the model's parts, so a profile reads block_1 / attn / mlp / accumulate / optimizer."""
-    config = base_config("tiny", "scopes")
+    config = base_config(preset, "scopes")
     config.model.scan_layers, config.train.accumulate = scan_layers, accumulate
     op_names = "\n".join(re.findall(r'op_name="([^"]+)"', run.compile_step(config)[0].as_text()))
     expected = ["jit(train_step)/accumulate/", "jit(train_step)/optimizer/", "/attn/", "/mlp/", "/embed/", "/head/"]
