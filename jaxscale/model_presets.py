@@ -9,7 +9,7 @@ overrides change anything else, e.g. the sequence and the batch:
 
 Each real model lists its source; `tests/test_model_presets.py` checks every parameter count through
 `jax.eval_shape` (nothing allocated). Not modelled: Llama 3.1/3.2's "llama3" RoPE frequency scaling (it
-changes the rotation frequencies only, not shapes, memory or FLOPs) and GPT-2's tanh-GELU vs exact GELU.
+changes the rotation frequencies only, not shapes, memory or FLOPs).
 """
 
 from __future__ import annotations
