@@ -24,6 +24,7 @@ from ml_collections import config_flags
 
 from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
 from jaxscale.config import flatten
+from jaxscale.measure import params
 from jaxscale.plan import fit, gpu_plan, targets
 from jaxscale.sweep import runner
 from jaxscale.sweep.results import ResultsFile
@@ -175,7 +176,7 @@ def _header(config, settings: dict) -> str:
     )
     if settings["fit_target"] is None and jax.default_backend() == "cpu":
         text += "\n  note: a CPU plan is only a proxy for a GPU's (1.3-3x off in bf16); use --target to plan for a GPU"
-    return text
+    return "\n".join([text, *(f"  shape warning: {w}" for w in params.shape_warnings(config.model))])
 
 
 def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[list[dict], pathlib.Path]:

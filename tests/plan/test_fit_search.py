@@ -45,6 +45,23 @@ def test_a_good_start_needs_few_compiles():
     assert search.largest.minibatch == 120 and search.compiles <= 4
 
 
+def test_a_plateau_at_xla_s_limit_is_bisected_not_crept_through():
+    """Near XLA's own limit its rematerialization holds the peak flat while the plan still fits, up to an edge
+    the peaks do not show: the search bisects there instead of stepping one minibatch at a time."""
+    limit_bytes, edge = 18_000, 348
+
+    def measure(minibatch: int) -> fit.Probe:
+        peak = min(60 * minibatch, limit_bytes - 10) if minibatch <= edge else 60 * minibatch  # flat from 300
+        fits = minibatch <= edge
+        if fits:
+            return fit.Probe(minibatch, True, peak, None, {}, 0.0)
+        return fit.Probe(minibatch, False, peak, "XLA's warning", {}, 0.0, limit_bytes=limit_bytes)
+
+    search = fit.search_largest(measure, 24_000, start=336, limit=4096)
+    assert search.largest.minibatch == edge and search.too_large.minibatch == edge + 1
+    assert search.compiles <= 11  # the bracket [336, 672] bisected: 9 steps, plus the first two
+
+
 def test_search_stops_at_the_limit_and_reports_when_nothing_fits():
     calls: list[int] = []
     search = fit.search_largest(_linear(0, 1, 10**9, calls), 10**9, start=3, limit=40)
