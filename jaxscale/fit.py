@@ -47,6 +47,10 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     flags.DEFINE_float("headroom", 0.0, "Fraction of the budget kept free (0.1 = plan within 90%).", flag_values=fv)
     flags.DEFINE_list("remat", list(fit.REMAT_CHOICES), "Remat choices to compare.", flag_values=fv)
     flags.DEFINE_enum("gemm", "both", gpu_plan.GEMM_CHOICES, "With --target: GEMM modes planned.", flag_values=fv)
+    flags.DEFINE_enum(
+        "xla_limit", "respect", ("respect", "ignore"), "respect: a plan with XLA's 'Can't reduce memory use "
+        "below' warning does not fit (conservative); ignore: the plan's peak alone decides.", flag_values=fv,
+    )  # fmt: skip
     flags.DEFINE_integer("max_minibatch", fit.DEFAULT_LIMIT, "Largest minibatch tried.", flag_values=fv)
     flags.DEFINE_integer("max_compiles", fit.DEFAULT_MAX_COMPILES, "Compiles per remat choice.", flag_values=fv)
     flags.DEFINE_bool(
@@ -97,9 +101,12 @@ class ProbeCache:
         store.directory.mkdir(parents=True, exist_ok=True)
         self.known = {r["variant"]: r for r in store.rows() if r.get("fit_plan_question") == question}
 
-    def measure(self, plan: fit.Planner, config, choice: str, usable: int, minibatch: int) -> fit.Probe:
+    def measure(
+        self, plan: fit.Planner, config, choice: str, usable: int, minibatch: int, respect_xla_limit: bool = True
+    ) -> fit.Probe:
         key = f"{choice}@{minibatch}"
-        if key in self.known:
+        partial = self.known.get(key, {}).get("plan", {}).get("plan_gemm_partial")
+        if key in self.known and not (partial and not respect_xla_limit):  # a partial plan judged a warning only
             self.reused += 1
             entry = self.known[key]
         else:
@@ -109,7 +116,7 @@ class ProbeCache:
             entry = json.loads(json.dumps(entry, default=str))
             self.store.record(entry)
             self.known[key] = entry
-        return fit.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable)
+        return fit.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable, respect_xla_limit)
 
 
 def fit_choice(config, choice: str, plan: fit.Planner, cache: ProbeCache, settings: dict, limits: dict) -> dict:
@@ -118,10 +125,16 @@ def fit_choice(config, choice: str, plan: fit.Planner, cache: ProbeCache, settin
     usable = settings["fit_usable_bytes"]
     # A GPU plan fits only below XLA's own limit, which starts from 80% of the device's memory (XLA's
     # GPU compiler's base limit): aim the analytic start there; the row keeps the analytic answer for `usable`.
-    aim = usable if settings["fit_target"] is None else min(usable, int(0.8 * settings["fit_target_memory_bytes"]))
+    xla = settings["fit_target"] is not None and settings["fit_xla_limit"] == "respect"
+    aim = min(usable, int(0.8 * settings["fit_target_memory_bytes"])) if xla else usable
     start = max(1, fit.analytic_largest_minibatch(config, choice, aim, limits["limit"]))
+    respect = settings["fit_xla_limit"] == "respect"
     search = fit.search_largest(
-        lambda m: cache.measure(plan, config, choice, usable, m), usable, start, limits["limit"], limits["max_compiles"]
+        lambda m: cache.measure(plan, config, choice, usable, m, respect),
+        usable,
+        start,
+        limits["limit"],
+        limits["max_compiles"],
     )
     row = fit.fit_row(config, choice, search, settings)
     row.update(fit_probes_reused=cache.reused - reused_before, fit_wall_s=time.perf_counter() - start_time)
@@ -174,6 +187,8 @@ def _header(config, settings: dict) -> str:
         f"per step: {source}; budget {_gib(settings['fit_budget_bytes'])} GiB ({settings['fit_budget_source']}), "
         f"usable {_gib(settings['fit_usable_bytes'])} GiB (headroom {settings['fit_headroom']:.0%})"
     )
+    if settings["fit_target"] is not None:
+        text += f"; XLA's own limit: {settings['fit_xla_limit']}"
     if settings["fit_target"] is None and jax.default_backend() == "cpu":
         text += "\n  note: a CPU plan is only a proxy for a GPU's (1.3-3x off in bf16); use --target to plan for a GPU"
     return "\n".join([text, *(f"  shape warning: {w}" for w in params.shape_warnings(config.model))])
@@ -195,6 +210,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
         "fit_target": spec.name if spec else None, "fit_gemm": fv.gemm if spec else None,
         "fit_target_memory_bytes": spec.device_memory_size if spec else None,
         "fit_budget_bytes": total, "fit_budget_source": source, "fit_headroom": fv.headroom,
+        "fit_xla_limit": fv.xla_limit,
         "fit_usable_bytes": int(total * (1 - fv.headroom)),
     }  # fmt: skip
     local = f"the local {jax.default_backend()} compiler's plan"
@@ -207,7 +223,8 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     store = ResultsFile(output_root / "experiments" / "results" / name)
     question = _question(config, {**settings, **limits})
     plan_question = _question(config, {k: settings[k] for k in ("fit_target", "fit_gemm", "fit_plan_source")})
-    plan = fit.target_planner(spec.name, fv.gemm, settings["fit_usable_bytes"]) if spec else fit.local_planner
+    respect = fv.xla_limit == "respect"
+    plan = fit.target_planner(spec.name, fv.gemm, settings["fit_usable_bytes"], respect) if spec else fit.local_planner
     if not fv.quiet:
         print(_header(config, settings))
     with store.locked():

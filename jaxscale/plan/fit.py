@@ -90,20 +90,24 @@ def with_minibatch(config: ml_collections.ConfigDict, choice: str, minibatch: in
     return config
 
 
-def target_planner(target: str, gemm: str = "both", usable: int | None = None) -> Planner:
+def target_planner(
+    target: str, gemm: str = "both", usable: int | None = None, respect_xla_limit: bool = True
+) -> Planner:
     """XLA's deviceless plan for a GPU target, compiled in this process (gpu_plan.plan_for_target's row).
 
     With gemm="both" the cuBLAS plan (the larger one at large batches, docs/gpu_planning.md) is compiled
-    first; when it already does not fit (XLA's warning, or a peak above `usable`), the Triton plan cannot
-    change the verdict and is skipped (its peak stays null), which halves the cost of every probe that fails.
+    first; when it already does not fit (XLA's warning, when respected, or a peak above `usable`), the Triton
+    plan cannot change the verdict and is skipped (its peak stays null), which halves the cost of every probe
+    that fails.
     """
 
     def plan(config: ml_collections.ConfigDict) -> dict[str, Any]:
         if gemm != "both":
             return gpu_plan.plan_for_target(config, target, gemm=gemm, in_process=True)
         cublas = gpu_plan.plan_for_target(config, target, gemm="cublas", in_process=True)
-        if not cublas["plan_fits"] or (usable is not None and cublas["compiled_peak_bytes"] > usable):
-            return cublas
+        warned = respect_xla_limit and not cublas["plan_fits"]
+        if warned or (usable is not None and cublas["compiled_peak_bytes"] > usable):
+            return {**cublas, "plan_gemm_partial": True}  # Triton not compiled: the verdict is already "no"
         triton = gpu_plan.plan_for_target(config, target, gemm="triton", in_process=True)
         row = max((cublas, triton), key=lambda r: r["compiled_peak_bytes"])
         row = {**row, "compiled_cublas_peak_bytes": cublas["compiled_cublas_peak_bytes"]}
@@ -140,21 +144,36 @@ def plan_row(plan: Planner, config, choice: str, minibatch: int) -> tuple[dict[s
         return {}, message, time.perf_counter() - start
 
 
-def judge(minibatch: int, row: dict[str, Any], error: str | None, seconds: float, usable: int) -> Probe:
-    """A plan against `usable` bytes: it fits when the planner says so (no XLA warning) and its peak is within."""
+def judge(
+    minibatch: int, row: dict[str, Any], error: str | None, seconds: float, usable: int, respect_xla_limit: bool = True
+) -> Probe:
+    """A plan against `usable` bytes: it fits when its peak is within and, with `respect_xla_limit`, XLA did not
+    warn that it could not rematerialize below its own limit (the planner's `plan_fits`).
+
+    XLA's warning compares XLA's own estimate, made before its last fusions, with a limit derived from 80% of the
+    device's memory; the buffer plan that follows can be well below it (gpt2 on an RTX 4090, docs/fit.md), so
+    `respect_xla_limit=False` lets the plan's peak alone decide.
+    """
     if error is not None:
         return Probe(minibatch, False, None, error, row, seconds, failed=True)
     peak = row.get("compiled_peak_bytes")
-    reason = row.get("plan_fits_reason") if row.get("plan_fits") is False else None
+    reason = row.get("plan_fits_reason") if respect_xla_limit and row.get("plan_fits") is False else None
     if reason is None and peak is not None and peak > usable:
         reason = f"planned peak {peak} bytes > usable {usable} bytes"
-    limit = row.get("compiled_remat_limit_bytes")
+    limit = row.get("compiled_remat_limit_bytes") if respect_xla_limit else None
     return Probe(minibatch, reason is None, peak, reason, row, seconds, limit_bytes=limit)
 
 
-def probe(plan: Planner, config: ml_collections.ConfigDict, choice: str, minibatch: int, usable: int) -> Probe:
+def probe(
+    plan: Planner,
+    config: ml_collections.ConfigDict,
+    choice: str,
+    minibatch: int,
+    usable: int,
+    respect_xla_limit: bool = True,
+) -> Probe:
     """Compiles `choice` at `minibatch` and judges it against `usable` bytes; a failed compile is a Probe too."""
-    return judge(minibatch, *plan_row(plan, config, choice, minibatch), usable)
+    return judge(minibatch, *plan_row(plan, config, choice, minibatch), usable, respect_xla_limit)
 
 
 def _interpolate(low: Probe, high: Probe, usable: int) -> int | None:

@@ -139,3 +139,16 @@ def test_in_process_target_plan_equals_the_child_process_plan():
     for column in ("compiled_peak_bytes", "compiled_temp_bytes", "compiled_argument_bytes", "plan_fits"):
         assert in_process[column] == child[column], column
     assert in_process["compiled_backend"] == "cuda:a5000" and in_process["compiled_gemm"] == "cublas"
+
+
+def test_xla_s_warning_decides_only_when_respected():
+    """XLA's warning compares its own pre-fusion estimate with its limit; the buffer plan can be well below."""
+    warned = {"compiled_peak_bytes": 14 * 2**30, "plan_fits": False, "plan_fits_reason": "XLA could not ...",
+              "compiled_remat_limit_bytes": 18 * 2**30}  # fmt: skip
+    respected = fit.judge(42, warned, None, 1.0, usable=24 * 2**30)
+    assert not respected.fits and respected.reason == "XLA could not ..." and respected.limit_bytes == 18 * 2**30
+    ignored = fit.judge(42, warned, None, 1.0, usable=24 * 2**30, respect_xla_limit=False)
+    assert ignored.fits and ignored.limit_bytes is None
+    assert not fit.judge(
+        42, warned, None, 1.0, usable=10 * 2**30, respect_xla_limit=False
+    ).fits  # the peak still counts
