@@ -47,7 +47,8 @@ def test_a_model_preset_takes_the_technique_from_the_file_and_the_batch_from_ove
     result = run_cli(
         "jaxscale.run", "--config", f"{CONFIGS}/bf16_remat_block.py:llama3.1-8b", "--config.data.seq_len=8192",
         "--config.data.batch_size=2", "--config.model.num_layers=1", "--config.model.vocab_size=1024",
-        "--config.model.hidden_size=256", "--config.model.mlp_hidden_size=512", "--plan", "--name=preset_cli",
+        "--config.model.hidden_size=256", "--config.model.mlp_hidden_size=512", "--config.model.num_kv_heads=1",
+        "--plan", "--name=preset_cli",
         "--output_root", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
