@@ -205,6 +205,69 @@ def _next_grow(last: Probe, previous: Probe | None, usable: int, limit: int, xla
     return min(limit, max(last.minibatch + 1, min(target, 2 * last.minibatch)))
 
 
+@dataclasses.dataclass
+class _Probes:
+    """The probes of one search by minibatch (each measured once) and the aim they imply."""
+
+    measure: Callable[[int], Probe]
+    usable: int
+    max_compiles: int
+    seen: dict[int, Probe] = dataclasses.field(default_factory=dict)
+
+    def at(self, minibatch: int) -> Probe:
+        if minibatch not in self.seen:
+            self.seen[minibatch] = self.measure(minibatch)
+        return self.seen[minibatch]
+
+    def spent(self) -> bool:
+        return len(self.seen) >= self.max_compiles
+
+    def xla_limit(self) -> int | None:
+        return min((p.limit_bytes for p in self.seen.values() if p.limit_bytes), default=None)
+
+    def aim(self) -> int:
+        return min(self.usable, self.xla_limit() or self.usable)
+
+
+def _grow(probes: _Probes, start: int, limit: int) -> tuple[Probe | None, Probe | None]:
+    """(largest fitting, smallest not fitting) after growing from `start` (or halving when it does not fit)."""
+    low = high = previous = None
+    minibatch = max(1, min(start, limit))
+    while not probes.spent():
+        current = probes.at(minibatch)
+        if current.failed:
+            break
+        if current.fits:
+            low, previous = current, low
+            if high is not None or minibatch == limit:
+                break
+            minibatch = _next_grow(current, previous, probes.aim(), limit, probes.xla_limit())
+        else:
+            high = current
+            if low is not None or minibatch == 1:
+                break
+            minibatch = max(1, minibatch // 2)
+    return low, high
+
+
+def _bisect(probes: _Probes, low: Probe, high: Probe) -> tuple[Probe, Probe]:
+    """Closes the bracket [low fits, high does not]: interpolated steps, a midpoint when they stall."""
+    moved: list[bool] = []  # which end each step moved (True: low); twice the same end = stalling
+    while high.minibatch - low.minibatch > 1 and not probes.spent():
+        stalled = len(moved) >= 2 and moved[-1] == moved[-2]
+        line = not stalled and _below(low, probes.xla_limit())
+        guess = _interpolate(low, high, probes.aim()) if line else None
+        if guess is None:
+            guess = (low.minibatch + high.minibatch) // 2
+        guess = min(max(guess, low.minibatch + 1), high.minibatch - 1)  # the line's edge, or just past `low`
+        current = probes.at(guess)
+        if current.failed:
+            break
+        moved.append(current.fits)
+        low, high = (current, high) if current.fits else (low, current)
+    return low, high
+
+
 def search_largest(
     measure: Callable[[int], Probe],
     usable: int,
@@ -224,50 +287,11 @@ def search_largest(
     Returns:
       The Search; largest is None when minibatch 1 does not fit (or every compile failed).
     """
-    probes: dict[int, Probe] = {}
-
-    def at(minibatch: int) -> Probe:
-        if minibatch not in probes:
-            probes[minibatch] = measure(minibatch)
-        return probes[minibatch]
-
-    def xla_limit() -> int | None:
-        return min((p.limit_bytes for p in probes.values() if p.limit_bytes), default=None)
-
-    def aim() -> int:
-        return min(usable, xla_limit() or usable)
-
-    low: Probe | None = None  # largest fitting so far
-    high: Probe | None = None  # smallest not fitting so far
-    minibatch, previous = max(1, min(start, limit)), None
-    while len(probes) < max_compiles:  # grow (or shrink from a start that does not fit)
-        current = at(minibatch)
-        if current.failed:
-            break
-        if current.fits:
-            low, previous = current, low
-            if high is not None or minibatch == limit:
-                break
-            minibatch = _next_grow(current, previous, aim(), limit, xla_limit())
-        else:
-            high = current
-            if low is not None or minibatch == 1:
-                break
-            minibatch = max(1, minibatch // 2)
-    moved: list[bool] = []  # which end each bisection step moved (True: low); twice the same end = stalling
-    while low is not None and high is not None and high.minibatch - low.minibatch > 1 and len(probes) < max_compiles:
-        stalled = len(moved) >= 2 and moved[-1] == moved[-2]
-        guess = None if stalled or not _below(low, xla_limit()) else _interpolate(low, high, aim())
-        if guess is None:
-            guess = (low.minibatch + high.minibatch) // 2
-        guess = min(max(guess, low.minibatch + 1), high.minibatch - 1)  # the line's edge, or just past `low`
-        current = at(guess)
-        if current.failed:
-            break
-        moved.append(current.fits)
-        low, high = (current, high) if current.fits else (low, current)
-    ordered = list(probes.values())
-    return Search(ordered, low, high)
+    probes = _Probes(measure, usable, max_compiles)
+    low, high = _grow(probes, start, limit)
+    if low is not None and high is not None:
+        low, high = _bisect(probes, low, high)
+    return Search(list(probes.seen.values()), low, high)
 
 
 def analytic_largest_minibatch(
