@@ -137,7 +137,7 @@ def watch() -> Iterator[CompileWatch]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The GPU-target plan cache (written by the planning parent, read by the target-compile child).
+# The GPU-target plan cache (written and read by jaxscale.plan.target_compile, in a child or in process).
 
 
 def _versions() -> str:
@@ -149,11 +149,18 @@ def _versions() -> str:
     return ", ".join(found)
 
 
-def plan_key(lowered_text: str, target_config_text: str, xla_flags: str, topology: str = "1x1x1") -> str:
+def plan_key(
+    lowered_text: str,
+    target_config_text: str,
+    xla_flags: str,
+    topology: str = "1x1x1",
+    compiler_options: dict | None = None,
+) -> str:
     """Key of a deviceless plan: the lowered program (StableHLO text), the target, its topology (slices x
-    hosts x GPUs), XLA_FLAGS, versions and the plan format."""
+    hosts x GPUs), XLA_FLAGS, the compile's options (the GEMM mode), versions and the plan format."""
     digest = hashlib.sha256()
-    parts = (lowered_text, target_config_text, topology, xla_flags, _versions(), f"plan format {PLAN_FORMAT}")
+    options = json.dumps(compiler_options or {}, sort_keys=True)
+    parts = (lowered_text, target_config_text, topology, xla_flags, options, _versions(), f"plan format {PLAN_FORMAT}")
     for part in parts:
         digest.update(part.encode())
         digest.update(b"\0")
@@ -172,7 +179,7 @@ def read_plan(key: str) -> dict | None:
 
 
 def write_plan(key: str, result: dict, stderr: str) -> None:
-    """Stores a plan (the child's result and its stderr, whose XLA warnings planning parses), atomically."""
+    """Stores a plan (the compile's result and its stderr, whose XLA warnings planning parses), atomically."""
     if not enabled():
         return
     directory = plan_dir()

@@ -15,6 +15,8 @@ import types
 import jax
 import ml_collections
 
+from jaxscale import model_presets
+
 # Sizes per preset. Everything not listed here is the same at every scale (see base_config).
 PRESETS: dict[str, dict[str, dict[str, object]]] = {
     # The reference experiment (the UvA notebook on one 24 GB A5000): 155,877,376 parameters.
@@ -40,13 +42,19 @@ PRESETS: dict[str, dict[str, dict[str, object]]] = {
     },
 }
 
+FAMILIES = ("gpt", "llama")
 DTYPES = ("bfloat16", "float32", "float16")
 REMAT_TARGETS = ("MLP", "Attn", "Block")
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj")
 ATTENTION_IMPLS = ("reference", "xla", "cudnn")
 ACCUMULATE_METHODS = ("scan", "loop")
-OPTIMIZERS = ("adam", "adamw", "sgd")
+OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 DATA_SOURCES = ("synthetic", "text")
+
+
+def all_presets() -> dict[str, dict[str, dict[str, object]]]:
+    """The size presets above and the named real models of jaxscale.model_presets, by name."""
+    return {**PRESETS, **model_presets.MODEL_PRESETS}
 
 
 class ConfigError(ValueError):
@@ -71,19 +79,25 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     preset_source = "given"
     if preset is None or preset == "":
         preset, preset_source = default_preset(), f"auto ({jax.default_backend()} backend)"
-    if preset not in PRESETS:
-        raise ConfigError(f"preset: unknown {preset!r}; allowed: {', '.join(PRESETS)}")
+    if preset not in all_presets():
+        raise ConfigError(f"preset: unknown {preset!r}; allowed: {', '.join(all_presets())}")
     c = ml_collections.ConfigDict()
     c.name = name  # variant name, used in run names and trace directories
-    c.preset = preset  # size preset: seed (reference scale), cpu (~1 s/step on 2 cores), tiny (tests)
+    c.preset = preset  # size preset (seed, cpu, tiny) or a named model (jaxscale.model_presets: gpt2, llama3.1-8b, ...)
     c.preset_source = preset_source  # "given" or how the preset was picked automatically
 
     c.model = ml_collections.ConfigDict()
+    c.model.family = "gpt"  # gpt (LayerNorm, GELU MLP, learned positions) or llama (RMSNorm, SwiGLU, RoPE, GQA)
     c.model.vocab_size = 2048  # tokens in the vocabulary (also the number of output classes)
     c.model.hidden_size = 1024  # width of the residual stream
     c.model.head_dim = 128  # width of one attention head; num_heads = hidden_size // head_dim
     c.model.num_layers = 12  # transformer blocks
-    c.model.mlp_expansion = 4  # MLP hidden width = mlp_expansion * hidden_size
+    c.model.mlp_expansion = 4  # MLP hidden width = mlp_expansion * hidden_size, unless mlp_hidden_size is set
+    c.model.mlp_hidden_size = 0  # MLP hidden width in units (llama's intermediate_size); 0: mlp_expansion * hidden
+    c.model.num_kv_heads = 0  # key/value heads of grouped-query attention (llama); 0: one per query head (MHA)
+    c.model.rope_theta = 10000.0  # base of the rotary position embedding's frequencies (llama)
+    c.model.norm_epsilon = 1e-6  # epsilon of LayerNorm (gpt) or RMSNorm (llama)
+    c.model.tie_embeddings = False  # output head = token embedding transposed, no bias (GPT-2, Llama 3.2)
     c.model.max_seq_len = 512  # rows of the learned positional embedding
     c.model.dropout_rate = 0.1  # dropout after embeddings, attention output and MLP output
     c.model.dtype = "bfloat16"  # compute dtype of activations and matmuls; params are always float32
@@ -136,7 +150,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # FSDP (ZeRO-3): parameters, gradients and optimizer state sharded, the batch split too
     c.mesh.tensor = 1  # Megatron tensor parallel: attention heads, MLP width and vocabulary split
 
-    for group, values in PRESETS[preset].items():
+    for group, values in all_presets()[preset].items():
         c[group].update(values)
     return c
 
@@ -172,6 +186,38 @@ def _one_of(value: object, allowed: tuple[str, ...], field: str) -> None:
     _check(value in allowed, field, f"unknown {value!r}; allowed: {', '.join(allowed)}")
 
 
+def _validate_family(m: ml_collections.ConfigDict) -> None:
+    """The fields of the model family: grouped-query heads, MLP width, RoPE and norm settings."""
+    _one_of(m.family, FAMILIES, "model.family")
+    for field in ("num_kv_heads", "mlp_hidden_size"):
+        value = m[field]
+        _check(isinstance(value, int) and value >= 0, f"model.{field}", f"must be an integer >= 0, got {value!r}")
+    num_heads = m.hidden_size // m.head_dim
+    kv_heads = m.num_kv_heads or num_heads
+    if m.family == "gpt":
+        _check(
+            kv_heads == num_heads,
+            "model.num_kv_heads",
+            f"{m.num_kv_heads}: gpt's fused QKV projection has one K/V head per query head ({num_heads}, or 0); "
+            "grouped-query attention needs model.family=llama",
+        )
+    _check(
+        num_heads % kv_heads == 0,
+        "model.num_kv_heads",
+        f"{m.num_kv_heads} does not divide the {num_heads} query heads (hidden_size / head_dim); allowed: "
+        + ", ".join(str(n) for n in range(1, num_heads + 1) if num_heads % n == 0),
+    )
+    if m.family == "llama":
+        _check(
+            m.head_dim % 2 == 0, "model.head_dim", f"{m.head_dim}: rotary embeddings rotate pairs, so it must be even"
+        )
+    _check(m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}")
+    _check(m.norm_epsilon > 0, "model.norm_epsilon", f"must be > 0, got {m.norm_epsilon}")
+    _check(
+        isinstance(m.tie_embeddings, bool), "model.tie_embeddings", f"must be True or False, got {m.tie_embeddings!r}"
+    )
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first field that the lab cannot run."""
     _positive(config, "model.vocab_size", "model.hidden_size", "model.head_dim", "model.num_layers")
@@ -189,6 +235,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         "data.batch_size",
         f"{d.batch_size} is not divisible by train.num_minibatches={t.num_minibatches}",
     )
+    _validate_family(m)
     _one_of(m.dtype, DTYPES, "model.dtype")
     _one_of(m.softmax_dtype, DTYPES, "model.softmax_dtype")
     _check(isinstance(m.remat, tuple), "model.remat", f"must be a tuple of names from {REMAT_TARGETS}")
@@ -284,11 +331,16 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
         f"{fsdp} does not divide model.hidden_size={m.hidden_size} (FSDP splits the embed axis); allowed: "
         f"{_divisors(m.hidden_size)}",
     )
+    heads = m.hidden_size // m.head_dim
     splits = {
-        "attention heads (model.hidden_size / model.head_dim)": m.hidden_size // m.head_dim,
-        "the MLP width (model.mlp_expansion x model.hidden_size)": m.mlp_expansion * m.hidden_size,
+        "attention heads (model.hidden_size / model.head_dim)": heads,
+        "the MLP width (model.mlp_hidden_size, or model.mlp_expansion x model.hidden_size)": (
+            m.mlp_hidden_size or m.mlp_expansion * m.hidden_size
+        ),
         "model.vocab_size": m.vocab_size,
     }
+    if (m.num_kv_heads or heads) != heads:  # grouped-query attention: K/V heads split too
+        splits["K/V heads (model.num_kv_heads)"] = m.num_kv_heads
     for what, size in splits.items():
         _check(
             size % tensor == 0,

@@ -35,7 +35,7 @@ from jaxscale.cli import (
     wants_help,
 )
 from jaxscale.config import ConfigError, check_mesh_devices, describe, flatten, mesh_shape, mesh_text
-from jaxscale.measure import columns, flops, memory, profiling
+from jaxscale.measure import columns, flops, memory, params, profiling
 from jaxscale.measure.scalars import ScalarWriter
 from jaxscale.model import count_params
 from jaxscale.plan import gpu_plan, predict, targets
@@ -50,11 +50,14 @@ USAGE = Usage(
         "python -m jaxscale.run --config configs/bf16_remat.py:cpu",
         "python -m jaxscale.run --config configs/bf16_remat.py:cpu --config.train.steps=20 --config.model.num_layers=2",
         "python -m jaxscale.run --config configs/bf16_remat.py:seed --plan --target a5000",
+        "python -m jaxscale.run --config configs/bf16_remat.py:llama3.1-8b --config.data.seq_len=8192 "
+        "--config.data.batch_size=16 --config.mesh.fsdp=8 --plan --target h100 --devices 8",
         "python -m jaxscale.run --config configs/bf16_remat.py:cpu --show_config",
     ),
     notes=(
         "Presets: seed (the reference scale), cpu (about a second a step on 2 cores), tiny (tests); without one "
-        "the run picks seed on a GPU/TPU and cpu on the CPU. Configs: configs/*.py.",
+        "the run picks seed on a GPU/TPU and cpu on the CPU; real models at full size: gpt2, gpt2-medium, "
+        "llama3.2-1b, llama3.2-3b, llama3.1-8b (docs/models.md). Configs: configs/*.py.",
         CONFIG_FIELDS_NOTE,
         "Output: <output_root>/traces/<run name>/result.json and the trace beside it; the row's columns are "
         "described in README.md and docs/measurements.md.",
@@ -147,6 +150,7 @@ def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
         "analytic_model_flops_per_step": flops.model_flops_per_step(config),
+        "shape_warnings": params.shape_warnings(config.model),
         "run_dir": str(run_dir),
         "trace_dir": None,
     }
@@ -371,6 +375,7 @@ def summary(row: dict) -> str:
     if row.get("mesh_devices", 1) > 1:
         lines.insert(1, f"  mesh {row['mesh']} (data x fsdp x tensor) on {row['mesh_devices']} devices, "
                         f"{row['process_count']} process(es); memory figures are per device")  # fmt: skip
+    lines += [f"  shape warning: {warning}" for warning in row.get("shape_warnings") or ()]
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
     lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}")
     if row.get("trace_dir"):

@@ -102,3 +102,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def loss_and_grads(config, params, batch):
+    """Deterministic (dropout off) loss and gradients of `config`'s model at `params`, jitted."""
+    import jax
+
+    from jaxscale import train
+
+    config.model.dropout_rate = 0.0
+    apply_fn = train.make_model(config).apply
+
+    def loss_fn(p):
+        return train.next_token_loss(p, apply_fn, batch, jax.random.PRNGKey(0))[0]
+
+    return jax.jit(jax.value_and_grad(loss_fn))(params)
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """Unrolled params (block_0 ... block_{L-1}) in the layout of a scan_layers=True model (stacked on axis 0)."""
+    import jax
+    import jax.numpy as jnp
+
+    stacked = [params["transformer"][f"block_{i}"] for i in range(num_layers)]
+    return {**params, "transformer": {"blocks": jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *stacked)}}
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+    """Same tree structure, and every leaf allclose."""
+    import jax
+    import numpy as np
+
+    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
+    for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)

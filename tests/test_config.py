@@ -6,7 +6,7 @@ import jax
 import pytest
 from conftest import CONFIGS, load_config
 
-from jaxscale.config import PRESETS, ConfigError, base_config, validate
+from jaxscale.config import PRESETS, ConfigError, all_presets, base_config, validate
 
 CONFIG_NAMES = sorted(p.stem for p in CONFIGS.glob("*.py"))
 
@@ -57,8 +57,14 @@ BAD = [
     ("model.vocab_size", -3, "positive integer"),
     ("train.steps", 0, "positive integer"),
     ("train.accumulate", "vmap", "allowed: scan, loop"),
-    ("optimizer.name", "lion", "allowed: adam, adamw, sgd"),
+    ("optimizer.name", "lion", "allowed: adam, adamw, sgd, adafactor"),
     ("model.dropout_rate", 1.5, "[0, 1)"),
+    ("model.family", "mamba", "allowed: gpt, llama"),
+    ("model.num_kv_heads", 2, "grouped-query attention needs model.family=llama"),
+    ("model.num_kv_heads", -1, "integer >= 0"),
+    ("model.mlp_hidden_size", -5, "integer >= 0"),
+    ("model.rope_theta", 0.0, "must be > 0"),
+    ("model.norm_epsilon", -1e-5, "must be > 0"),
 ]
 
 
@@ -76,3 +82,19 @@ def test_validation_names_the_field(field, value, message):
 def test_unknown_preset_is_a_config_error():
     with pytest.raises(ConfigError, match="preset: unknown 'huge'; allowed: seed, cpu, tiny"):
         base_config("huge", "x")
+
+
+def test_llama_fields_are_validated_against_the_heads():
+    config = base_config("tiny-llama", "bad")
+    config.model.num_kv_heads = 3  # 4 query heads
+    with pytest.raises(ConfigError, match=r"model.num_kv_heads: 3 does not divide the 4 query heads.*allowed: 1, 2, 4"):
+        validate(config)
+    config.model.update(num_kv_heads=2, head_dim=15, hidden_size=60)
+    with pytest.raises(ConfigError, match="model.head_dim: 15: rotary embeddings rotate pairs"):
+        validate(config)
+
+
+def test_unknown_preset_lists_the_named_models():
+    with pytest.raises(ConfigError, match="llama3.1-8b"):
+        base_config("llama9", "x")
+    assert {"seed", "cpu", "tiny", "gpt2", "llama3.2-1b", "tiny-llama"} <= set(all_presets())

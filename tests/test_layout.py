@@ -13,6 +13,7 @@ PACKAGE = pathlib.Path(jaxscale.__file__).resolve().parent
 FLOORS: dict[str, int] = {
     "jaxscale._env": 0,
     "jaxscale.config": 0,
+    "jaxscale.model_presets": 0,
     "jaxscale.cli": 0,
     "jaxscale.compile_cache": 0,
     "jaxscale.hosts": 0,
@@ -24,6 +25,7 @@ FLOORS: dict[str, int] = {
     "jaxscale.run": 4,
     "jaxscale.sweep": 5,
     "jaxscale.bench": 6,
+    "jaxscale.fit": 6,
     "jaxscale.report": 6,
     "jaxscale.tensorboard": 6,
     "jaxscale": 7,

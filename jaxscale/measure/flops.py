@@ -12,13 +12,14 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from jaxscale.measure import hlo, peaks
+from jaxscale.measure import hlo, params, peaks
 
 # Forward matmuls recomputed in the backward pass, per remat target and policy. A recomputed tensor that
 # the backward pass does not read is dropped (dead code): the output projection of Attn and the down
 # projection of MLP only feed a dropout and a residual add, whose gradients do not need them, so remat
 # of Attn or MLP alone never recomputes them; remat of the whole Block must recompute the attention
-# output (the MLP's LayerNorm reads it). Checked against the compiled HLO in tests/test_flops.py.
+# output (the MLP's LayerNorm reads it). The same holds for llama, whose "qkv" is its q, k and v projections
+# and "up" its gate and up projections. Checked against the compiled HLO in tests/measure/test_flops.py.
 RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
     "nothing_saveable": {
         "Attn": ("qkv", "logits", "values"),
@@ -34,20 +35,14 @@ RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 def param_count(model: ml_collections.ConfigDict) -> int:
-    """Exact parameter count of jaxscale.model.GPT, from the config alone.
-
-    Per layer: two LayerNorms (2·2H), fused QKV (H·3H + 3H), attention output (H·H + H),
-    MLP up (H·eH + eH) and down (eH·H + H). Plus token embedding (V·H), positional embedding (S·H),
-    final LayerNorm (2H) and output projection (H·V + V).
-    """
-    h, e, v, s = model.hidden_size, model.mlp_expansion, model.vocab_size, model.max_seq_len
-    per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (e * h * h + e * h) + (e * h * h + h)
-    return model.num_layers * per_layer + v * h + s * h + 2 * h + (h * v + v)
+    """Exact parameter count of the config's model family, from the config alone (see params.param_count)."""
+    return params.param_count(model)
 
 
 def non_embedding_params(model: ml_collections.ConfigDict) -> int:
-    """N of the 6N rule: every parameter except the token and positional embeddings (gathers, no matmul)."""
-    return param_count(model) - model.vocab_size * model.hidden_size - model.max_seq_len * model.hidden_size
+    """N of the 6N rule: every parameter that takes part in matmuls (all but gather-only embeddings; a tied
+    token embedding is the output head's matrix too, so it stays in N)."""
+    return params.param_count(model) - params.embedding_only_params(model)
 
 
 def six_n_flops_per_step(config: ml_collections.ConfigDict) -> float:
@@ -74,20 +69,23 @@ def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False
 def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[str, float]:
     """Forward matmul FLOPs per token of one layer, by matmul (2 FLOPs per multiply-add), and of the head.
 
-    qkv 2·H·3H, logits (QK^T) 2·T·H, values (AV) 2·T·H, out 2·H·H, up 2·H·eH, down 2·eH·H; head 2·H·V.
-    The attention terms cover the full T×T square, as the reference and 'xla' kernels compute it; a
-    causal cuDNN kernel skips the masked half, so it gets half of them.
+    H hidden, F MLP width, K the K/V width (K/V heads x head_dim; H without grouped-query attention), T
+    sequence, V vocabulary. gpt: qkv 2·H·3H, up 2·H·F; llama: qkv 2·H·(H + 2K) (q, k and v), up 2·2·H·F (gate
+    and up). Both: logits (QK^T) 2·T·H, values (AV) 2·T·H (every query head, whatever K), out 2·H·H,
+    down 2·F·H; head 2·H·V (tied or not). The attention terms cover the full T×T square, as the reference
+    and 'xla' kernels compute it; a causal cuDNN kernel skips the masked half, so it gets half of them.
     """
     m, t = config.model, config.data.seq_len
-    h, e = m.hidden_size, m.mlp_expansion
+    h, f, kv = m.hidden_size, params.mlp_width(m), params.kv_width(m)
     attention = 2 * t * h * (0.5 if m.attention == "cudnn" and m.causal else 1.0)
+    llama = m.family == "llama"
     return {
-        "qkv": 6 * h * h,
+        "qkv": 2 * h * (h + 2 * kv),
         "logits": attention,
         "values": attention,
         "out": 2 * h * h,
-        "up": 2 * e * h * h,
-        "down": 2 * e * h * h,
+        "up": 2 * h * f * (2 if llama else 1),
+        "down": 2 * f * h,
         "head": 2 * h * m.vocab_size,
     }
 

@@ -7,6 +7,7 @@ analytic model divides each tensor by the mesh axes that split it (`sharded_para
 from __future__ import annotations
 
 import dataclasses
+import math
 import resource
 import sys
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxscale.config import mesh_shape
+from jaxscale.measure import params
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
@@ -64,7 +66,8 @@ def host_peak_rss_bytes() -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Analytic estimate: bytes of named tensors, per config (see docs/measurements.md for the derivation).
 
-# Optimizer state in float32 copies of the parameters: Adam's two moments, SGD's momentum trace.
+# Optimizer state in float32 copies of the parameters: Adam's two moments, SGD's momentum trace (Adafactor's
+# factored state is counted per parameter shape, see optimizer_state_bytes).
 OPTIMIZER_STATE_COPIES = {"adam": 2, "adamw": 2, "sgd": 1}
 _FLOAT32 = 4  # params, gradients, optimizer state and LayerNorm statistics are float32
 _BOOL = 1  # a dropout keep-mask element
@@ -78,15 +81,17 @@ class Dims:
     b: int  # sequences per minibatch on one device (the minibatch split over mesh.data x mesh.fsdp)
     s: int  # sequence length
     h: int  # hidden size
-    a: int  # attention heads
-    e: int  # MLP expansion
+    a: int  # attention heads (query heads)
+    k: int  # width of the keys and of the values: K/V heads x head_dim (h without grouped-query attention)
+    f: int  # MLP hidden width
     v: int  # vocabulary
     p: int  # bytes per activation element (compute dtype)
     q: int  # bytes per attention-logit element (softmax dtype)
     mask: int  # bytes per dropout-mask element: 1, or 0 without dropout
     kernel_casts: bool  # compute dtype differs from the float32 params, so matmuls read cast copies
     attention: str  # reference | xla | cudnn
-    t: int = 1  # tensor-parallel degree (mesh.tensor): heads, MLP width and vocabulary are split t ways
+    family: str  # gpt | llama
+    t: int = 1  # tensor-parallel degree (mesh.tensor): heads, K/V heads, MLP width and vocabulary split t ways
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> Dims:
@@ -97,13 +102,15 @@ class Dims:
             s=config.data.seq_len,
             h=m.hidden_size,
             a=m.hidden_size // m.head_dim,
-            e=m.mlp_expansion,
+            k=params.kv_width(m),
+            f=params.mlp_width(m),
             v=m.vocab_size,
             p=p,
             q=jnp.dtype(m.softmax_dtype).itemsize,
             mask=_BOOL if m.dropout_rate > 0 else 0,
             kernel_casts=p != _FLOAT32,
             attention=m.attention,
+            family=m.family,
             t=tensor,
         )
 
@@ -120,6 +127,7 @@ def _split(terms: dict[str, int], names: set[str], t: int) -> dict[str, int]:
 # 24sbh/t and 5as²b/t split, for 16-bit activations).
 _ATTN_SPLIT = {"softmax_exp", "softmax_weights", "v", "q_k", "attention_output", "qkv", "logsumexp", "kernel_casts"}
 _MLP_SPLIT = {"up_output", "gelu_output", "gelu_intermediates", "kernel_casts"}
+_LLAMA_MLP_SPLIT = {"gate_output", "up_output", "hidden", "silu_intermediates", "kernel_casts"}  # SwiGLU's
 
 
 def attention_residuals(d: Dims, scanned: bool) -> dict[str, int]:
@@ -152,27 +160,81 @@ def mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
     """Bytes the MLP sub-block keeps for its backward pass, per layer, by tensor (Korthikanti's 19sbh
     at p=2: LayerNorm input and output, GELU input, GELU output = down-projection input, dropout mask).
     Scanned, the tanh-approximate GELU's four intermediates and LayerNorm's float32 ones are kept too."""
-    sbh = d.s * d.b * d.h
+    sbh, sbf = d.s * d.b * d.h, d.s * d.b * d.f
     terms = {
         "ln_output": d.p * sbh,
-        "up_output": d.e * d.p * sbh,
-        "gelu_output": d.e * d.p * sbh,
+        "up_output": d.p * sbf,
+        "gelu_output": d.p * sbf,
         "dropout_mask": d.mask * sbh,
     }
     if scanned:
-        terms.update(gelu_intermediates=4 * d.e * d.p * sbh, ln_float32=3 * _FLOAT32 * sbh)
-        terms.update(kernel_casts=2 * d.e * d.h * d.h * d.p if d.kernel_casts else 0)
+        terms.update(gelu_intermediates=4 * d.p * sbf, ln_float32=3 * _FLOAT32 * sbh)
+        terms.update(kernel_casts=2 * d.f * d.h * d.p if d.kernel_casts else 0)
     else:
         terms.update(ln_input=d.p * sbh, ln_stats=2 * _FLOAT32 * d.s * d.b)
     return _split(terms, _MLP_SPLIT, d.t)
 
 
+def llama_attention_residuals(d: Dims, scanned: bool) -> dict[str, int]:
+    """Bytes Llama's attention sub-block keeps for its backward pass, per layer, by tensor.
+
+    As attention_residuals, with the differences of the family: RMSNorm keeps one float32 statistic per
+    token (LayerNorm two); k and v are sbk, not sbh (grouped-query attention); q and k are kept after the
+    rotation (the rotation's sin and cos are constants). Scanned, RMSNorm's float32 input and the
+    rotation's float32 q and k stay as loop outputs. Tensor parallelism splits the same terms as the GPT's.
+    """
+    sbh, sbk, as2b = d.s * d.b * d.h, d.s * d.b * d.k, d.a * d.s * d.s * d.b
+    terms = {"norm_output": d.p * sbh, "attention_output": d.p * sbh, "dropout_mask": d.mask * sbh}
+    if d.attention == "cudnn":
+        terms.update(qkv=d.p * (sbh + 2 * sbk), logsumexp=_FLOAT32 * d.a * d.s * d.b)
+    else:
+        terms.update(softmax_exp=d.q * as2b, softmax_weights=d.p * as2b)
+        q_k = d.q if d.attention == "reference" else d.p
+        terms.update(v=d.p * sbk, q_k=(q_k if scanned else d.p) * (sbh + sbk))
+    if scanned:
+        terms.update(norm_float32=3 * _FLOAT32 * sbh)
+        terms.update(kernel_casts=(2 * d.h * d.h + 2 * d.h * d.k) * d.p if d.kernel_casts else 0)
+    else:
+        terms.update(norm_input=d.p * sbh, norm_stats=_FLOAT32 * d.s * d.b)
+    return _split(terms, _ATTN_SPLIT, d.t)
+
+
+def llama_mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
+    """Bytes the SwiGLU MLP keeps for its backward pass, per layer: RMSNorm input and output, the gate and up
+    projections' outputs and their product silu(gate)·up (the down projection's input), a dropout mask.
+    Scanned, silu's sigmoid and RMSNorm's float32 intermediates stay too."""
+    sbh, sbf = d.s * d.b * d.h, d.s * d.b * d.f
+    terms = {
+        "norm_output": d.p * sbh,
+        "gate_output": d.p * sbf,
+        "up_output": d.p * sbf,
+        "hidden": d.p * sbf,
+        "dropout_mask": d.mask * sbh,
+    }
+    if scanned:
+        terms.update(silu_intermediates=3 * d.p * sbf, norm_float32=3 * _FLOAT32 * sbh)
+        terms.update(kernel_casts=3 * d.f * d.h * d.p if d.kernel_casts else 0)
+    else:
+        terms.update(norm_input=d.p * sbh, norm_stats=_FLOAT32 * d.s * d.b)
+    return _split(terms, _LLAMA_MLP_SPLIT, d.t)
+
+
+def residual_functions(family: str) -> tuple:
+    """The (attention, MLP) residual functions of a family (looked up when called, so a test can swap one)."""
+    return {
+        "gpt": (attention_residuals, mlp_residuals),
+        "llama": (llama_attention_residuals, llama_mlp_residuals),
+    }[family]
+
+
 # Outputs of dots that each remat policy keeps besides the checkpointed module's input. Tensor parallelism
-# splits the QKV and up projections' outputs and the attention's; the out and down projections' are whole.
+# splits the q/k/v and up (and gate) projections' outputs and the attention's; the out and down projections'
+# are whole.
 def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
-    sbh, as2b = d.s * d.b * d.h, d.a * d.s * d.s * d.b
-    qkv, up = 3 * d.p * sbh // d.t, d.e * d.p * sbh // d.t
-    projections = {"Attn": qkv + d.p * sbh, "MLP": up + d.p * sbh}  # qkv + out; up + down
+    sbh, sbk, sbf, as2b = d.s * d.b * d.h, d.s * d.b * d.k, d.s * d.b * d.f, d.a * d.s * d.s * d.b
+    up = d.p * (2 * sbf if d.family == "llama" else sbf) // d.t  # llama: gate and up
+    qkv = d.p * (sbh + 2 * sbk) // d.t  # q, k, v (gpt: one fused qkv, k = h)
+    projections = {"Attn": qkv + d.p * sbh, "MLP": up + d.p * sbh}  # qkv + out; up (+ gate) + down
     attention = (d.q * as2b + d.p * sbh) // d.t  # the logits and the AV output
     saved = {
         "nothing_saveable": {"Attn": 0, "MLP": 0},
@@ -184,15 +246,18 @@ def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
 
 
 def head_residuals(d: Dims, causal_mask: bool) -> dict[str, int]:
-    """Bytes outside the layers: token inputs, the embedding's dropout mask, the final LayerNorm, and the
-    logits (compute dtype, their float32 cast, and the float32 softmax the cross-entropy gradient reads).
+    """Bytes outside the layers: token inputs, the embedding's dropout mask, the final norm, and the logits:
+    in the compute dtype, and their gradient in the compute dtype (XLA's GPU fusions compute the float32
+    softmax of the cross-entropy and its gradient inside the kernels: fitted on deviceless A5000 plans of
+    llama3.2-1b, vocabulary 128256, where the per-sequence slope of the plan is 4 bytes per logit at
+    p = 2, both GEMM modes; the earlier p + 2·4 was 2.5x the plan there).
     `causal_mask`: the [b, a, s, s] boolean mask that a scan hoists out of the loop and keeps once."""
     sbh, bsv = d.s * d.b * d.h, d.b * d.s * d.v
     return {
         "tokens": 2 * 4 * d.b * d.s,  # int32 inputs and labels
         "embedding_dropout_mask": d.mask * sbh,
         "final_ln": 2 * d.p * sbh,
-        "logits": (d.p + 2 * _FLOAT32) * bsv // d.t,  # split by vocabulary under tensor parallelism
+        "logits": 2 * d.p * bsv // d.t,  # split by vocabulary under tensor parallelism
         "causal_mask": _BOOL * d.a * d.s * d.s * d.b // d.t if causal_mask else 0,  # split by heads
     }
 
@@ -205,8 +270,9 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
     optimizes the recompute and its backward as one region, so the fused terms apply even when scanned).
     """
     sbh = d.s * d.b * d.h
-    kept = {"Attn": sum(attention_residuals(d, scanned).values()), "MLP": sum(mlp_residuals(d, scanned).values())}
-    fused = {"Attn": sum(attention_residuals(d, False).values()), "MLP": sum(mlp_residuals(d, False).values())}
+    attn, mlp = residual_functions(d.family)
+    kept = {"Attn": sum(attn(d, scanned).values()), "MLP": sum(mlp(d, scanned).values())}
+    fused = {"Attn": sum(attn(d, False).values()), "MLP": sum(mlp(d, False).values())}
     fused["Block"] = fused["Attn"] + fused["MLP"]
     saved = _policy_saved(d, policy)
     if "Block" in remat:
@@ -218,22 +284,37 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
 
 def sharded_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1) -> int:
     """Parameters one device holds when FSDP splits every embed axis fsdp ways and tensor parallelism
-    splits heads, MLP width and vocabulary tensor ways (the layout of jaxscale.train.sharding.RULES; a
-    test checks this count against the real shardings). `param_count` is the fsdp = tensor = 1 case.
+    splits heads, K/V heads, MLP width and vocabulary tensor ways (the layout of
+    jaxscale.train.sharding.RULES; a test checks this count against the real shardings for both families).
+    `params.param_count` is the fsdp = tensor = 1 case.
 
-    Per layer: the four kernels (3H² + H² + 2eH²) have both axes, so / (fsdp·tensor); the two LayerNorms and
-    the out and down biases (6H) only embed, / fsdp; the QKV and up biases (3H + eH) only heads or MLP,
-    / tensor. Plus the token embedding and output kernel (2VH, both), the positional embedding and final
-    LayerNorm (SH + 2H, embed) and the output bias (V, vocabulary).
+    Summed over the family's parameters (params.param_table) with each one's shard shape (params.shard_shape):
+    for the GPT, per layer the four kernels (3H² + H² + 2FH) have both axes, so / (fsdp·tensor); the two
+    LayerNorms and the out and down biases (6H) only embed, / fsdp; the QKV and up biases (3H + F) only heads
+    or MLP, / tensor; plus the token embedding and output kernel (2VH, both), the positional embedding and
+    final LayerNorm (SH + 2H, embed) and the output bias (V, vocabulary). For a Llama every kernel has both
+    axes and the RMSNorm scales only embed.
     """
-    h, v, s, f, t = model.hidden_size, model.vocab_size, model.max_seq_len, fsdp, tensor
-    return model.num_layers * layer_param_count(model, f, t) + 2 * v * h // (f * t) + (s * h + 2 * h) // f + v // t
+    table = params.param_table(model)
+    return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor)) for shape, names in table.values())
 
 
 def layer_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1) -> int:
     """Parameters of one transformer block on one device (see sharded_param_count)."""
-    h, e, f, t = model.hidden_size, model.mlp_expansion, fsdp, tensor
-    return (4 * h * h + 2 * e * h * h) // (f * t) + 6 * h // f + (3 * h + e * h) // t
+    table = params.layer_param_table(model)
+    return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor)) for shape, names in table.values())
+
+
+def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
+    """Bytes of the optimizer's state on one device: Adam/AdamW 2 × 4·N, SGD 4·N (N = sharded_param_count),
+    Adafactor 4 × (its factored second moments, params.adafactor_state_elements: n/d1 + n/d2 per matrix whose
+    two largest dims are >= 128, n for every other parameter, each split like the parameter axes it keeps)."""
+    m, (_, fsdp, tensor) = config.model, mesh_shape(config)
+    if config.optimizer.name == "adafactor":
+        table = params.param_table(m)
+        shapes, names = {k: s for k, (s, _) in table.items()}, {k: n for k, (_, n) in table.items()}
+        return _FLOAT32 * params.adafactor_state_elements(shapes, names, fsdp, tensor)
+    return _FLOAT32 * sharded_param_count(m, fsdp, tensor) * OPTIMIZER_STATE_COPIES[config.optimizer.name]
 
 
 def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
@@ -244,7 +325,7 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
       params: 4·N (float32), N the parameters this device holds (sharded_param_count: all of them on one
         device or under pure data parallelism; ZeRO-3 / FSDP divides by mesh.fsdp, Rajbhandari et al.
         2020; tensor parallelism divides the split matrices by mesh.tensor, Shoeybi et al. 2019).
-      optimizer: OPTIMIZER_STATE_COPIES × 4·N (sharded like the parameters).
+      optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; sharded like the parameters).
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop);
         sharded like the parameters (the step constrains them so: FSDP reduce-scatters).
@@ -266,7 +347,7 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     row = {
         "analytic_params_bytes": _FLOAT32 * n,
         "analytic_grads_bytes": _FLOAT32 * n * (2 if t.num_minibatches > 1 else 1),
-        "analytic_optimizer_bytes": _FLOAT32 * n * OPTIMIZER_STATE_COPIES[config.optimizer.name],
+        "analytic_optimizer_bytes": optimizer_state_bytes(config),
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,
         "analytic_fsdp_gather_bytes": gather,

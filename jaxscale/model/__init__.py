@@ -1,5 +1,19 @@
-"""Flax modules only: the models the lab trains (no I/O, no measurement)."""
+"""Flax modules only: the model families the lab trains (no I/O, no measurement)."""
 
-from jaxscale.model.gpt import GPT, ModelConfig, count_params, unstack_scanned_params
+from jaxscale.model.families import FAMILIES, build, logical_axes
+from jaxscale.model.gpt import GPT
+from jaxscale.model.hparams import ModelConfig
+from jaxscale.model.llama import Llama
+from jaxscale.model.stack import REMAT_POLICIES, count_params, unstack_scanned_params
 
-__all__ = ["GPT", "ModelConfig", "count_params", "unstack_scanned_params"]
+__all__ = [
+    "FAMILIES",
+    "GPT",
+    "REMAT_POLICIES",
+    "Llama",
+    "ModelConfig",
+    "build",
+    "count_params",
+    "logical_axes",
+    "unstack_scanned_params",
+]

@@ -1,8 +1,9 @@
-"""Plans GPU memory for a config on a named GPU target, on any machine (no GPU needed).
+"""Plans GPU memory (and step time) for a config on a named GPU target, on any machine (no GPU needed).
 
-`plan_for_target(config, "a5000")` compiles the run's train step for the target in child processes
-(`jaxscale.target_compile`, `JAX_PLATFORMS=cpu`), once per GEMM backend, reads XLA's rematerialization
-warning from their stderr, and returns result-row fields:
+`plan_for_target(config, "a5000")` compiles the run's train step for the target once per GEMM backend
+(`jaxscale.plan.target_compile.compile_for_target`: in a child process with `JAX_PLATFORMS=cpu` by default,
+or in this process with `in_process=True`), reads XLA's rematerialization warning from the compile's stderr,
+and returns result-row fields:
 
 - `compiled_{argument,output,temp,alias,peak}_bytes`: XLA's GPU plan (the larger-peak GEMM mode),
   `compiled_backend` = "cuda:<target>", `compiled_gemm` (which mode they come from),
@@ -11,10 +12,15 @@ warning from their stderr, and returns result-row fields:
 - `plan_fits` and `plan_fits_reason`; `compiled_remat_{limit,reached,original}_bytes` from XLA's
   "Can't reduce memory use below ..." warning (None when XLA did not warn);
 - `compile_cache_hit`, `compile_cache_saved_s`: whether the plans came from the plan cache
-  (jaxscale.compile_cache; this module writes a child's plan and its stderr there after a compile).
+  (jaxscale.compile_cache; the compile writes its plan and stderr there).
 - `predicted_*`: the step time predicted from the compiled programs' kernels (jaxscale.plan.predict).
 - on several GPUs (`devices`, the config's mesh): `plan_devices`, `plan_topology` ("1x1x8": slices x hosts
   x GPUs per host), and the plan per device; the compiled_collective_* columns (jaxscale.measure.collectives).
+
+Both ways run the same compile function (so the same cache, topology, collectives and kernels): the child is
+what run and sweep use, because a malformed target config can kill the compiling process with a signal
+(SIGFPE); in process (the GEMM mode is a compile option either way, XLA's warning read from this process's
+own file descriptor 2) is what the fit planner (jaxscale.plan.fit) uses for its many compiles.
 """
 
 from __future__ import annotations
@@ -31,24 +37,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import ml_collections
 
-from jaxscale import _env, compile_cache
+from jaxscale import _env
 from jaxscale.cli import UsageError
 from jaxscale.config import ConfigError, check_mesh_devices, mesh_shape
 from jaxscale.measure import kernels
-from jaxscale.plan import predict, targets
+from jaxscale.plan import predict, target_compile, targets
 
 # Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
-# autotuner may pick cuBLAS instead. The plans differ, so both are compiled and the band is reported.
-GEMM_FLAGS: dict[str, str] = {
-    "triton": "--xla_gpu_enable_triton_gemm=true",
-    "cublas": "--xla_gpu_enable_triton_gemm=false",
-}
-GEMM_CHOICES = ("both", *GEMM_FLAGS)
+# autotuner may pick cuBLAS instead. The plans differ, so both are compiled and the band is reported. Each
+# mode is a compile option of its compile (`xla_gpu_enable_triton_gemm`, as the XLA flag
+# --xla_gpu_enable_triton_gemm=true|false would set it): target_compile.GEMM_OPTIONS.
+GEMM_MODES = tuple(target_compile.GEMM_OPTIONS)  # ("triton", "cublas")
+GEMM_CHOICES = ("both", *GEMM_MODES)
 EXTRA_HINT = "pip install -e '.[gpu-plan]'"
 # The CUDA compiler plugin (any one of them), and ptxas (from the pip CUDA packages, or on the PATH).
 EXTRA_MODULES = _env.CUDA_PLUGINS
@@ -59,7 +65,8 @@ _REMAT_WARNING = re.compile(
     r"Can't reduce memory use below \S+ \((\d+) bytes\) by rematerialization; "
     r"only reduced to \S+ \((\d+) bytes\), down from \S+ \((\d+) bytes\) originally"
 )
-_REMAT_COLUMNS = ("compiled_remat_limit_bytes", "compiled_remat_reached_bytes", "compiled_remat_original_bytes")
+REMAT_COLUMNS = ("compiled_remat_limit_bytes", "compiled_remat_reached_bytes", "compiled_remat_original_bytes")
+captured_stderr = target_compile.captured_stderr  # fd 2 of this process, collected (the fit's local plans)
 
 
 class PlanError(RuntimeError):
@@ -128,14 +135,13 @@ def parse_remat_warning(stderr: str) -> dict[str, int] | None:
     found = _REMAT_WARNING.findall(stderr)
     if not found:
         return None
-    return dict(zip(_REMAT_COLUMNS, (int(n) for n in found[-1]), strict=True))
+    return dict(zip(REMAT_COLUMNS, (int(n) for n in found[-1]), strict=True))
 
 
-def _child_env(gemm: str) -> dict[str, str]:
+def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin compiles for the target without opening a device
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # keep XLA's warnings, drop its INFO lines
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {GEMM_FLAGS[gemm]}".strip()
     return _env.with_package_on_path(env)
 
 
@@ -154,78 +160,88 @@ def compile_in_subprocess(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     devices: int = 1,
 ) -> tuple[dict[str, Any], str]:
-    """Runs `jaxscale.target_compile` for one GEMM mode on `devices` target GPUs; returns (its result, its stderr).
+    """Runs `jaxscale.plan.target_compile` for one GEMM mode on `devices` target GPUs in a child process;
+    returns (its result, its stderr).
 
     Raises:
       PlanError: the child crashed, was killed, timed out or raised.
     """
-    request = pickle.dumps({"config": config, "target_config_text": config_text, "devices": devices})
+    request = {"config": config, "target_config_text": config_text, "devices": devices, "gemm": gemm}
     with tempfile.TemporaryDirectory(prefix="jaxscale_plan_") as tmp:
         result_path = pathlib.Path(tmp) / "plan.json"
         command = [sys.executable, "-m", "jaxscale.plan.target_compile", str(result_path)]
         try:
             done = subprocess.run(
-                command, input=request, capture_output=True, env=_child_env(gemm), timeout=timeout_s, check=False
+                command,
+                input=pickle.dumps(request),
+                capture_output=True,
+                env=_child_env(),
+                timeout=timeout_s,
+                check=False,
             )
         except subprocess.TimeoutExpired:
             raise PlanError(f"target compile ({gemm}) took longer than {timeout_s:.0f} s") from None
         stderr = done.stderr.decode(errors="replace")
         if done.returncode != 0 or not result_path.exists():
             raise PlanError(_failure(done.returncode, stderr))
-        result = json.loads(result_path.read_text())
-    if result.get("compile_cache_hit") is False:  # compiled now: keep the plan and XLA's warnings for next time
-        kept = {k: v for k, v in result.items() if not k.startswith("compile_cache_")}
-        compile_cache.write_plan(result["plan_key"], kept, stderr)
-    return result, stderr
+        return json.loads(result_path.read_text()), stderr
 
 
-def _fits(target: targets.GpuTarget, peak: int, warning: dict[str, int] | None) -> tuple[bool, str | None]:
+def compile_in_process(
+    config: ml_collections.ConfigDict,
+    config_text: str,
+    gemm: str,
+    timeout_s: float | None = None,
+    devices: int = 1,
+) -> tuple[dict[str, Any], str]:
+    """`target_compile.compile_for_target` in this process for one GEMM mode; (result, its stderr).
+
+    Cheaper than a child per compile when many programs are planned (jaxscale.fit), but a malformed target
+    config can kill this process (see the module docstring), and `timeout_s` is not enforced.
+
+    Raises:
+      PlanError: the compile raised (an XLA error).
+    """
+    del timeout_s  # a compile in this process cannot be interrupted
+    with captured_stderr() as stderr:
+        try:
+            result = target_compile.compile_for_target(config, config_text, devices, gemm)
+        except Exception as error:  # XLA raises many types; all mean the target compile failed
+            raise PlanError(f"target compile failed: {' '.join(str(error).split())[:400]}") from None
+    return result, stderr[0]
+
+
+def remat_warning_reason(warning: dict[str, int]) -> str:
+    """Why a plan with XLA's "Can't reduce memory use below ..." warning does not fit, on one line."""
+    return (
+        f"XLA could not rematerialize below its limit of {warning['compiled_remat_limit_bytes']} bytes "
+        f"(reached {warning['compiled_remat_reached_bytes']}, from {warning['compiled_remat_original_bytes']})"
+    )
+
+
+def fits(target: targets.GpuTarget, peak: int, warning: dict[str, int] | None) -> tuple[bool, str | None]:
+    """(whether a plan fits the target, why not): XLA could not rematerialize below its limit, or peak > memory."""
     if warning is not None:
-        return False, (
-            f"XLA could not rematerialize below its limit of {warning['compiled_remat_limit_bytes']} bytes "
-            f"(reached {warning['compiled_remat_reached_bytes']}, from {warning['compiled_remat_original_bytes']})"
-        )
+        return False, remat_warning_reason(warning)
     if peak > target.device_memory_size:
         return False, f"planned peak {peak} bytes > device memory {target.device_memory_size} bytes"
     return True, None
 
 
-def plan_for_target(
+def plan_row(
     config: ml_collections.ConfigDict,
-    target: str,
-    gemm: str = "both",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    devices: int = 1,
+    spec: targets.GpuTarget,
+    plans: dict[str, dict[str, Any]],
+    warnings: dict[str, dict[str, int] | None],
+    devices: int,
 ) -> dict[str, Any]:
-    """XLA's memory plan of the run's train step on a GPU target, as result-row fields.
-
-    Args:
-      config: a validated run config (the same the run would execute).
-      target: a name in jaxscale.targets.TARGETS or a GpuTargetConfig .txtpb path.
-      gemm: "both" (default; the reported plan is the larger), "triton" or "cublas".
-      timeout_s: per child compile.
-      devices: target GPUs the config's mesh runs on (its product; 1 for the 1x1x1 mesh). The plan, and
-        whether it fits, is per device.
-    Returns:
-      The row fields listed in this module's docstring, plus params, plan_devices, plan_topology, the
-      compiled_collective_* columns and plan_wall_s (all children, seconds).
-    Raises:
-      targets.UnknownTargetError, ValueError: bad target; PlanError: a compile failed.
-    """
-    if gemm not in GEMM_CHOICES:
-        raise ValueError(f"gemm: unknown {gemm!r}; allowed: {', '.join(GEMM_CHOICES)}")
-    spec = targets.get_target(target)
-    text = targets.target_config_text(spec)
-    modes = tuple(GEMM_FLAGS) if gemm == "both" else (gemm,)
-    start = time.perf_counter()
-    plans, warnings = {}, {}
-    for mode in modes:
-        plans[mode], stderr = compile_in_subprocess(config, text, mode, timeout_s, devices)
-        warnings[mode] = parse_remat_warning(stderr)
+    """The row fields of the compiled GEMM modes' plans (see plan_for_target): the larger plan, the band, the
+    verdict (any mode's warning, or the larger peak above the memory) and the predicted step of the faster."""
+    modes = tuple(plans)
     chosen = max(modes, key=lambda m: plans[m]["compiled_peak_bytes"])
     plan = plans[chosen]
     warning = next((warnings[m] for m in (chosen, *modes) if warnings[m] is not None), None)
-    fits, reason = _fits(spec, plan["compiled_peak_bytes"], warning)
+    plan_fits, reason = fits(spec, plan["compiled_peak_bytes"], warning)
     hits = [plans[m].get("compile_cache_hit") for m in modes]
     by_mode = {mode: kernels.from_dicts(plans[mode]["kernels"]) for mode in modes}
     plan_devices = devices if math.prod(mesh_shape(config)) > 1 else 1
@@ -237,24 +253,70 @@ def plan_for_target(
         **{k: v for k, v in plan.items() if k.startswith("compiled_")},
         "compiled_backend": f"cuda:{spec.name}",
         "compiled_gemm": chosen,
-        **{f"compiled_{m}_peak_bytes": plans[m]["compiled_peak_bytes"] if m in plans else None for m in GEMM_FLAGS},
-        **(warning or dict.fromkeys(_REMAT_COLUMNS)),
+        **{f"compiled_{m}_peak_bytes": plans[m]["compiled_peak_bytes"] if m in plans else None for m in GEMM_MODES},
+        **(warning or dict.fromkeys(REMAT_COLUMNS)),
         "plan_target": spec.name,
         "plan_target_device_kind": plan["device_kind"],
         "plan_target_memory_bytes": spec.device_memory_size,
         "plan_devices": plan_devices,
         "plan_topology": plan["plan_topology"],
-        "plan_fits": fits,
+        "plan_fits": plan_fits,
         "plan_fits_reason": reason,
         **predict.target_columns(config, spec, by_mode, plan_devices),
-        "plan_wall_s": time.perf_counter() - start,
     }
+
+
+def plan_for_target(
+    config: ml_collections.ConfigDict,
+    target: str,
+    gemm: str = "both",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    devices: int = 1,
+    in_process: bool = False,
+    enough: Callable[[dict[str, Any]], bool] | None = None,
+) -> dict[str, Any]:
+    """XLA's memory plan of the run's train step on a GPU target, as result-row fields.
+
+    Args:
+      config: a validated run config (the same the run would execute).
+      target: a name in jaxscale.targets.TARGETS or a GpuTargetConfig .txtpb path.
+      gemm: "both" (default; the reported plan is the larger), "triton" or "cublas".
+      timeout_s: per child compile.
+      devices: target GPUs the config's mesh runs on (its product; 1 for the 1x1x1 mesh). The plan, and
+        whether it fits, is per device.
+      in_process: compile in this process (compile_in_process) instead of one child per GEMM mode.
+      enough: with gemm="both", compile cuBLAS first and skip Triton when `enough(row of the cuBLAS plan)`
+        (the fit planner: a verdict of "does not fit" cannot change); the row then says plan_gemm_partial.
+    Returns:
+      The row fields listed in this module's docstring, plus params, plan_devices, plan_topology, the
+      compiled_collective_* columns and plan_wall_s (all compiles, seconds).
+    Raises:
+      targets.UnknownTargetError, ValueError: bad target; PlanError: a compile failed.
+    """
+    if gemm not in GEMM_CHOICES:
+        raise ValueError(f"gemm: unknown {gemm!r}; allowed: {', '.join(GEMM_CHOICES)}")
+    spec = targets.get_target(target)
+    text = targets.target_config_text(spec)
+    modes = (GEMM_MODES if enough is None else ("cublas", "triton")) if gemm == "both" else (gemm,)
+    compile_one = compile_in_process if in_process else compile_in_subprocess
+    start = time.perf_counter()
+    plans, warnings, partial = {}, {}, False
+    for mode in modes:
+        plans[mode], stderr = compile_one(config, text, mode, timeout_s, devices)
+        warnings[mode] = parse_remat_warning(stderr)
+        if enough is not None and len(plans) < len(modes) and enough(plan_row(config, spec, plans, warnings, devices)):
+            partial = True
+            break
+    row = plan_row(config, spec, plans, warnings, devices)
+    if partial:
+        row["plan_gemm_partial"] = True
+    return {**row, "plan_wall_s": time.perf_counter() - start}
 
 
 def summary_line(row: dict[str, Any]) -> str:
     """One line for the run summary: fits or not on the target, and the GEMM band."""
     gib = 2**30
-    band = [row.get(f"compiled_{m}_peak_bytes") for m in GEMM_FLAGS]
+    band = [row.get(f"compiled_{m}_peak_bytes") for m in GEMM_MODES]
     band_text = " / ".join("-" if b is None else f"{b / gib:.3f}" for b in band)
     verdict = "fits" if row["plan_fits"] else f"does NOT fit: {row['plan_fits_reason']}"
     devices = row.get("plan_devices") or 1

@@ -1,11 +1,14 @@
-"""Compiles the train step for a GPU target without a GPU: the child process behind `jaxscale.plan.gpu_plan`.
+"""Compiles the train step for a GPU target without a GPU: the one compile behind `jaxscale.plan.gpu_plan`.
 
-Run as `python -m jaxscale.plan.target_compile RESULT.json` with a pickled {"config", "target_config_text",
-"devices"} on stdin and `JAX_PLATFORMS=cpu` in the environment; it writes the compiled plan as JSON to
-RESULT.json. XLA logs (its rematerialization warning among them) go to this process's stderr, which the
-parent reads. It runs in its own process because a malformed target config can kill it with a signal (SIGFPE).
-A plan already in the plan cache (jaxscale.compile_cache; the parent writes it) is not compiled again:
-its stored stderr is written to stderr, as the compile wrote it, and the result says compile_cache_hit.
+`compile_for_target` runs in a child process (`python -m jaxscale.plan.target_compile RESULT.json` with a
+pickled {"config", "target_config_text", "devices", "gemm"} on stdin and `JAX_PLATFORMS=cpu` in the
+environment; it writes the compiled plan as JSON to RESULT.json), which run and sweep use because a
+malformed target config can kill the compiling process with a signal (SIGFPE); or in the caller's process
+(`gpu_plan.plan_for_target(..., in_process=True)`, the fit planner's many compiles). Either way XLA's logs
+(its rematerialization warning among them) go to the compiling process's stderr, where the caller reads
+them; the GEMM mode is a compile option (GEMM_OPTIONS). A plan already in the plan cache
+(jaxscale.compile_cache; written here after each compile, with XLA's warnings) is not compiled again: its
+stored stderr is written to stderr, as the compile wrote it, and the result says compile_cache_hit.
 
 For several GPUs (the config's mesh on `devices` of them) the CUDA topology "<slices>x<hosts>x<devices>"
 (`targets.topology`) gives that many compile-only devices; the step is the run's sharded step
@@ -14,12 +17,15 @@ For several GPUs (the config's mesh on `devices` of them) the CUDA topology "<sl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import pickle
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -34,6 +40,14 @@ from jaxscale.measure import collectives, kernels, memory
 from jaxscale.model import count_params
 from jaxscale.plan import targets
 from jaxscale.train import sharding
+
+# The GEMM choice of a deviceless compile, as compile options (`lowered.compile(compiler_options=...)`): without
+# a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the autotuner may
+# pick cuBLAS instead. The plans differ, so planning compiles both (jaxscale.plan.gpu_plan).
+GEMM_OPTIONS: dict[str, dict[str, bool]] = {
+    "triton": {"xla_gpu_enable_triton_gemm": True},
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
+}
 
 USAGE = (
     "usage: python -m jaxscale.plan.target_compile RESULT.json < REQUEST.pickle\n\n"
@@ -76,13 +90,48 @@ def sharded_inputs(
     return sharding.make_step(config, layout), sharding.abstract_inputs(config, layout, init_fn), topology.devices[0]
 
 
-def compile_for_target(config: ml_collections.ConfigDict, target_config_text: str, devices: int = 1) -> dict[str, Any]:
-    """Lowers and compiles the run's train step (same accumulation, remat, scan, mesh) for the target.
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """Collects what this process writes to file descriptor 2 (XLA's C++ warnings included) inside the block.
+
+    Yields a list that holds the captured text once the block has ended.
+    """
+    sys.stderr.flush()
+    captured: list[str] = []
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.append(sink.read().decode(errors="replace"))
+
+
+def _emit(stderr: str) -> None:
+    """Writes XLA's warnings to stderr, as the compile wrote them (the caller reads them from there)."""
+    sys.stderr.write(stderr)
+    sys.stderr.flush()
+
+
+def compile_for_target(
+    config: ml_collections.ConfigDict, target_config_text: str, devices: int = 1, gemm: str | None = None
+) -> dict[str, Any]:
+    """Lowers and compiles the run's train step (same accumulation, remat, scan, mesh) for the target, or reads
+    the plan from the plan cache; the one compile of GPU planning, in a child process or in the caller's.
+
+    XLA's warnings (its rematerialization warning among them) go to this process's stderr either way: a
+    compile's are captured, stored with the plan, and written again; a cached plan's are written as stored.
 
     Args:
       config: a validated run config.
       target_config_text: an XLA GpuTargetConfig text proto (see jaxscale.targets).
       devices: target GPUs; the config's mesh must use them all (a 1x1x1 mesh compiles for one).
+      gemm: "triton" or "cublas" (GEMM_OPTIONS, as compile options of this compile), or None for XLA's
+        default (XLA_FLAGS decides).
     Returns:
       compiled_{argument,output,temp,alias,peak}_bytes of XLA's GPU plan (one device's), the
       compiled_collective_* columns of its HLO, compile_s (lower + compile, or lower + cache read on a hit,
@@ -100,22 +149,23 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
         devices = 1
     else:
         step, inputs, device = sharded_inputs(config, target_config_text, devices)
+    options = GEMM_OPTIONS[gemm] if gemm else None
     start = time.perf_counter()
     lowered = step.lower(*inputs)
     key = compile_cache.plan_key(
-        lowered.as_text(), target_config_text, os.environ.get("XLA_FLAGS", ""), targets.topology(devices)
+        lowered.as_text(), target_config_text, os.environ.get("XLA_FLAGS", ""), targets.topology(devices), options
     )
     cached = compile_cache.read_plan(key)
     if cached is not None:
-        sys.stderr.write(cached["stderr"])  # XLA's warnings, as the compile that made the plan wrote them
-        sys.stderr.flush()
+        _emit(cached["stderr"])
         seconds = time.perf_counter() - start
         saved = max(0.0, cached["result"]["compile_s"] - seconds)
         return {**cached["result"], "compile_s": seconds, "compile_cache_hit": True, "compile_cache_saved_s": saved}
-    compiled = lowered.compile()
+    with captured_stderr() as stderr:
+        compiled = lowered.compile(compiler_options=options)
     seconds = time.perf_counter() - start
     text = compiled.as_text()
-    return {
+    result = {
         **memory.compiled_memory(compiled),
         **collectives.collective_columns(text),
         "compile_s": seconds,
@@ -123,10 +173,11 @@ def compile_for_target(config: ml_collections.ConfigDict, target_config_text: st
         "device_kind": device.device_kind,
         "plan_topology": targets.topology(devices),
         "plan_key": key,
-        "compile_cache_hit": False if compile_cache.enabled() else None,
-        "compile_cache_saved_s": None,
         "kernels": kernels.as_dicts(kernels.kernels(text)),
     }
+    compile_cache.write_plan(key, result, stderr[0])  # the plan and XLA's warnings, for the next compile
+    _emit(stderr[0])
+    return {**result, "compile_cache_hit": False if compile_cache.enabled() else None, "compile_cache_saved_s": None}
 
 
 def main(argv: list[str]) -> int:
@@ -142,7 +193,9 @@ def main(argv: list[str]) -> int:
         return fail(f"stdin: not a pickled planning request ({type(error).__name__}); see --help")
     # JAX's own cache cannot load a deviceless executable back (see jaxscale.compile_cache): not used here.
     jax.config.update("jax_enable_compilation_cache", False)
-    result = compile_for_target(request["config"], request["target_config_text"], request.get("devices", 1))
+    result = compile_for_target(
+        request["config"], request["target_config_text"], request.get("devices", 1), request.get("gemm")
+    )
     with open(argv[1], "w") as handle:
         json.dump(result, handle)
     return 0

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.config import MESH_AXES, check_mesh_devices, mesh_shape
+from jaxscale.measure.params import removed_axis
 from jaxscale.train.step import Batch, TrainState, init_metrics, make_init_fn, make_train_step, train_step
 from jaxscale.train.step import abstract_inputs as unsharded_inputs
 
@@ -62,6 +63,44 @@ BATCH_AXES = ("batch", "seq")  # a token batch [batch, seq]
 def logical_specs(tree: Any) -> Any:
     """PartitionSpecs of logical names for a tree holding Flax's LogicallyPartitioned boxes (P() elsewhere)."""
     return nn.get_partition_spec(tree)
+
+
+def _moment_spec(leaf_shape: tuple[int, ...], param_shape: tuple[int, ...], names: PartitionSpec) -> PartitionSpec:
+    """The logical names of an optimizer-state leaf kept for a parameter of `param_shape` named `names`.
+
+    A moment of the parameter's shape (Adam's mu and nu, SGD's trace, Adafactor's unfactored v) takes its
+    names; one with an axis reduced away (Adafactor's factored row and column statistics) the names of the
+    axes it keeps; anything else (Adafactor's 1-element placeholders) is replicated.
+    """
+    if tuple(leaf_shape) == tuple(param_shape):
+        return names
+    axis = removed_axis(leaf_shape, param_shape)
+    return PartitionSpec() if axis is None else PartitionSpec(*(n for i, n in enumerate(names) if i != axis))
+
+
+def state_specs(state: Any, param_names: Any) -> Any:
+    """Logical PartitionSpecs for every leaf of a TrainState (abstract or real, unboxed).
+
+    The parameters take their own names; every optimizer-state leaf that sits under a copy of the parameter
+    tree (the state of any optax optimizer: a parameter's path is a suffix of the leaf's path) takes the
+    names of its parameter (`_moment_spec`); the rest (step counters, the dropout key) is replicated.
+
+    Args:
+      state: the train step's state.
+      param_names: the parameters' logical PartitionSpecs (a tree like state.params).
+    """
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    names = dict(jax.tree_util.tree_flatten_with_path(param_names, is_leaf=is_spec)[0])
+    shapes = dict(jax.tree_util.tree_flatten_with_path(state.params)[0])
+
+    def spec(path: tuple, leaf: Any) -> PartitionSpec:
+        for start in range(len(path)):
+            suffix = tuple(path[start:])
+            if suffix in names:
+                return _moment_spec(leaf.shape, shapes[suffix].shape, names[suffix])
+        return PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(spec, state)
 
 
 def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -123,10 +162,8 @@ def make_layout(config: ml_collections.ConfigDict, mesh: Mesh, init_fn: Callable
       init_fn: the init function whose states the step will take (make_init_fn(config)); the layout's
         state tree has its static fields (apply_fn, tx), so jit accepts one for the other.
     """
-    names = logical_specs(jax.eval_shape(make_init_fn(config, boxed=True)))  # shapes and axis names only
-    structure = jax.tree_util.tree_structure(jax.eval_shape(init_fn))
-    leaves = jax.tree_util.tree_leaves(names, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    logical_state = jax.tree_util.tree_unflatten(structure, leaves)
+    param_names = logical_specs(jax.eval_shape(make_init_fn(config, boxed=True)).params)  # names, shapes only
+    logical_state = state_specs(jax.eval_shape(init_fn), param_names)
     metrics = jax.tree_util.tree_map(lambda _: PartitionSpec(), jax.eval_shape(init_metrics))
     batch = Batch(inputs=PartitionSpec(*BATCH_AXES), labels=PartitionSpec(*BATCH_AXES))
 

@@ -14,7 +14,7 @@ import ml_collections
 import optax
 from flax.training import train_state
 
-from jaxscale.model import GPT, ModelConfig
+from jaxscale import model as models
 
 Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 scalars, summed
 
@@ -68,6 +68,8 @@ def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformati
         "adam": lambda: optax.adam(schedule, b1=opt.b1, b2=opt.b2),
         "adamw": lambda: optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay),
         "sgd": lambda: optax.sgd(schedule, momentum=opt.b1),
+        # optax's defaults: factored second moments, no first moment, updates scaled by the parameters' RMS.
+        "adafactor": lambda: optax.adafactor(schedule),
     }
     tx = optimizers[opt.name]()
     if opt.grad_clip_norm > 0:
@@ -75,8 +77,9 @@ def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformati
     return tx
 
 
-def make_model(config: ml_collections.ConfigDict, train: bool = True) -> GPT:
-    return GPT(ModelConfig.from_config(config.model), train=train)
+def make_model(config: ml_collections.ConfigDict, train: bool = True) -> nn.Module:
+    """The module of config.model.family (gpt or llama) with the config's hyper-parameters."""
+    return models.build(models.ModelConfig.from_config(config.model), train=train)
 
 
 def make_init_fn(config: ml_collections.ConfigDict, boxed: bool = False) -> Callable[[], TrainState]:

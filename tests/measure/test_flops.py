@@ -8,7 +8,7 @@ import pytest
 from conftest import load_config
 
 from jaxscale import run
-from jaxscale.config import REMAT_POLICIES
+from jaxscale.config import REMAT_POLICIES, base_config
 from jaxscale.measure import flops, hlo
 
 
@@ -89,3 +89,39 @@ def test_mfu_divides_model_flops_per_second_by_the_peak(monkeypatch):
     assert columns["peak_flops_source"] == "test peak"
     monkeypatch.setattr(flops.peaks, "resolve_peak", lambda dtype, device=None: (None, "unknown device"))
     assert flops.utilization_columns(row, "bfloat16")["mfu"] is None  # never divided by a guessed peak
+
+
+@pytest.mark.parametrize(
+    "remat, policy, scan_layers, tie",
+    [
+        ((), "nothing_saveable", True, True),
+        (("MLP", "Attn"), "nothing_saveable", True, False),
+        (("Block",), "nothing_saveable", True, True),
+        (("MLP", "Attn"), "save_qkv_proj", True, True),
+        (("Block",), "dots_with_no_batch_dims_saveable", True, False),
+        (("Block",), "save_qkv_proj", False, True),
+    ],
+)
+def test_llama_compiled_matmuls_equal_the_analytic_hardware_flops(remat, policy, scan_layers, tie):
+    """Three MLP matrices, the narrower K/V of GQA, the tied head and each remat's recomputation: the loop-aware
+    count of the compiled step's dots equals the analytic hardware FLOPs exactly."""
+    config = base_config("tiny-llama", "flops")  # 4 query heads share 2 K/V heads
+    config.model.update(remat=remat, remat_policy=policy, scan_layers=scan_layers, tie_embeddings=tie)
+    config.model.update(hidden_size=128, head_dim=32, mlp_hidden_size=256)
+    analytic, compiled, _ = _columns(config)
+    assert compiled["compiled_matmul_flops_per_step"] == pytest.approx(analytic["analytic_hardware_flops_per_step"])
+    assert (analytic["analytic_recompute_flops_per_step"] > 0) == bool(remat)
+
+
+def test_llama_formulas_count_gqa_swiglu_and_the_tied_head():
+    config = base_config("llama3.1-8b", "flops")
+    m, per_token = config.model, flops.forward_matmul_flops_per_token(config)
+    h, kv, f = 4096, 8 * 128, 14336
+    assert (
+        per_token["qkv"] == 2 * h * (h + 2 * kv) and per_token["up"] == 2 * 2 * h * f and per_token["down"] == 2 * f * h
+    )
+    assert flops.non_embedding_params(m) == 8_030_261_248 - 128256 * h  # untied: the embedding is a gather only
+    tied = base_config("llama3.2-1b", "flops").model
+    assert flops.non_embedding_params(tied) == 1_235_814_400  # tied: the embedding is the head's matmul too
+    gpt2 = base_config("gpt2", "flops").model
+    assert flops.non_embedding_params(gpt2) == 124_439_808 - 1024 * 768  # only the position table is a gather

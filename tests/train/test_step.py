@@ -15,8 +15,8 @@ from jaxscale.config import base_config
 from jaxscale.measure import memory
 
 
-def _setup(dropout: float = 0.0):
-    config = base_config("tiny", "accumulate")
+def _setup(dropout: float = 0.0, preset: str = "tiny"):
+    config = base_config(preset, "accumulate")
     config.model.dtype = "float32"
     config.model.dropout_rate = dropout
     state = train.make_init_fn(config)()
@@ -37,10 +37,11 @@ def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 @pytest.mark.parametrize("method", ["loop", "scan"])
 @pytest.mark.parametrize("num_minibatches", [1, 2, 4])
-def test_accumulated_gradients_equal_full_batch(method, num_minibatches):
-    state, batch, grad_fn = _setup()
+def test_accumulated_gradients_equal_full_batch(method, num_minibatches, preset):
+    state, batch, grad_fn = _setup(preset=preset)
     rng = jax.random.PRNGKey(0)
     full_grads, full_metrics = jax.jit(grad_fn)(state.params, batch, rng)
     accumulate = jax.jit(train.accumulate_gradients, static_argnums=(0, 4, 5))
@@ -134,10 +135,19 @@ def test_clipping_bounds_an_update_that_would_exceed_the_norm():
         np.testing.assert_allclose(np.linalg.norm(moment[0.0]), (1 - b1) * 10.0, rtol=1e-5)
 
 
+def test_every_optimizer_builds_and_takes_a_finite_clipped_step():
+    """adafactor included: a huge gradient, clipped, gives a finite update of the right sign."""
+    grads = np.full(3, 1e6, np.float32)
+    for name in ("adam", "adamw", "sgd", "adafactor"):
+        update, _ = _first_update(name, 1.0, grads)
+        assert np.all(np.isfinite(update)) and np.all(update < 0), name
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 @pytest.mark.parametrize("scan_layers,accumulate", [(False, "loop"), (True, "scan")])
-def test_named_scopes_reach_the_compiled_program(scan_layers, accumulate):
+def test_named_scopes_reach_the_compiled_program(scan_layers, accumulate, preset):
     """Traces and HLO name the model's parts, so a profile reads block_1 / attn / mlp / accumulate / optimizer."""
-    config = base_config("tiny", "scopes")
+    config = base_config(preset, "scopes")
     config.model.scan_layers, config.train.accumulate = scan_layers, accumulate
     op_names = "\n".join(re.findall(r'op_name="([^"]+)"', run.compile_step(config)[0].as_text()))
     expected = ["jit(train_step)/accumulate/", "jit(train_step)/optimizer/", "/attn/", "/mlp/", "/embed/", "/head/"]

@@ -1,0 +1,286 @@
+"""The fit planner: `python -m jaxscale.fit --config <file>:<preset> [--target h100] [--memory 20GiB]`.
+
+For each remat choice, the largest per-device minibatch whose compiled plan fits, found by compilation alone
+(jaxscale.plan.fit); a table, a recommendation, and rows in experiments/results/<fit name>/results.jsonl with
+the sweep's conventions (resumable, failures as rows, read by `load_results` and `python -m jaxscale.report`).
+Each probe's plan is kept in probes/results.jsonl beside it, so a killed or repeated fit reuses them.
+`--measure` then runs each fitting choice at its largest minibatch on this machine's device (in its own
+process, as a sweep variant) and recommends the fastest measured tokens/s.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
+from jaxscale.config import flatten
+from jaxscale.measure import params
+from jaxscale.plan import fit, gpu_plan, targets
+from jaxscale.sweep import runner
+from jaxscale.sweep.results import ResultsFile
+from jaxscale.sweep.sweep_file import Sweep, Variant
+
+GIB = 2**30
+_MEASURED = ("step_s_median", "step_s_p90", "tokens_per_s", "device_peak_bytes", "mfu", "run_dir", "trace_dir")
+
+
+def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
+    fv = flags.FlagValues()
+    define_config_flag(fv, argv, help_text="Config file and preset: configs/bf16_remat.py:seed (or :llama3.2-1b).")
+    flags.DEFINE_string(
+        "target", None, f"Plan for this GPU, no GPU needed ({', '.join(targets.TARGETS)} or a .txtpb); needs the "
+        "gpu-plan extra. Without it the local compiler plans (on a CPU only a proxy for a GPU's plan).", flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_string(
+        "memory", None, "Memory budget per device (20GiB); default: the target's memory.", flag_values=fv
+    )
+    flags.DEFINE_float("headroom", 0.0, "Fraction of the budget kept free (0.1 = plan within 90%).", flag_values=fv)
+    flags.DEFINE_list("remat", list(fit.REMAT_CHOICES), "Remat choices to compare.", flag_values=fv)
+    flags.DEFINE_enum("gemm", "both", gpu_plan.GEMM_CHOICES, "With --target: GEMM modes planned.", flag_values=fv)
+    flags.DEFINE_enum(
+        "xla_limit", "respect", ("respect", "ignore"), "respect: a plan with XLA's 'Can't reduce memory use "
+        "below' warning does not fit (conservative); ignore: the plan's peak alone decides.", flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_integer("max_minibatch", fit.DEFAULT_LIMIT, "Largest minibatch tried.", flag_values=fv)
+    flags.DEFINE_integer("max_compiles", fit.DEFAULT_MAX_COMPILES, "Compiles per remat choice.", flag_values=fv)
+    flags.DEFINE_bool(
+        "measure", False, "Run each fitting choice at its largest minibatch here, time it.", flag_values=fv
+    )
+    flags.DEFINE_bool("rerun", False, "Search again even where a current row exists.", flag_values=fv)
+    flags.DEFINE_string("output_root", ".", "Root of experiments/results/ and traces/.", flag_values=fv)
+    flags.DEFINE_string("name", None, "Fit name (default fit_<config>_<preset>_<target or backend>).", flag_values=fv)
+    flags.DEFINE_bool("quiet", False, "No line per remat choice; the table is printed.", flag_values=fv)
+    return fv
+
+
+def budget(target: str | None, memory: str | None) -> tuple[int, str]:
+    """(budget bytes per device, where it comes from): --memory, else the target's or the local device's memory.
+
+    Raises:
+      UsageError: no budget can be known (the CPU backend without --memory).
+    """
+    if memory is not None:
+        return parse_bytes(memory, "--memory"), "--memory"
+    if target is not None:
+        spec = targets.get_target(target)
+        return spec.device_memory_size, f"memory of target {spec.name}"
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise UsageError(
+            f"--memory: required without --target on the {jax.default_backend()} backend, which has no device "
+            "memory to fit (e.g. --memory 24GiB), or plan for a GPU with --target a5000"
+        )
+    return int(stats["bytes_limit"]), f"bytes_limit of local {jax.devices()[0].device_kind}"
+
+
+def _question(config: ml_collections.ConfigDict, settings: dict[str, Any]) -> str:
+    """What a row answers, as stable text: the base config and the fit settings (a changed one reruns)."""
+    base = {k: v for k, v in flatten(config).items() if k not in ("config.name", "config.preset_source")}
+    return json.dumps({"config": base, **settings}, sort_keys=True, default=str)
+
+
+class ProbeCache:
+    """Compiled plans of earlier fits (probes/results.jsonl) for the same config, target and GEMM modes.
+
+    A plan does not depend on the budget, so a fit for another --memory or --headroom reuses them; each is
+    judged against the current budget again.
+    """
+
+    def __init__(self, store: ResultsFile, question: str):
+        self.store, self.question, self.reused = store, question, 0
+        store.directory.mkdir(parents=True, exist_ok=True)
+        self.known = {r["variant"]: r for r in store.rows() if r.get("fit_plan_question") == question}
+
+    def measure(
+        self, plan: fit.Planner, config, choice: str, usable: int, minibatch: int, respect_xla_limit: bool = True
+    ) -> fit.Probe:
+        key = f"{choice}@{minibatch}"
+        partial = self.known.get(key, {}).get("plan", {}).get("plan_gemm_partial")
+        if key in self.known and not (partial and not respect_xla_limit):  # a partial plan judged a warning only
+            self.reused += 1
+            entry = self.known[key]
+        else:
+            row, error, seconds = fit.plan_row(plan, config, choice, minibatch)
+            entry = {"variant": key, "status": "error" if error else "ok", "error": error, "plan": row}
+            entry.update(seconds=seconds, fit_plan_question=self.question)
+            entry = json.loads(json.dumps(entry, default=str))
+            self.store.record(entry)
+            self.known[key] = entry
+        return fit.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable, respect_xla_limit)
+
+
+def fit_choice(config, choice: str, plan: fit.Planner, cache: ProbeCache, settings: dict, limits: dict) -> dict:
+    """Searches one remat choice (starting at the analytic model's answer) and returns its row."""
+    start_time, reused_before = time.perf_counter(), cache.reused
+    usable = settings["fit_usable_bytes"]
+    # A GPU plan fits only below XLA's own limit, which starts from 80% of the device's memory (XLA's
+    # GPU compiler's base limit): aim the analytic start there; the row keeps the analytic answer for `usable`.
+    xla = settings["fit_target"] is not None and settings["fit_xla_limit"] == "respect"
+    aim = min(usable, int(0.8 * settings["fit_target_memory_bytes"])) if xla else usable
+    start = max(1, fit.analytic_largest_minibatch(config, choice, aim, limits["limit"]))
+    respect = settings["fit_xla_limit"] == "respect"
+    search = fit.search_largest(
+        lambda m: cache.measure(plan, config, choice, usable, m, respect),
+        usable,
+        start,
+        limits["limit"],
+        limits["max_compiles"],
+    )
+    row = fit.fit_row(config, choice, search, settings)
+    row.update(fit_probes_reused=cache.reused - reused_before, fit_wall_s=time.perf_counter() - start_time)
+    return row
+
+
+def measure_rows(rows: list[dict], fv: flags.FlagValues, name: str, output_root: pathlib.Path) -> None:
+    """Runs each fitting choice at its largest minibatch in its own `python -m jaxscale.run` process, in place."""
+    path, _, preset = config_flags.get_config_filename(fv["config"]).partition(":")
+    overrides = dict(config_flags.get_override_values(fv["config"]))
+    for row in rows:
+        if row.get("status") != "ok" or row.get("tokens_per_s") is not None:
+            continue
+        _, remat, policy = fit.REMAT_CHOICES[row["fit_choice"]]
+        changes = {**overrides, "model.remat": remat, "model.remat_policy": policy}
+        changes["data.batch_size"] = row["config.data.batch_size"]
+        variant = Variant(row["fit_choice"], changes, ml_collections.ConfigDict())
+        sweep = Sweep(f"{name}_measure", pathlib.Path(path), preset, row["fit_choice"], (variant,))
+        measured = runner.run_variant(sweep, variant, output_root, [], timeout_s=runner.DEFAULT_TIMEOUT_S)
+        row["measure_status"], row["measure_error"] = measured.get("status"), measured.get("error")
+        row.update({k: measured.get(k) for k in _MEASURED})
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / GIB:.3g}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per remat choice: largest minibatch, tokens/step, the plan and the analytic estimate there."""
+    head = ("remat", "largest minibatch", "tokens/step", "plan GiB", "analytic GiB", "analytic says", "compiles",
+            "s", "tokens/s (measured)")  # fmt: skip
+    lines = [head]
+    for r in rows:
+        largest = r.get("fit_largest_minibatch")
+        lines.append((
+            r.get("fit_remat", r.get("variant")), str(largest) if largest else f"none ({r.get('status')})",
+            f"{r['tokens_per_step']:,}" if largest else "-", _gib(r.get("compiled_peak_bytes")),
+            _gib(r.get("analytic_peak_bytes")), str(r.get("analytic_largest_minibatch")),
+            f"{r.get('fit_compiles')} ({r.get('fit_probes_reused', 0)} reused)", f"{r.get('fit_wall_s', 0):.0f}",
+            "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}",
+        ))  # fmt: skip
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+def _header(config, settings: dict) -> str:
+    source = settings["fit_plan_source"]
+    text = (
+        f"fit {config.name}:{config.preset}, seq {config.data.seq_len}, {config.train.num_minibatches} minibatch(es) "
+        f"per step: {source}; budget {_gib(settings['fit_budget_bytes'])} GiB ({settings['fit_budget_source']}), "
+        f"usable {_gib(settings['fit_usable_bytes'])} GiB (headroom {settings['fit_headroom']:.0%})"
+    )
+    if settings["fit_target"] is not None:
+        text += f"; XLA's own limit: {settings['fit_xla_limit']}"
+    if settings["fit_target"] is None and jax.default_backend() == "cpu":
+        text += "\n  note: a CPU plan is only a proxy for a GPU's (1.3-3x off in bf16); use --target to plan for a GPU"
+    return "\n".join([text, *(f"  shape warning: {w}" for w in params.shape_warnings(config.model))])
+
+
+def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[list[dict], pathlib.Path]:
+    """Searches every selected remat choice that has no current row; returns all rows and the results path."""
+    unknown = [c for c in fv.remat if c not in fit.REMAT_CHOICES]
+    if unknown:
+        raise UsageError(f"--remat: unknown {', '.join(unknown)}; allowed: {', '.join(fit.REMAT_CHOICES)}")
+    if not 0 <= fv.headroom < 1:
+        raise UsageError(f"--headroom: must be in [0, 1), got {fv.headroom:g}")
+    if fv.max_minibatch < 1 or fv.max_compiles < 1:
+        raise UsageError("--max_minibatch and --max_compiles: must be >= 1")
+    gpu_plan.check_target_flag(fv.target, plan=True, gemm=fv.gemm)
+    total, source = budget(fv.target, fv.memory)
+    spec = targets.get_target(fv.target) if fv.target else None
+    settings = {
+        "fit_target": spec.name if spec else None, "fit_gemm": fv.gemm if spec else None,
+        "fit_target_memory_bytes": spec.device_memory_size if spec else None,
+        "fit_budget_bytes": total, "fit_budget_source": source, "fit_headroom": fv.headroom,
+        "fit_xla_limit": fv.xla_limit,
+        "fit_usable_bytes": int(total * (1 - fv.headroom)),
+    }  # fmt: skip
+    local = f"the local {jax.default_backend()} compiler's plan"
+    settings["fit_plan_source"] = f"XLA's deviceless plan for {spec.name}" if spec else local
+    if fv.measure:
+        _check_measurable(spec)
+    limits = {"limit": fv.max_minibatch, "max_compiles": fv.max_compiles}
+    name = fv.name or f"fit_{config.name}_{config.preset}_{spec.name if spec else jax.default_backend()}"
+    output_root = pathlib.Path(fv.output_root)
+    store = ResultsFile(output_root / "experiments" / "results" / name)
+    question = _question(config, {**settings, **limits})
+    plan_question = _question(config, {k: settings[k] for k in ("fit_target", "fit_gemm", "fit_plan_source")})
+    respect = fv.xla_limit == "respect"
+    plan = fit.target_planner(spec.name, fv.gemm, settings["fit_usable_bytes"], respect) if spec else fit.local_planner
+    if not fv.quiet:
+        print(_header(config, settings))
+    with store.locked():
+        cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question)
+        recorded = {r.get("variant"): r for r in store.rows() if r.get("fit_question") == question}
+        for choice in fv.remat:
+            if choice in recorded and not fv.rerun:
+                if not fv.quiet:
+                    print(f"  {choice}: already answered (--rerun to search again)")
+                continue
+            row = fit_choice(config, choice, plan, cache, settings, limits)
+            row.update(sweep=name, variant=choice, baseline=fv.remat[0], fit_question=question, plan_only=True)
+            store.record(json.loads(json.dumps(row, default=str)))
+            if not fv.quiet:
+                print(f"  {choice}: largest minibatch {row['fit_largest_minibatch']} ({row['fit_compiles']} compiles, "
+                      f"{row['fit_wall_s']:.0f} s)", flush=True)  # fmt: skip
+        rows = [r for r in store.rows() if r.get("fit_question") == question and r.get("variant") in fv.remat]
+        if fv.measure:
+            measure_rows(rows, fv, name, output_root)
+            for row in rows:
+                store.record(row)
+        store.write_csv()
+    order = {c: i for i, c in enumerate(fv.remat)}
+    return sorted(rows, key=lambda r: order[r["variant"]]), store.path
+
+
+def _check_measurable(spec: targets.GpuTarget | None) -> None:
+    kind = jax.devices()[0].device_kind
+    if spec is not None and kind != spec.device_kind:
+        raise UsageError(
+            f"--measure: runs on this machine's device ({kind}), not on target {spec.name} ({spec.device_kind}); "
+            "measure on a machine that has that GPU, or drop --measure for the plan alone"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: the fit table and recommendation; exit 0, or 2 for bad input."""
+    argv = list(sys.argv if argv is None else argv)
+    fv = _flag_values(argv)
+    try:
+        config = parse_config_flags(fv, argv)
+        rows, path = run_fit(fv, config)
+    except UsageError as error:
+        return fail(str(error))
+    except KeyboardInterrupt:
+        print("jaxscale: interrupted; finished rows and probes are kept, run the same command to resume")
+        return 130
+    print(format_table(rows))
+    best, why = fit.recommend(rows, measured=fv.measure)
+    if best is None:
+        print(f"recommendation: none: {why}; see the rows' error (the smallest plan) for what it needs")
+    else:
+        print(f"recommendation: {best['fit_remat']} at minibatch {best['fit_largest_minibatch']}: {why}")
+    print(f"results: {path} (probes in {path.parent / 'probes'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

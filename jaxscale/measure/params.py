@@ -1,0 +1,208 @@
+"""Parameters of each model family from the config alone: shapes, exact count, Adafactor's state, shape warnings.
+
+Analytic (no model is built): `param_shapes` mirrors jaxscale.model's parameter tree (names and shapes; the
+test suite checks them leaf by leaf against the initialised model), so the FLOP and memory models can count
+per matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+import numpy as np
+
+TILE = 64  # tensor-core friendly multiple for matmul dimensions (bf16 MMA tiles; cuBLAS/Triton pad otherwise)
+ADAFACTOR_MIN_DIM_TO_FACTOR = 128  # optax.adafactor's default min_dim_size_to_factor
+
+
+def mlp_width(model: ml_collections.ConfigDict) -> int:
+    """The MLP's hidden width: mlp_hidden_size, or mlp_expansion * hidden_size when it is 0."""
+    return model.mlp_hidden_size or model.mlp_expansion * model.hidden_size
+
+
+def kv_width(model: ml_collections.ConfigDict) -> int:
+    """Width of the keys (and of the values): K/V heads x head_dim (hidden_size without grouped-query attention)."""
+    heads = model.hidden_size // model.head_dim
+    return (model.num_kv_heads or heads) * model.head_dim
+
+
+def _layer_params(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """One block's parameters: path -> (shape, logical axis names), as the family's modules create them."""
+    h, hd, f = model.hidden_size, model.head_dim, mlp_width(model)
+    heads, kv_heads = h // hd, kv_width(model) // hd
+    embed, mlp = ("embed",), ("mlp",)
+    if model.family == "gpt":
+        return {
+            "attn/pre_norm/scale": ((h,), embed), "attn/pre_norm/bias": ((h,), embed),
+            "attn/qkv/kernel": ((h, heads, 3 * hd), ("embed", "heads", "qkv")),
+            "attn/qkv/bias": ((heads, 3 * hd), ("heads", "qkv")),
+            "attn/out/kernel": ((heads, hd, h), ("heads", "head_dim", "embed")), "attn/out/bias": ((h,), embed),
+            "mlp/pre_norm/scale": ((h,), embed), "mlp/pre_norm/bias": ((h,), embed),
+            "mlp/up/kernel": ((h, f), ("embed", "mlp")), "mlp/up/bias": ((f,), mlp),
+            "mlp/down/kernel": ((f, h), ("mlp", "embed")), "mlp/down/bias": ((h,), embed),
+        }  # fmt: skip
+    return {
+        "attn/pre_norm/scale": ((h,), embed),
+        "attn/q/kernel": ((h, heads, hd), ("embed", "heads", "head_dim")),
+        "attn/k/kernel": ((h, kv_heads, hd), ("embed", "kv_heads", "head_dim")),
+        "attn/v/kernel": ((h, kv_heads, hd), ("embed", "kv_heads", "head_dim")),
+        "attn/out/kernel": ((heads, hd, h), ("heads", "head_dim", "embed")),
+        "mlp/pre_norm/scale": ((h,), embed),
+        "mlp/gate/kernel": ((h, f), ("embed", "mlp")), "mlp/up/kernel": ((h, f), ("embed", "mlp")),
+        "mlp/down/kernel": ((f, h), ("mlp", "embed")),
+    }  # fmt: skip
+
+
+def param_table(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Every parameter's path ("transformer/block_0/attn/q/kernel") -> (shape, logical axis names), as the
+    model creates it (jaxscale.model's names: vocab, embed, pos, heads, kv_heads, head_dim, qkv, mlp, layers).
+
+    With scan_layers the layer parameters are stacked: "transformer/blocks/..." with a leading num_layers
+    axis named "layers".
+    """
+    h, v = model.hidden_size, model.vocab_size
+    table = {"embed/embedding": ((v, h), ("vocab", "embed"))}
+    if model.family == "gpt":
+        table["pos_emb"] = ((model.max_seq_len, h), ("pos", "embed"))
+        table["post_norm/bias"] = ((h,), ("embed",))
+    table["post_norm/scale"] = ((h,), ("embed",))
+    if not model.tie_embeddings:
+        table["output/kernel"] = ((h, v), ("embed", "vocab"))
+        if model.family == "gpt":
+            table["output/bias"] = ((v,), ("vocab",))
+    layer = _layer_params(model)
+    if model.scan_layers:
+        stacked = {k: ((model.num_layers, *s), ("layers", *n)) for k, (s, n) in layer.items()}
+        table.update({f"transformer/blocks/{k}": value for k, value in stacked.items()})
+    else:
+        for i in range(model.num_layers):
+            table.update({f"transformer/block_{i}/{k}": value for k, value in layer.items()})
+    return table
+
+
+def param_shapes(model: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
+    """Every parameter's path and shape, as the model creates it (param_table without the names)."""
+    return {path: shape for path, (shape, _) in param_table(model).items()}
+
+
+def layer_param_table(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """One block's parameters (not stacked): path within the block -> (shape, logical axis names)."""
+    return _layer_params(model)
+
+
+# Which mesh axis splits each logical name (the parameters' part of jaxscale.train.sharding.RULES, which
+# this floor cannot import; tests/train/test_sharding_devices.py checks the counts against the real layout).
+MESH_SPLITS = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
+
+
+def shard_shape(
+    shape: tuple[int, ...], names: tuple[str | None, ...], fsdp: int = 1, tensor: int = 1
+) -> tuple[int, ...]:
+    """The shape one device holds of a parameter named `names` under FSDP x tensor (MESH_SPLITS; a mesh axis
+    splits only the first dimension that names it, as Flax's logical_to_mesh does)."""
+    sizes, used, out = {"fsdp": fsdp, "tensor": tensor}, set(), []
+    for dim, name in zip(shape, names, strict=True):
+        axis = MESH_SPLITS.get(name or "")
+        if axis is None or axis in used:
+            out.append(dim)
+        else:
+            used.add(axis)
+            out.append(dim // sizes[axis])
+    return tuple(out)
+
+
+def param_count(model: ml_collections.ConfigDict) -> int:
+    """Exact parameter count, from the config alone (H hidden, F MLP width, K = K/V width, V vocab, S positions).
+
+    gpt, per layer: two LayerNorms 2·2H, fused QKV H·3H + 3H, attention output H·H + H, MLP up H·F + F and
+    down F·H + H; plus token embedding V·H, positional embedding S·H, final LayerNorm 2H, and, untied, the
+    output head H·V + V.
+    llama, per layer: two RMSNorm scales 2H, q H·H, k and v 2·H·K, output H·H, gate, up and down 3·H·F; plus
+    token embedding V·H, final RMSNorm H and, untied, the output head H·V (no biases anywhere).
+    """
+    h, f, v, kv = model.hidden_size, mlp_width(model), model.vocab_size, kv_width(model)
+    if model.family == "gpt":
+        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+        top = v * h + model.max_seq_len * h + 2 * h + (0 if model.tie_embeddings else h * v + v)
+    else:
+        per_layer = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * f
+        top = v * h + h + (0 if model.tie_embeddings else h * v)
+    return model.num_layers * per_layer + top
+
+
+def embedding_only_params(model: ml_collections.ConfigDict) -> int:
+    """Parameters used only by gathers, not by matmuls: the positional table (gpt) and, untied, the token embedding.
+
+    Tied, the token embedding is also the output head's matrix, so it takes part in a matmul and counts in N.
+    """
+    positions = model.max_seq_len * model.hidden_size if model.family == "gpt" else 0
+    return positions + (0 if model.tie_embeddings else model.vocab_size * model.hidden_size)
+
+
+def removed_axis(reduced_shape: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
+    """The first axis of `shape` whose removal leaves `reduced_shape` (a factored statistic's axis), or None."""
+    for axis in range(len(shape)):
+        if tuple(reduced_shape) == tuple(shape[:axis]) + tuple(shape[axis + 1 :]):
+            return axis
+    return None
+
+
+def _adafactor_leaves(shape: tuple[int, ...], names: tuple[str, ...]) -> list[tuple[tuple[int, ...], tuple]]:
+    """(shape, names) of optax.adafactor's state leaves for one parameter: factored (its two largest dims, by
+    optax's own np.argsort, both >= 128) a row and a column statistic, each with one of those axes removed,
+    and a 1-element placeholder; otherwise the full second moment and two placeholders (names () replicated)."""
+    placeholder = ((1,), ())
+    order = np.argsort(shape) if len(shape) >= 2 else None
+    if order is None or shape[order[-2]] < ADAFACTOR_MIN_DIM_TO_FACTOR:
+        return [(tuple(shape), tuple(names)), placeholder, placeholder]
+    leaves = [placeholder]
+    for dropped in (int(order[-1]), int(order[-2])):  # v_row drops the largest, v_col the second largest
+        reduced = tuple(np.delete(np.array(shape), dropped))
+        axis = removed_axis(reduced, shape)  # the axis the sharding layout reads it as (the first that fits)
+        leaves.append((reduced, tuple(n for i, n in enumerate(names) if i != axis)))
+    return leaves
+
+
+def adafactor_state_elements(
+    shapes: dict[str, tuple[int, ...]], names: dict[str, tuple[str, ...]] | None = None, fsdp: int = 1, tensor: int = 1
+) -> int:
+    """float32 elements of optax.adafactor's state (defaults: factored, no momentum) that one device holds.
+
+    Per parameter of n elements whose two largest dims d1 >= d2 are both >= 128 (min_dim_size_to_factor):
+    a row and a column second-moment vector of n/d1 and n/d2 elements, plus a 1-element placeholder; any other
+    parameter (vectors, small matrices): the full second moment, n elements, plus two 1-element placeholders.
+    On a mesh (`names` given) each statistic is split like the axes of its parameter it keeps (the layout of
+    jaxscale.train.sharding.state_specs) and the placeholders are replicated. The step counters are left out
+    (a few bytes). Which dims are the largest depends on the layout: a scanned model's [L, H, heads, head_dim]
+    kernel is factored over H and whichever of the others is larger.
+    """
+    names = names or {path: (None,) * len(shape) for path, shape in shapes.items()}
+    total = 0
+    for path, shape in shapes.items():
+        for leaf_shape, leaf_names in _adafactor_leaves(shape, names[path]):
+            if leaf_names:
+                leaf_shape = shard_shape(leaf_shape, leaf_names, fsdp, tensor)
+            total += math.prod(leaf_shape)
+    return total
+
+
+def shape_warnings(model: ml_collections.ConfigDict) -> list[str]:
+    """One line per matmul dimension that is not a multiple of TILE (64): hidden size, head_dim, MLP width, vocab.
+
+    Tensor cores multiply tiles; a dimension off the tile is padded inside the kernel or falls back to slower
+    paths (Karpathy's GPT-2 vocabulary 50257 -> 50304 is the well-known case).
+    """
+    dims = {
+        "model.hidden_size": model.hidden_size,
+        "model.head_dim": model.head_dim,
+        "MLP width (model.mlp_hidden_size or mlp_expansion x hidden_size)": mlp_width(model),
+        "model.vocab_size": model.vocab_size,
+    }
+    lines = []
+    for field, value in dims.items():
+        if value % TILE:
+            padded = -(-value // TILE) * TILE
+            hint = f"; pad it to {padded} (unused token ids cost nothing but memory)" if "vocab" in field else ""
+            lines.append(f"{field} = {value} is not a multiple of {TILE} (tensor-core tiles){hint}")
+    return lines

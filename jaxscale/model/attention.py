@@ -1,0 +1,62 @@
+"""Attention kernels shared by every family: the reference einsum (fp32 logits) and jax.nn's, both with GQA."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxscale.model.hparams import ModelConfig
+
+
+def _masked(logits: jax.Array, causal: bool) -> jax.Array:
+    """Sets the logits of keys after their query to the dtype's minimum; logits [..., T, S], T == S."""
+    if not causal:
+        return logits
+    seq = logits.shape[-1]
+    mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))  # [T, S]
+    return jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, softmax_dtype) -> jax.Array:
+    """Scaled dot-product attention as the reference writes it: logits and softmax in `softmax_dtype`.
+
+    Grouped-query attention (fewer K/V heads than query heads) groups the query heads instead of
+    repeating K and V: query head h reads K/V head h // (heads // kv_heads), as jax.nn.dot_product_attention
+    does. With one K/V head per query head it is the reference's plain multi-head einsum.
+
+    Args:
+      q: [batch, seq, heads, head_dim] in the compute dtype.
+      k, v: [batch, seq, kv_heads, head_dim], kv_heads dividing heads.
+    Returns:
+      [batch, seq, heads, head_dim] in the compute dtype.
+    """
+    dtype = q.dtype
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q = (q * (head_dim**-0.5)).astype(softmax_dtype)
+    k = k.astype(softmax_dtype)
+    if kv_heads == heads:
+        logits = _masked(jnp.einsum("bqhd,bkhd->bhqk", q, k), causal)  # [B, nh, T, T] in softmax_dtype
+        weights = nn.softmax(logits, axis=-1).astype(dtype)  # cast back after the softmax
+        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)  # [B, T, nh, hd]
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # [B, T, nkv, g, hd]
+    logits = _masked(jnp.einsum("bqkgd,bskd->bkgqs", q, k), causal)  # [B, nkv, g, T, T]
+    weights = nn.softmax(logits, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)  # [B, T, nkv, g, hd]
+    return out.reshape(batch, seq, heads, head_dim)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Dispatches to the configured kernel; all compute the same function (K/V may have fewer heads than q).
+
+    Args:
+      q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim].
+    Returns:
+      [batch, seq, heads, head_dim].
+    """
+    if cfg.attention == "reference":
+        return reference_attention(q, k, v, cfg.causal, jnp.dtype(cfg.softmax_dtype))
+    # jax.nn.dot_product_attention computes its logits and softmax in float32 for bf16/fp16 inputs and takes
+    # K/V with fewer heads than the query (grouped-query attention) as they are.
+    return jax.nn.dot_product_attention(q, k, v, is_causal=cfg.causal, implementation=cfg.attention)

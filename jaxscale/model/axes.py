@@ -1,0 +1,47 @@
+"""Logical axis names for every family: the boxes parameters carry, the constraints activations carry.
+
+Every parameter carries logical axis names (Flax's logical partitioning) and the activations between the
+sharded matmuls carry logical constraints (`nn.with_logical_constraint`). The names follow the lab's
+conventions (vocab, embed, pos, heads, kv_heads, head_dim, qkv, mlp, layers; batch and seq for activations);
+the one table that maps them to mesh axes is `jaxscale.train.sharding.RULES`. Without those rules in context
+(the default 1x1x1 mesh) the constraints are no-ops, and `jaxscale.train` unboxes the initial parameters, so
+the param tree and its values are those of an unannotated model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+
+Initializer = Callable[..., jax.Array]
+
+
+class LogicalAxes(nn.LogicallyPartitioned):
+    """Flax's logical-partitioning box (what `nn.with_logical_partitioning` returns) whose unboxing adds no
+    sharding constraint.
+
+    The names are read by jaxscale.train.sharding (`nn.get_partition_spec`) to build the step's in/out
+    shardings, and nn.scan prepends "layers" to them. Flax's own box would also constrain the value when it
+    is unboxed with a mesh in context, and with Flax 0.12 DenseGeneral unboxes its kernel while it is still
+    flat (kernel_init_wrap, and again in every apply's parameter-shape check), which a rank-3 name tuple
+    cannot constrain; the layout needs no constraint there, the step's in_shardings already place the state.
+    """
+
+    def unbox(self, apply_constraint: bool = True) -> jax.Array:
+        return self.value
+
+
+def partitioned(init: Initializer, names: tuple[str, ...]) -> Initializer:
+    """`init` whose parameter carries the logical axis names `names`, one per dimension."""
+
+    def init_with_names(*args, **kwargs) -> LogicalAxes:
+        return LogicalAxes(init(*args, **kwargs), names)
+
+    return init_with_names
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """A logical sharding constraint on an activation; a no-op unless a mesh's rules are active."""
+    return nn.with_logical_constraint(x, names)

@@ -1,0 +1,29 @@
+"""The model families by name, and the logical axis names their parameters carry."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxscale.model.gpt import GPT
+from jaxscale.model.hparams import ModelConfig
+from jaxscale.model.llama import Llama
+
+FAMILIES: dict[str, type[nn.Module]] = {"gpt": GPT, "llama": Llama}
+
+
+def build(cfg: ModelConfig, train: bool = False) -> nn.Module:
+    """The module of cfg.family; an unknown family is a KeyError (config validation names the allowed ones)."""
+    return FAMILIES[cfg.family](cfg, train=train)
+
+
+def logical_axes(cfg: ModelConfig) -> dict:
+    """The params tree with, at each leaf, a PartitionSpec of the leaf's logical axis names.
+
+    Shapes only (jax.eval_shape): nothing is allocated. `nn.logical_to_mesh_sharding(logical_axes(cfg),
+    mesh, rules)` turns it into shardings once a mesh and a rules table exist.
+    """
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    boxed = jax.eval_shape(build(cfg).init, jax.random.PRNGKey(0), tokens)["params"]
+    return nn.get_partition_spec(boxed)

@@ -1,0 +1,127 @@
+"""The Llama family (Flax linen): RMSNorm, SwiGLU MLP, rotary position embeddings, grouped-query attention.
+
+No biases and no position table. bf16 compute with fp32 params; the reference attention keeps fp32 logits and
+softmax; the rotation runs in float32. Remat targets (MLP, Attn, Block), their policies and the
+`checkpoint_name` tags (`qkv_proj` on q, k and v; `mlp_hidden` on the down projection's input), the layer
+scan, the attention kernels and the logical axis names with their activation constraints are those of the
+GPT (jaxscale.model.stack, .attention, .axes), so the mesh rules split both families alike.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxscale.model.attention import attention
+from jaxscale.model.axes import constrain, partitioned
+from jaxscale.model.hparams import ModelConfig
+from jaxscale.model.stack import ResidualBlock, Transformer, dense, embed
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotates each head's dimension pairs (i, i + head_dim/2) by positions * theta^(-2i/head_dim).
+
+    The half-split pairing of Hugging Face's Llama. Rotating query and key by their positions makes their
+    dot product depend on the positions' difference only.
+
+    Args:
+      x: [batch, seq, heads, head_dim], head_dim even.
+      positions: [seq] integer positions.
+      theta: the frequencies' base (rope_theta).
+    Returns:
+      [batch, seq, heads, head_dim] in x's dtype (computed in float32).
+    """
+    half = x.shape[-1] // 2
+    inverse_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [hd/2]
+    angles = positions.astype(jnp.float32)[:, None] * inverse_freq[None, :]  # [T, hd/2]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]  # [1, T, 1, hd/2]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # each [B, T, h, hd/2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rms_norm(cfg: ModelConfig, name: str) -> nn.RMSNorm:
+    """RMSNorm in the compute dtype (statistics in float32), its scale named ("embed",)."""
+    return nn.RMSNorm(
+        epsilon=cfg.norm_epsilon,
+        dtype=cfg.dtype,
+        scale_init=partitioned(nn.initializers.ones_init(), ("embed",)),
+        name=name,
+    )
+
+
+class LlamaAttention(nn.Module):
+    """Pre-RMSNorm grouped-query self-attention with rotary embeddings; separate q, k, v projections."""
+
+    config: ModelConfig
+    train: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+        with jax.named_scope("attn"):
+            h = rms_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            q = dense((heads, head_dim), ("embed", "heads", "head_dim"), cfg, "q", use_bias=False)(h)
+            k = dense((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg, "k", use_bias=False)(h)
+            v = dense((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg, "v", use_bias=False)(h)
+            q = constrain(checkpoint_name(q, "qkv_proj"), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
+            k = constrain(checkpoint_name(k, "qkv_proj"), ("batch", "seq", "kv_heads", "head_dim"))  # [B, T, nkv, hd]
+            v = constrain(checkpoint_name(v, "qkv_proj"), ("batch", "seq", "kv_heads", "head_dim"))
+            positions = jnp.arange(x.shape[1])  # [T]
+            q = rotary_embedding(q, positions, cfg.rope_theta)
+            k = rotary_embedding(k, positions, cfg.rope_theta)
+            h = constrain(attention(q, k, v, cfg), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
+            h = dense(cfg.hidden_size, ("heads", "head_dim", "embed"), cfg, "out", axis=(-2, -1), use_bias=False)(h)
+            h = constrain(h, ("batch", "seq", "embed"))  # [B, T, H]: the tensor-parallel partial sums reduced
+            return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
+
+
+class SwiGLU(nn.Module):
+    """Pre-RMSNorm SwiGLU MLP: down(silu(gate(x)) * up(x)), hidden width cfg.mlp_width."""
+
+    config: ModelConfig
+    train: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        with jax.named_scope("mlp"):
+            h = rms_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            gate = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "gate", use_bias=False)(h)  # [B, T, F]
+            up = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up", use_bias=False)(h)  # [B, T, F]
+            h = constrain(checkpoint_name(nn.silu(gate) * up, "mlp_hidden"), ("batch", "seq", "mlp"))  # [B, T, F]
+            h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down", use_bias=False)(h)
+            h = constrain(h, ("batch", "seq", "embed"))  # [B, T, H]
+            return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
+
+
+class LlamaBlock(ResidualBlock):
+    """One Llama block: grouped-query attention then SwiGLU, each with its residual."""
+
+    attn_block = LlamaAttention
+    mlp_block = SwiGLU
+
+
+class Llama(nn.Module):
+    """Decoder-only Llama. Input [batch, seq] int tokens, output [batch, seq, vocab] float32 logits."""
+
+    config: ModelConfig
+    train: bool = False
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        with jax.named_scope("embed"):
+            token_embed = embed(cfg, nn.initializers.normal(0.02))  # HF's init range
+            x = nn.Dropout(cfg.dropout_rate)(token_embed(tokens), deterministic=not self.train)  # [B, T, H]
+            x = constrain(x, ("batch", "seq", "embed"))
+        x = Transformer(cfg, self.train, LlamaBlock, name="transformer")(x)
+        with jax.named_scope("head"):
+            x = rms_norm(cfg, "post_norm")(x)
+            if cfg.tie_embeddings:
+                logits = token_embed.attend(x)  # [B, T, V]: x @ embedding.T
+            else:
+                logits = dense(cfg.vocab_size, ("embed", "vocab"), cfg, "output", use_bias=False)(x)  # [B, T, V]
+            return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))  # [B, T, V]

@@ -1,0 +1,157 @@
+"""What every family shares around its block: remat wrapping, the layer stack (scan or unrolled), the
+projections and the token embedding, each with logical axis names (jaxscale.model.axes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxscale.model.axes import Initializer, constrain, partitioned
+from jaxscale.model.hparams import ModelConfig
+
+# Named remat policies (MaxText's vocabulary). An unknown name is a KeyError, caught by config validation.
+REMAT_POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv_proj"),
+}
+
+
+def maybe_remat(module: type[nn.Module], target: str, cfg: ModelConfig) -> type[nn.Module]:
+    """Wraps `module` in nn.remat when `target` is in cfg.remat.
+
+    prevent_cse: outside nn.scan it must be True, or XLA's common-subexpression elimination merges the
+    backward pass's recomputation with the forward pass and silently undoes the remat. Inside nn.scan
+    the loop boundary already stops that merge, and True would only add optimization barriers that
+    block fusion (the JAX and Flax docs advise False there), so it is `not cfg.scan_layers`.
+    """
+    if target not in cfg.remat:
+        return module
+    return nn.remat(module, prevent_cse=not cfg.scan_layers, policy=REMAT_POLICIES[cfg.remat_policy])
+
+
+class ResidualBlock(nn.Module):
+    """One pre-norm block, x + attn(x) then + mlp(x); returns (x, None) so that nn.scan can carry x.
+
+    A family subclasses it naming its attention and MLP sub-blocks; remat wraps them as "Attn" and "MLP".
+    """
+
+    config: ModelConfig
+    train: bool
+    attn_block: ClassVar[type[nn.Module]]
+    mlp_block: ClassVar[type[nn.Module]]
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
+        cfg = self.config
+        attn_cls = maybe_remat(self.attn_block, "Attn", cfg)
+        mlp_cls = maybe_remat(self.mlp_block, "MLP", cfg)
+        x = x + attn_cls(cfg, self.train, name="attn")(x)  # [B, T, H]
+        x = x + mlp_cls(cfg, self.train, name="mlp")(x)
+        return constrain(x, ("batch", "seq", "embed")), None
+
+
+class Transformer(nn.Module):
+    """The stack of `block`s: nn.scan over layers (params stacked on a leading "layers" axis) or unrolled.
+
+    `block` is a family's block class: (config, train) attributes, called as block(x, None) -> (x, None).
+    """
+
+    config: ModelConfig
+    train: bool
+    block: type[nn.Module]
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        block_cls = maybe_remat(self.block, "Block", cfg)
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                block_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            with jax.named_scope("blocks"):  # stacked params: ("layers", ...)
+                x, _ = scanned(cfg, self.train, name="blocks")(x, None)
+            return x
+        for i in range(cfg.num_layers):
+            with jax.named_scope(f"block_{i}"):
+                x, _ = block_cls(cfg, self.train, name=f"block_{i}")(x, None)
+        return x
+
+
+def count_params(params) -> int:
+    """Number of scalars in a params tree (arrays or ShapeDtypeStructs, boxed or not)."""
+    return sum(math.prod(p.shape) for p in jax.tree_util.tree_leaves(params))
+
+
+def unstack_scanned_params(params: dict, num_layers: int) -> dict:
+    """Maps params of a scan_layers=True model to the layout of the unrolled model (block_0 ... block_{L-1})."""
+    params = dict(params)
+    transformer = dict(params["transformer"])
+    stacked = transformer.pop("blocks")
+    for i in range(num_layers):
+        transformer[f"block_{i}"] = jax.tree_util.tree_map(lambda p, i=i: p[i], stacked)
+    params["transformer"] = transformer
+    return params
+
+
+def dense(
+    features: int | tuple[int, ...],
+    kernel_axes: tuple[str, ...],
+    cfg: ModelConfig,
+    name: str,
+    axis: int | tuple[int, ...] = -1,
+    use_bias: bool = True,
+) -> nn.DenseGeneral:
+    """A projection in the compute dtype with float32 params: kernel named `kernel_axes`, bias its output axes.
+
+    Args:
+      features: output width, or a tuple of output dims (e.g. (heads, head_dim)).
+      kernel_axes: logical names of the kernel's dims, contracted dims first.
+      axis: the input dims contracted.
+    """
+    outputs = 1 if isinstance(features, int) else len(features)
+    return nn.DenseGeneral(
+        features,
+        axis=axis,
+        use_bias=use_bias,
+        dtype=cfg.dtype,
+        kernel_init=partitioned(nn.initializers.lecun_normal(), kernel_axes),
+        bias_init=partitioned(nn.initializers.zeros_init(), kernel_axes[-outputs:]),
+        name=name,
+    )
+
+
+class Embed(nn.Embed):
+    """nn.Embed whose table is whole along embed at the lookup (the all-gather FSDP does for any weight).
+
+    The lookup's output then splits by batch like every activation; with the table split along embed,
+    XLA's partitioner would have to move the looked-up activations between layouts, and replicates them
+    instead ("Involuntary full rematerialization"). Off a mesh this is nn.Embed exactly.
+    """
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError("Input type must be an integer or unsigned integer.")
+        (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)  # [V, H]
+        return jnp.take(constrain(embedding, ("vocab", None)), inputs, axis=0)  # [B, T, H]
+
+
+def embed(cfg: ModelConfig, init: Initializer) -> Embed:
+    """The token embedding [vocab, hidden] named ("vocab", "embed"), looked up in the compute dtype."""
+    return Embed(
+        cfg.vocab_size,
+        cfg.hidden_size,
+        dtype=cfg.dtype,
+        embedding_init=partitioned(init, ("vocab", "embed")),
+        name="embed",
+    )

@@ -1,0 +1,94 @@
+"""Named real models at full size (published configs) and small Llama sizes for tests, as config presets.
+
+A preset is the text after the colon of `--config <file>:<preset>`: the config file chooses the technique
+(dtype, scan, remat, accumulation), the preset the model and a default batch, and `--config.<group>.<field>`
+overrides change anything else, e.g. the sequence and the batch:
+
+    python -m jaxscale.run --config configs/bf16_remat.py:llama3.1-8b --config.data.seq_len=8192 \\
+        --config.data.batch_size=2 --config.train.num_minibatches=1 --plan --target h100
+
+Each real model lists its source; `tests/test_model_presets.py` checks every parameter count through
+`jax.eval_shape` (nothing allocated). Not modelled: Llama 3.1/3.2's "llama3" RoPE frequency scaling (it
+changes the rotation frequencies only, not shapes, memory or FLOPs).
+"""
+
+from __future__ import annotations
+
+# Everything a Llama 3 model shares: RMSNorm eps 1e-5, RoPE base 500000, 128256-token vocabulary, no dropout,
+# 131072 positions (RoPE has no position table, so this only bounds data.seq_len).
+_LLAMA3 = dict(
+    family="llama", vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, norm_epsilon=1e-5, dropout_rate=0.0
+)
+# GPT-2: learned positions for 1024 tokens, LayerNorm eps 1e-5, dropout 0.1, output tied to the token embedding.
+_GPT2 = dict(family="gpt", vocab_size=50257, max_seq_len=1024, norm_epsilon=1e-5, dropout_rate=0.1, tie_embeddings=True)
+
+# Default batch of a real-model preset: a handful of sequences at a common training length, no accumulation;
+# meant to be overridden (data.seq_len, data.batch_size, train.num_minibatches) or searched (jaxscale.fit).
+_TRAIN = {"train": dict(num_minibatches=1, steps=5, warmup_steps=1), "profile": dict(steps=1)}
+
+MODEL_PRESETS: dict[str, dict[str, dict[str, object]]] = {
+    # 124,439,808 parameters. Source: the Hugging Face config.json of openai-community/gpt2
+    # (n_embd 768, n_layer 12, n_head 12).
+    "gpt2": {
+        "model": dict(_GPT2, hidden_size=768, head_dim=64, num_layers=12, mlp_expansion=4),
+        "data": dict(batch_size=8, seq_len=1024),
+        **_TRAIN,
+    },
+    # 354,823,168 parameters. Source: the Hugging Face config.json of openai-community/gpt2-medium
+    # (n_embd 1024, n_layer 24, n_head 16).
+    "gpt2-medium": {
+        "model": dict(_GPT2, hidden_size=1024, head_dim=64, num_layers=24, mlp_expansion=4),
+        "data": dict(batch_size=8, seq_len=1024),
+        **_TRAIN,
+    },
+    # 1,235,814,400 parameters. Source: the Hugging Face config.json of meta-llama/Llama-3.2-1B:
+    # hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, intermediate 8192, tie_word_embeddings true.
+    "llama3.2-1b": {
+        "model": dict(
+            _LLAMA3, hidden_size=2048, head_dim=64, num_layers=16, num_kv_heads=8, mlp_hidden_size=8192,
+            tie_embeddings=True,
+        ),
+        "data": dict(batch_size=8, seq_len=2048),
+        **_TRAIN,
+    },
+    # 3,212,749,824 parameters. Source: the Hugging Face config.json of meta-llama/Llama-3.2-3B:
+    # hidden 3072, 28 layers, 24 heads of 128, 8 KV heads, intermediate 8192, tie_word_embeddings true.
+    "llama3.2-3b": {
+        "model": dict(
+            _LLAMA3, hidden_size=3072, head_dim=128, num_layers=28, num_kv_heads=8, mlp_hidden_size=8192,
+            tie_embeddings=True,
+        ),
+        "data": dict(batch_size=8, seq_len=2048),
+        **_TRAIN,
+    },
+    # 8,030,261,248 parameters. Source: the Hugging Face config.json of meta-llama/Llama-3.1-8B:
+    # hidden 4096, 32 layers, 32 heads of 128, 8 KV heads, intermediate 14336, tie_word_embeddings false.
+    "llama3.1-8b": {
+        "model": dict(
+            _LLAMA3, hidden_size=4096, head_dim=128, num_layers=32, num_kv_heads=8, mlp_hidden_size=14336,
+            tie_embeddings=False,
+        ),
+        "data": dict(batch_size=8, seq_len=2048),
+        **_TRAIN,
+    },
+    # Llama at the sizes of `tiny` and `cpu` (tests; about a second a step on 2 CPU cores): 2 KV heads shared by
+    # 4 query heads, SwiGLU width 3x hidden, tied embeddings at tiny (as the 1B/3B models) and untied at cpu.
+    "tiny-llama": {
+        "model": dict(
+            family="llama", num_layers=2, hidden_size=64, head_dim=16, num_kv_heads=2, mlp_hidden_size=192,
+            vocab_size=128, max_seq_len=32, norm_epsilon=1e-5, dropout_rate=0.0, tie_embeddings=True,
+        ),
+        "data": dict(batch_size=8, seq_len=32),
+        "train": dict(num_minibatches=2, steps=3, warmup_steps=1),
+        "profile": dict(steps=1),
+    },
+    "cpu-llama": {
+        "model": dict(
+            family="llama", num_layers=4, hidden_size=256, head_dim=64, num_kv_heads=2, mlp_hidden_size=768,
+            vocab_size=2048, max_seq_len=256, norm_epsilon=1e-5, dropout_rate=0.0,
+        ),
+        "data": dict(batch_size=16, seq_len=256),
+        "train": dict(num_minibatches=4, steps=10, warmup_steps=2),
+        "profile": dict(steps=2),
+    },
+}  # fmt: skip

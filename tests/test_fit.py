@@ -1,0 +1,80 @@
+"""`python -m jaxscale.fit`: the table and recommendation, rows with the sweep's conventions, resuming from
+finished rows and probes, a budget nothing meets, --measure, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import CONFIGS
+
+from jaxscale import fit as fit_cli
+from jaxscale.sweep import load_results
+
+TINY = f"{CONFIGS}/bf16_remat.py:tiny"
+
+
+def _fit(tmp_path, *args: str) -> int:
+    return fit_cli.main(["fit", "--config", TINY, "--output_root", str(tmp_path), "--remat", "block", *args])
+
+
+def _rows(tmp_path, name="fit_bf16_remat_tiny_cpu", sub=""):
+    path = tmp_path / "experiments" / "results" / name / sub / "results.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_fit_finds_the_edge_records_a_row_and_resumes(tmp_path, capsys):
+    assert _fit(tmp_path, "--memory", "4MiB", "--max_minibatch", "16") == 0
+    out = capsys.readouterr().out
+    assert "a CPU plan is only a proxy" in out and "recommendation: Block at minibatch" in out
+    (row,) = _rows(tmp_path)
+    largest = row["fit_largest_minibatch"]
+    assert row["status"] == "ok" and row["variant"] == "block" and row["sweep"] == "fit_bf16_remat_tiny_cpu"
+    assert row["compiled_peak_bytes"] <= 4 * 2**20 and row["config.data.batch_size"] == 2 * largest
+    assert row["tokens_per_step"] == 2 * largest * 32 and row["compiled_to_analytic_peak_ratio"] > 0
+    probes = {p[0]: (p[1], p[2]) for p in row["fit_probes"]}
+    assert probes[largest][1] is True
+    assert largest == 16 or probes[largest + 1][1] is False  # the edge: the next minibatch was compiled, too big
+    frame = load_results(tmp_path / "experiments" / "results" / "fit_bf16_remat_tiny_cpu")  # the sweep's reader
+    assert list(frame["variant"]) == ["block"] and list(frame["status"]) == ["ok"]
+    # the same question again: answered from the row, nothing compiled
+    assert _fit(tmp_path, "--memory", "4MiB", "--max_minibatch", "16") == 0
+    assert "block: already answered" in capsys.readouterr().out
+    # a fit killed after its probes but before its row: the rerun reuses every probe
+    (tmp_path / "experiments" / "results" / "fit_bf16_remat_tiny_cpu" / "results.jsonl").unlink()
+    assert _fit(tmp_path, "--memory", "4MiB", "--max_minibatch", "16") == 0
+    (again,) = _rows(tmp_path)
+    assert again["fit_largest_minibatch"] == largest and again["fit_probes_reused"] == again["fit_compiles"]
+
+
+def test_a_budget_no_minibatch_meets_is_an_oom_row_naming_the_smallest_plan(tmp_path, capsys):
+    assert _fit(tmp_path, "--memory", "100KiB") == 0
+    out = capsys.readouterr().out
+    assert "none (oom)" in out and "recommendation: none" in out
+    (row,) = _rows(tmp_path)
+    assert row["status"] == "oom" and row["fit_largest_minibatch"] is None
+    assert "smallest plan (minibatch 1)" in row["error"] and row["config.data.batch_size"] == 2
+
+
+def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_path, capsys):
+    assert _fit(tmp_path, "--memory", "4MiB", "--max_minibatch", "2", "--measure", "--remat", "block") == 0
+    assert "fastest measured" in capsys.readouterr().out
+    (row,) = _rows(tmp_path)
+    assert row["measure_status"] == "ok" and row["tokens_per_s"] > 0 and row["step_s_median"] > 0
+    assert row["config.data.batch_size"] == 2 * row["fit_largest_minibatch"]  # it ran the planned batch
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--remat", "everything"], "--remat: unknown everything; allowed: none, mlp_attn, block"),
+        ([], "--memory: required without --target on the cpu backend"),
+        (["--memory", "4MiB", "--headroom", "1.5"], "--headroom: must be in [0, 1)"),
+        (["--target", "a5000", "--measure"], "--measure: runs on this machine's device"),
+        (["--memory", "lots"], "--memory: 'lots' is not a positive memory size"),
+    ],
+)
+def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):
+    code = fit_cli.main(["fit", "--config", TINY, "--output_root", str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("jaxscale: error: ") and message in err and err.count("\n") == 1

@@ -1,0 +1,57 @@
+"""Named real-model presets: exact published parameter counts through jax.eval_shape (nothing allocated), and
+how a model preset combines with a config file and batch/sequence overrides."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from conftest import CONFIGS, load_config, run_cli
+
+from jaxscale import train
+from jaxscale.config import all_presets, validate
+from jaxscale.measure import flops
+from jaxscale.model import count_params
+from jaxscale.model_presets import MODEL_PRESETS
+
+# Published counts (Hugging Face model cards / safetensors totals).
+EXPECTED = {
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "llama3.1-8b": 8_030_261_248,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED))
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_real_model_parameter_counts_are_exact(preset, scan_layers):
+    config = load_config("bf16_remat", preset)
+    config.model.scan_layers = scan_layers
+    state = jax.eval_shape(train.make_init_fn(config))  # shapes only: an 8B model costs nothing here
+    assert count_params(state.params) == EXPECTED[preset]
+    assert flops.param_count(config.model) == EXPECTED[preset]
+
+
+def test_every_preset_is_listed_and_validates_with_every_config_file():
+    assert set(EXPECTED) | {"tiny-llama", "cpu-llama"} == set(MODEL_PRESETS)
+    for path in CONFIGS.glob("*.py"):
+        for preset in all_presets():
+            config = load_config(path.stem, preset)
+            validate(config)
+            assert config.preset == preset
+
+
+def test_a_model_preset_takes_the_technique_from_the_file_and_the_batch_from_overrides(tmp_path):
+    """One command: the config file gives dtype/scan/remat, the preset the model, overrides the sequence and batch."""
+    result = run_cli(
+        "jaxscale.run", "--config", f"{CONFIGS}/bf16_remat_block.py:llama3.1-8b", "--config.data.seq_len=8192",
+        "--config.data.batch_size=2", "--config.model.num_layers=1", "--config.model.vocab_size=1024",
+        "--config.model.hidden_size=256", "--config.model.mlp_hidden_size=512", "--config.model.num_kv_heads=1",
+        "--plan", "--name=preset_cli",
+        "--output_root", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tokens/step 16,384" in result.stdout  # 2 x 8192
+    config = load_config("bf16_remat_block", "llama3.1-8b")
+    assert config.model.family == "llama" and config.model.remat == ("Block",) and config.model.scan_layers
