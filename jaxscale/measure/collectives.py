@@ -79,10 +79,12 @@ def ring_factor(kind: str, group_size: int | None) -> float:
 
 
 def _mesh_group_size(attributes: str, found: re.Match) -> int | None:
-    """Devices per group of the mesh form `mesh['a'=2,'b'=4] {'a'}`: the product of the
+    """Devices per group of the mesh form `mesh['a'=2,'b'=4][, device_ids=(...)] {'a'}`: the product of the
     grouped axes' sizes (a sub-axis `'a':(1)2` counts its own size); None if it does not read."""
     sizes = {name: int(size) for name, size in _MESH_AXIS.findall(found.group(1))}
     rest = attributes[found.end() :]
+    if rest.startswith(", device_ids=("):  # a permuted mesh, e.g. ([2,2,2]T(1,0,2)): same group sizes
+        rest = hlo._split_balanced(rest.removeprefix(", device_ids="))[1]
     axes = re.match(r"\s*\{([^}]*)\}", rest)
     if not axes:
         return None
@@ -102,9 +104,10 @@ def group_size(attributes: str, num_partitions: int) -> int:
       attributes: the instruction's attribute text.
       num_partitions: the devices the program runs on (the module's num_partitions).
     Returns:
-      The mesh form `mesh['a'=2,'b'=4] {'a'}` (2); the iota form `[2,4]<=[8]` (2 groups of 4); an
-      explicit list `{{0,1},{2,3}}` (its largest group); every device for `{}`, no groups, or a form that
-      does not read.
+      The mesh form `mesh['a'=2,'b'=4] {'a'}` (2), also with the mesh's devices permuted
+      (`mesh['a'=2,'b'=4], device_ids=([2,2,2]T(1,0,2)) {'a'}`); the iota form `[2,4]<=[8]` (2 groups
+      of 4); an explicit list `{{0,1},{2,3}}` (its largest group); every device for `{}`, no groups, or
+      a form that does not read.
     """
     mesh = _MESH_GROUPS.search(attributes)
     if mesh:

@@ -176,6 +176,8 @@ def test_the_kernels_carry_exactly_the_collectives_the_row_counts(text):
         ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", 4),
         ("replica_groups=mesh[axis_0=2,axis_1=4] {axis_0,axis_1}", 8),  # newer XLA prints names without quotes
         ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1':(2)2}", 2),  # a sub-axis: its own size
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}", 2),  # permuted
+        ("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0','axis_1'}", 8),
     ],
 )
 def test_replica_group_forms_give_the_devices_per_group(attributes, size):
