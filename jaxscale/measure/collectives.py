@@ -35,7 +35,7 @@ _KIND_OF = {**{k: k for k in COLLECTIVE_KINDS}, "ragged-all-to-all": "all-to-all
 _WRAPPERS = ("async-start", "fusion")  # run the collective of the computation they call
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]")
 _MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?=(\d+)")  # 'axis_0'=8 (JAX 0.10) or axis_0=8
-_GROUP_AXIS = re.compile(r"\s*'?([^':]+)'?(?::\((\d+)\)(\d+))?\s*")  # 'axis_0', or a sub-axis 'axis_0':(1)2
+_GROUP_AXIS = re.compile(r"\s*'?([^':\s]+)'?(?::\((\d+)\)(\d+))?\s*")  # 'axis_0', or a sub-axis 'axis_0':(1)2
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 
@@ -126,7 +126,7 @@ def _operand_bytes(instruction: hlo.Instruction, computation: dict[str, hlo.Inst
 
 
 def _wrapped(instruction: hlo.Instruction, module: hlo.Module) -> tuple[hlo.Instruction, dict] | None:
-    """The collective an async-start or a fusion runs (its computation's root, else the first collective
+    """The collective an async-start or a fusion runs (its computation's root, else the last collective
     there; XLA wraps one collective per async computation), with that computation; else None."""
     callee = next((c for role, c in instruction.callees if role == "calls"), "")
     body = module.computations.get(callee, {})

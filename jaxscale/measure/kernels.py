@@ -12,7 +12,9 @@ nothing and are left out. For each kernel:
   precision), "f32" (a float32 dot at HIGHEST), "vector" (elementwise work, CUDA cores / SIMD units);
 - bytes_read, bytes_written: at the kernel's boundary. A fusion reads a parameter in full unless it only
   slices it (dynamic-slice, slice, gather: the slices' bytes) or updates it in place (the buffer of a
-  dynamic-update-slice: nothing read); a dynamic-update-slice writes only its update.
+  dynamic-update-slice: nothing read); a dynamic-update-slice writes only its update;
+- collective: (kind, devices per group, full buffer bytes) from jaxscale.measure.collectives.launched, the
+  parse behind the row's compiled_collective_* columns, so the predictor costs the collectives the row counts.
 """
 
 from __future__ import annotations
