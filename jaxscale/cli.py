@@ -138,6 +138,22 @@ def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str] | None) -> li
         raise UsageError(str(error)) from None
 
 
+def one_argument(flag_values: flags.FlagValues, argv: Sequence[str] | None, hint: str) -> str:
+    """Parses argv into flag_values and returns its one positional argument (a directory, a file).
+
+    Args:
+      flag_values: the command's flags.
+      argv: the command line, program first (sys.argv when None).
+      hint: the error when there is not exactly one argument, e.g. "give one RUN_DIR, e.g. ...".
+    Raises:
+      UsageError: a bad flag (absl's message), or not exactly one positional argument (`hint`).
+    """
+    rest = parse_flags(flag_values, argv)
+    if len(rest) != 2:
+        raise UsageError(hint)
+    return rest[1]
+
+
 def config_path(argv: Sequence[str], name: str = "config") -> str | None:
     """The value of --<name> in argv (path[:preset]), or None when it is not given."""
     for i, arg in enumerate(argv):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from absl import flags
 from conftest import REPO, run_cli
 
 from jaxscale import bench, cli, run, tensorboard
@@ -96,3 +97,14 @@ def test_sweep_show_config_lists_the_base_and_each_variants_overrides(capsys):
 def test_help_is_asked_for_only_before_a_double_dash():
     assert cli.wants_help(["run", "-h"]) and cli.wants_help(["run", "--config", "x.py", "--help"])
     assert not cli.wants_help(["run", "--", "--help"]) and not cli.wants_help(["run", "--config", "help.py"])
+
+
+def test_one_argument_returns_it_or_says_what_to_give():
+    fv = flags.FlagValues()
+    flags.DEFINE_integer("top", 15, "How many.", flag_values=fv)
+    assert cli.one_argument(fv, ["prog", "runs/a", "--top", "3"], "give one RUN_DIR") == "runs/a" and fv.top == 3
+    for argv in (["prog"], ["prog", "runs/a", "runs/b"]):
+        with pytest.raises(cli.UsageError, match="^give one RUN_DIR$"):
+            cli.one_argument(fv, argv, "give one RUN_DIR")
+    with pytest.raises(cli.UsageError, match="top"):
+        cli.one_argument(fv, ["prog", "runs/a", "--top=many"], "give one RUN_DIR")

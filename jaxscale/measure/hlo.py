@@ -1,10 +1,11 @@
-"""Reads a compiled step's HLO text: matmul FLOPs and collectives with loop trip counts, and op categories.
+"""Reads a compiled step's HLO text: its instructions, matmul FLOPs and the executed program with loop trip counts.
 
 XLA's cost analysis counts a while-loop body once. This module walks the call graph of the optimized HLO
 (`compiled.as_text()`), multiplies each loop body by its `known_trip_count`, and counts the FLOPs of every
 dot (2 · output elements · contracted size), so a scanned step's matmul FLOPs can be counted in full.
-The same walk counts the collectives a sharded step runs and their sizes (`count_collectives`), and names
-what each op does (matmul, dynamic-update-slice, copy, ...) for trace analysis.
+`executed` is the one walk of the program as it runs, each instruction with its loops' trip counts: the
+kernel list (jaxscale.measure.kernels) and the collective counts (jaxscale.measure.collectives) both read
+it. It also names what each op does (matmul, dynamic-update-slice, copy, ...) for trace analysis.
 """
 
 from __future__ import annotations
@@ -241,7 +242,9 @@ class Executed:
     """An instruction of a computation that runs as a sequence (not inside a fusion), with its loops.
 
     trips: the multipliers of the loops that hold it, outermost first: a while body runs known_trip_count
-    times and its condition once more (None where the loop has no known_trip_count; counted once).
+    times and its condition once more, as HLO defines a while loop (None where the loop has no
+    known_trip_count; counted once). XLA's CPU and GPU runtimes run a loop of known trip count without
+    evaluating its condition at all (their WhileThunks), so a condition's count is an upper bound.
     """
 
     instruction: Instruction
@@ -258,7 +261,8 @@ def executed(module: Module) -> list[Executed]:
     """Every instruction the module executes as a sequence step, in program order, with its loop trips.
 
     Follows while bodies and conditions, calls and conditional branches (every branch, once each) from
-    the entry; fused computations and the scalar computations of reduces are left to their caller.
+    the entry; fused computations, the scalar computations of reduces and the computation an async-start
+    runs are left to their caller (one step: the fusion, the reduce, the async-start).
     """
     found: list[Executed] = []
 
@@ -338,129 +342,3 @@ def op_table(module: Module) -> dict[str, tuple[str, bool]]:
         for instruction in computation.values():
             table[instruction.name] = (category(instruction, module, memo), is_rematerialized(instruction))
     return table
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Collectives: what a sharded step sends between devices, counted with loop trip counts.
-
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_KIND_OF = {**{k: k for k in COLLECTIVE_KINDS}, "ragged-all-to-all": "all-to-all", "collective-broadcast": "other"}
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-_LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
-_SKIP_CALLEES = ("async-done", "async-update")  # they name the computation async-start already ran
-
-
-def executions(module: Module) -> dict[str, int]:
-    """How many times each computation runs in one execution of the entry computation.
-
-    A while body runs its loop's known_trip_count times per call (1 where XLA does not know it); every
-    branch of a conditional is counted as run (an upper bound); the computations an async-done or
-    async-update names are the ones its async-start ran, counted there.
-    """
-    edges: dict[str, list[tuple[str, int]]] = {}
-    for name, computation in module.computations.items():
-        for instruction in computation.values():
-            if instruction.opcode in _SKIP_CALLEES:
-                continue
-            for role, callee in instruction.callees:
-                times = (instruction.trip_count or 1) if instruction.opcode == "while" and role == "body" else 1
-                edges.setdefault(name, []).append((callee, times))
-    order: list[str] = []
-    visited: set[str] = set()
-
-    def visit(name: str) -> None:  # depth-first post-order: callees before callers
-        if name in visited:
-            return
-        visited.add(name)
-        for callee, _ in edges.get(name, []):
-            visit(callee)
-        order.append(name)
-
-    visit(module.entry)
-    counts = dict.fromkeys(order, 0)
-    counts[module.entry] = 1
-    for name in reversed(order):  # callers before callees
-        for callee, times in edges.get(name, []):
-            counts[callee] += counts[name] * times
-    return counts
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective instruction of the compiled program and its sizes on one device.
-
-    `bytes` is the whole buffer the collective works on, per device and execution: the operand of an
-    all-reduce (= its result), the gathered result of an all-gather, the operand of a reduce-scatter
-    (before scattering), the operand of an all-to-all or collective-permute, i.e. max(operand, result).
-    `ring_bytes` is what a ring algorithm sends from each device for it: 2(n-1)/n · bytes for an all-reduce,
-    (n-1)/n · bytes for all-gather, reduce-scatter and all-to-all over groups of n devices, and `bytes` for
-    a collective-permute (one send).
-    """
-
-    name: str
-    kind: str  # one of COLLECTIVE_KINDS, or "other"
-    executions: int  # per step: the trip counts of the loops around it multiplied in
-    operand_bytes: int
-    result_bytes: int
-    group_size: int | None  # devices per replica group (None for collective-permute's pairs)
-
-    @property
-    def bytes(self) -> int:
-        return max(self.operand_bytes, self.result_bytes)
-
-    @property
-    def ring_bytes(self) -> float:
-        n = self.group_size or 1
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind, (n - 1) / n)
-        return factor * self.bytes
-
-
-def _group_size(attributes: str, num_partitions: int) -> int | None:
-    mesh = _MESH_GROUPS.search(attributes)  # replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}
-    if mesh:
-        sizes = {k.strip("' "): int(v) for k, v in re.findall(r"'?([\w.]+)'?=(\d+)", mesh.group(1))}
-        return math.prod(sizes.get(axis.strip("' "), 1) for axis in mesh.group(2).split(",") if axis.strip())
-    listed = _LIST_GROUPS.search(attributes)  # replica_groups={{0,1,2,3},{4,5,6,7}}
-    if listed:
-        return len([d for d in listed.group(1).split(",") if d])
-    iota = _IOTA_GROUPS.search(attributes)  # replica_groups=[2,4]<=[8]: 2 groups of 4
-    if iota:
-        return int(iota.group(2))
-    return num_partitions  # replica_groups={} or none: every device
-
-
-def _collective(instruction: Instruction, computation: dict[str, Instruction], module: Module) -> tuple | None:
-    """(kind, operand bytes, result bytes, group size) of a collective or a collective's -start, else None."""
-    opcode = instruction.opcode
-    base = opcode.removesuffix("-start")
-    if base not in _KIND_OF or opcode.endswith("-done"):
-        return None
-    operands = sum(shape_bytes(computation[o].shape) for o in instruction.operands if o in computation)
-    result = shape_bytes(instruction.shape)
-    if opcode.endswith("-start"):  # the -done's shape is the result; the -start's tuple also holds the operands
-        done = next((i for i in computation.values() if i.opcode == f"{base}-done" and instruction.name in i.operands),
-                    None)  # fmt: skip
-        result = shape_bytes(done.shape) if done is not None else max(result - operands, 0)
-    group = (
-        None if _KIND_OF[base] == "collective-permute" else _group_size(instruction.attributes, module.num_partitions)
-    )
-    return _KIND_OF[base], operands, result, group
-
-
-def count_collectives(module: Module) -> list[Collective]:
-    """Every collective of one execution of the module, with how often it runs and its sizes per device.
-
-    An async pair (all-gather-start / all-gather-done, or async-start around a reduce-scatter) is one
-    collective: counted at its start, sized by its done. Loops multiply by their trip counts (`executions`).
-    """
-    runs = executions(module)
-    found = []
-    for name, computation in module.computations.items():
-        if not runs.get(name):
-            continue
-        for instruction in computation.values():
-            info = _collective(instruction, computation, module)
-            if info is not None:
-                found.append(Collective(instruction.name, info[0], runs[name], *info[1:]))
-    return found

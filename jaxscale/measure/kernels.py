@@ -12,7 +12,9 @@ nothing and are left out. For each kernel:
   precision), "f32" (a float32 dot at HIGHEST), "vector" (elementwise work, CUDA cores / SIMD units);
 - bytes_read, bytes_written: at the kernel's boundary. A fusion reads a parameter in full unless it only
   slices it (dynamic-slice, slice, gather: the slices' bytes) or updates it in place (the buffer of a
-  dynamic-update-slice: nothing read); a dynamic-update-slice writes only its update.
+  dynamic-update-slice: nothing read); a dynamic-update-slice writes only its update;
+- collective: (kind, devices per group, full buffer bytes) from jaxscale.measure.collectives.launched, the
+  parse behind the row's compiled_collective_* columns, so the predictor costs the collectives the row counts.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ import dataclasses
 import math
 import re
 
-from jaxscale.measure import hlo
+from jaxscale.measure import collectives, hlo
 
-# Launch nothing: structure, aliasing and control flow (the bodies' kernels are listed themselves).
+# Launch nothing: structure, aliasing and control flow (the bodies' kernels are listed themselves), and the
+# -done/-update ops of async pairs (the -start or async-start is the kernel: collectives.launched).
 _FREE = {
     "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional", "after-all",
-    "partition-id", "replica-id", "add-dependency", "opt-barrier", "domain", "copy-done", "send-done", "recv-done",
-    "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done", "async-update",
+    "partition-id", "replica-id", "add-dependency", "opt-barrier", "domain",
 }  # fmt: skip
+_ASYNC_ENDS = ("-done", "-update")
 _ARITHMETIC = {
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "exponential", "exponential-minus-one", "log",
     "log-plus-one", "tanh", "logistic", "rsqrt", "sqrt", "cbrt", "power", "negate", "abs", "compare", "select",
@@ -38,9 +41,6 @@ _SLICERS = {"dynamic-slice", "slice", "gather"}
 _FUSION_KIND = re.compile(r'"kind":"([^"]+)"')
 _LEGACY_KIND = re.compile(r"\bkind=(k\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _PRECISION = re.compile(r"operand_precision[=:]\{?\[?([^}\]]*)")
 CATEGORIES = ("matmul", "fusion", "copy", "dynamic_update_slice", "collective")
 
@@ -59,7 +59,7 @@ class Kernel:
     bytes_read: int
     bytes_written: int
     gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM
-    collective: tuple[str, int, int] | None = None  # (opcode without -start, participants per group, full bytes)
+    collective: tuple[str, int, int] | None = None  # (kind, devices per group, full buffer bytes): collectives.py
 
     @property
     def bytes(self) -> int:
@@ -170,22 +170,6 @@ def _fusion_kind(instruction: hlo.Instruction) -> str:
     return found.group(1) if found else "fusion"
 
 
-def _group_size(instruction: hlo.Instruction, num_partitions: int) -> int:
-    """Devices per replica group: iota form `[groups,size]<=[n]`, mesh form `mesh['a'=2,'b'=4] {'a'}`,
-    or an explicit list `{{0,1},{2,3}}`; no groups at all means every device."""
-    iota = _GROUPS_IOTA.search(instruction.attributes)
-    if iota:
-        return int(iota.group(2))
-    mesh = _GROUPS_MESH.search(instruction.attributes)
-    if mesh:
-        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
-        return math.prod(sizes.get(name, 1) for name in re.findall(r"'([^']+)'", mesh.group(2)))
-    listed = _GROUPS_LIST.search(instruction.attributes)
-    groups = re.findall(r"\{([\d,]*)\}", listed.group(1)) if listed else []
-    sizes = [len([d for d in g.split(",") if d]) for g in groups]
-    return max(sizes) if sizes and max(sizes) > 0 else num_partitions
-
-
 def _dots(fused: dict[str, hlo.Instruction]) -> list[hlo.Instruction]:
     return [i for i in fused.values() if i.opcode == "dot"]
 
@@ -205,26 +189,13 @@ def _gemm_kernel(dot: hlo.Instruction, holder: dict[str, hlo.Instruction], **fie
     )
 
 
-def _collective(instruction: hlo.Instruction, computation: dict, num_partitions: int, **fields) -> Kernel:
-    base = instruction.opcode.removesuffix("-start")
-    read = _operand_bytes(instruction, computation)
-    largest = max((hlo.DTYPE_BYTES[t] * math.prod(d) for t, d in hlo.arrays(instruction.shape)), default=0)
-    payload = max(read, largest)  # the full buffer: an all-gather's result, a reduce-scatter's input
-    group = _group_size(instruction, num_partitions)
-    return Kernel(category="collective", detail=base, flops=0.0, flop_dtype="vector", bytes_read=read,
-                  bytes_written=largest, collective=(base, group, payload), **fields)  # fmt: skip
-
-
-def _async_collective(instruction: hlo.Instruction, module: hlo.Module) -> hlo.Instruction | None:
-    """The collective an `async-start` wraps (its computation's root), with the start's operands; else None."""
-    if instruction.opcode != "async-start":
-        return None
-    callee = next((c for role, c in instruction.callees if role == "calls"), "")
-    body = module.computations.get(callee, {})
-    root = body[list(body)[-1]] if body else None
-    if root is None or root.opcode.removesuffix("-start") not in hlo.COLLECTIVES:
-        return None
-    return dataclasses.replace(root, operands=instruction.operands)
+def _collective(found: collectives.Collective, num_partitions: int, **fields) -> Kernel:
+    """A collective's kernel, from the same parse as the row's compiled_collective_* columns."""
+    # A collective-permute names pairs, not groups: its pairs may reach any device of the program.
+    group = found.group_size if found.group_size is not None else num_partitions
+    return Kernel(category="collective", detail=found.kind, flops=0.0, flop_dtype="vector",
+                  bytes_read=found.operand_bytes, bytes_written=found.result_bytes,
+                  collective=(found.kind, group, found.bytes), **fields)  # fmt: skip
 
 
 def _custom_call(instruction: hlo.Instruction, computation: dict, **fields) -> Kernel:
@@ -289,21 +260,17 @@ def kernels(hlo_text: str) -> list[Kernel]:
       One Kernel per launching instruction of every executed computation, with its loops' trip counts.
     """
     module = hlo.parse(hlo_text)
-    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
-    num_partitions = int(partitions.group(1)) if partitions else 1
     memo: dict[str, set[str]] = {}
     found = []
     for step in hlo.executed(module):
         instruction = step.instruction
-        if instruction.opcode in _FREE:
+        if instruction.opcode in _FREE or instruction.opcode.endswith(_ASYNC_ENDS):
             continue
         computation = module.computations[step.computation]
         fields = dict(name=instruction.name, trips=step.trips, times=step.times)
-        wrapped = _async_collective(instruction, module)
-        if wrapped is not None:
-            found.append(_collective(wrapped, computation, num_partitions, **fields))
-        elif instruction.opcode.removesuffix("-start") in hlo.COLLECTIVES:
-            found.append(_collective(instruction, computation, num_partitions, **fields))
+        collective = collectives.launched(step, module)
+        if collective is not None:
+            found.append(_collective(collective, module.num_partitions, **fields))
         elif instruction.opcode == "custom-call":
             found.append(_custom_call(instruction, computation, **fields))
         elif instruction.opcode == "fusion":

@@ -37,7 +37,7 @@ import sys
 from absl import flags
 from jax.profiler import ProfileData
 
-from jaxscale.cli import Usage, UsageError, fail, parse_flags, print_help, wants_help
+from jaxscale.cli import Usage, UsageError, fail, one_argument, print_help, wants_help
 from jaxscale.measure import hlo
 
 _CONTAINER = re.compile(r"^(while|call|conditional)\b")
@@ -335,12 +335,10 @@ def main(argv: list[str]) -> int:
     if wants_help(argv):
         return print_help(USAGE, fv)
     try:
-        rest = parse_flags(fv, argv)
-        if len(rest) != 2:
-            raise UsageError("give one RUN_DIR, e.g. python -m jaxscale.measure.traces traces/<run> [--top N]")
+        hint = "give one RUN_DIR, e.g. python -m jaxscale.measure.traces traces/<run> [--top N]"
+        run_dir = pathlib.Path(one_argument(fv, argv, hint))
     except UsageError as error:
         return fail(str(error))
-    run_dir = pathlib.Path(rest[1])
     hlo_path = run_dir / HLO_FILE
     try:
         hlo_text = gzip.decompress(hlo_path.read_bytes()).decode() if hlo_path.exists() else None

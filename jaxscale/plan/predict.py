@@ -41,7 +41,7 @@ from collections.abc import Iterable
 import jax
 import ml_collections
 
-from jaxscale.measure import flops, kernels, peaks
+from jaxscale.measure import collectives, flops, kernels, peaks
 from jaxscale.plan import targets
 
 GEMM_EFFICIENCY = 0.80
@@ -54,14 +54,9 @@ _GROUP = {"matmul": "matmul", "fusion": "fusion", "copy": "copy_dus", "dynamic_u
 
 
 def collective_factor(op: str, n: int) -> float:
-    """Bytes each GPU sends per byte of the full buffer, for a ring over n GPUs (NCCL's bus bandwidth)."""
-    if n <= 1:
-        return 0.0
-    if op == "all-reduce":
-        return 2 * (n - 1) / n
-    if op == "collective-permute":
-        return 1.0
-    return (n - 1) / n  # all-gather, reduce-scatter, all-to-all, collective-broadcast
+    """Bytes each GPU sends per byte of the full buffer, for a ring over n GPUs (NCCL's bus bandwidth): the
+    factor of the row's compiled_collective_ring_bytes (jaxscale.measure.collectives.ring_factor)."""
+    return collectives.ring_factor(op, n)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import matplotlib
 import pandas as pd
 from absl import flags
 
-from jaxscale.cli import Usage, UsageError, fail, parse_flags, print_help, wants_help
+from jaxscale.cli import Usage, UsageError, fail, one_argument, print_help, wants_help
 from jaxscale.report.plots import (
     ANALYTIC_PARTS,
     ANALYTIC_PEAK,
@@ -231,10 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if wants_help(argv):
         return print_help(USAGE, fv)
     try:
-        rest = parse_flags(fv, argv)
-        if len(rest) != 2:
-            raise UsageError("give one results directory, e.g. python -m jaxscale.report experiments/results/<sweep>")
-        path = write_report(rest[1], fv.output_dir)
+        hint = "give one results directory, e.g. python -m jaxscale.report experiments/results/<sweep>"
+        path = write_report(one_argument(fv, argv, hint), fv.output_dir)
     except UsageError as error:
         return fail(str(error))
     print(f"report: {path} (figures beside it)")

@@ -8,7 +8,7 @@ from conftest import REPO, load_config
 
 from jaxscale import run
 from jaxscale.config import validate
-from jaxscale.plan import gpu_plan, targets
+from jaxscale.plan import gpu_plan, predict, targets
 from jaxscale.sweep.results import read_rows
 from jaxscale.sweep.runner import main as sweep_main
 from jaxscale.sweep.runner import run_sweep
@@ -225,6 +225,9 @@ def test_a_mesh_is_planned_per_device_on_8_target_gpus(tmp_path):
     assert one["compiled_collective_count"] == 0
     assert row["compiled_collective_reduce_scatter_count"] > 0 and row["compiled_collective_all_gather_count"] > 0
     assert row["compiled_collective_bytes"] > 0 and row["analytic_peak_bytes"] > 0
+    # The predictor costs exactly the collectives the row counts: their ring bytes over one host's NVLink.
+    link = predict.gpu_roofline(targets.TARGETS["h100"]).link_bytes_per_s
+    assert row["predicted_collective_s"] == pytest.approx(row["compiled_collective_ring_bytes"] / link, rel=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,184 @@
+"""jaxscale.measure.collectives: the collectives of a compiled step (one parse for the row's columns and the
+kernels the step-time predictor costs), with trip counts, per-device sizes and replica group sizes."""
+
+from __future__ import annotations
+
+import pytest
+from test_hlo import MODULE  # a single-device module: no collectives
+
+from jaxscale.measure import collectives, hlo, kernels
+
+# A sharded step in miniature: a loop of 3 iterations whose body all-gathers a weight (async pair, as GPUs
+# compile it) and runs a reduce-scatter wrapped in async-start/async-done; after the loop a combined
+# (tuple) all-reduce over groups of 4, and a collective-permute.
+SHARDED = """HloModule sharded, is_scheduled=true, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%wrapped_reduce_scatter (p: bf16[64,16]) -> bf16[8,16] {
+  %p = bf16[64,16]{1,0} parameter(0)
+  ROOT %reduce-scatter.1 = bf16[8,16]{1,0} reduce-scatter(%p), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+}
+
+%body (arg: (s32[], f32[2,16])) -> (s32[], f32[2,16]) {
+  %arg = (s32[], f32[2,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %w = f32[2,16]{1,0} get-tuple-element(%arg), index=1
+  %ag-start = (f32[2,16]{1,0}, f32[16,16]{1,0}) all-gather-start(%w), replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}
+  %ag-done = f32[16,16]{1,0} all-gather-done(%ag-start)
+  %g = bf16[64,16]{1,0} parameter(1)
+  %rs-start = ((bf16[64,16]{1,0}), bf16[8,16]{1,0}) async-start(%g), calls=%wrapped_reduce_scatter
+  %rs-done = bf16[8,16]{1,0} async-done(%rs-start), calls=%wrapped_reduce_scatter
+  ROOT %t = (s32[], f32[2,16]{1,0}) tuple(%i, %w)
+}
+
+%cond (arg.1: (s32[], f32[2,16])) -> pred[] {
+  %arg.1 = (s32[], f32[2,16]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[2,16], b: f32[100], c: bf16[10]) -> f32[2,16] {
+  %a = f32[2,16]{1,0} parameter(0)
+  %b = f32[100]{0} parameter(1)
+  %c = bf16[10]{0} parameter(2)
+  %k = s32[] constant(0)
+  %init = (s32[], f32[2,16]{1,0}) tuple(%k, %a)
+  %while.1 = (s32[], f32[2,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %ar = (f32[100]{0}, bf16[10]{0}) all-reduce(%b, /*index=1*/%c), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %cp = f32[2,16]{1,0} collective-permute(%a), source_target_pairs={{0,1},{1,0}}
+  ROOT %out = f32[2,16]{1,0} get-tuple-element(%while.1), index=1
+}
+"""  # noqa: E501
+
+
+def test_collectives_are_counted_with_trip_counts_sizes_and_groups():
+    module = hlo.parse(SHARDED)
+    assert module.num_partitions == 8
+    found = {c.kind: c for c in collectives.count_collectives(module)}
+    assert set(found) == set(collectives.COLLECTIVE_KINDS) - {"all-to-all"}
+    gather = found["all-gather"]  # an async pair counted once, at its start, sized by its done
+    assert (gather.executions, gather.operand_bytes, gather.result_bytes, gather.group_size) == (3, 128, 1024, 8)
+    assert gather.bytes == 1024 and gather.ring_bytes == 7 / 8 * 1024
+    scatter = found["reduce-scatter"]  # inside async-start's computation, not counted again at async-done
+    assert (scatter.executions, scatter.bytes, scatter.group_size) == (3, 64 * 16 * 2, 8)
+    reduce = found["all-reduce"]  # a combined all-reduce: every operand of the tuple (after /*index*/ markers)
+    assert (reduce.executions, reduce.bytes, reduce.group_size) == (1, 400 + 20, 4)
+    assert reduce.ring_bytes == 2 * 3 / 4 * 420
+    permute = found["collective-permute"]
+    assert (permute.bytes, permute.group_size, permute.ring_bytes) == (128, None, 128)
+
+
+def test_collective_columns_sum_executions_times_bytes():
+    row = collectives.collective_columns(SHARDED)
+    assert row["compiled_collective_all_gather_count"] == 3
+    assert row["compiled_collective_all_gather_bytes"] == 3 * 1024
+    assert row["compiled_collective_reduce_scatter_bytes"] == 3 * 2048
+    assert row["compiled_collective_all_to_all_count"] == 0
+    assert row["compiled_collective_count"] == 3 + 3 + 1 + 1
+    assert row["compiled_collective_bytes"] == 3 * 1024 + 3 * 2048 + 420 + 128
+    ring = 3 * 7 / 8 * 1024 + 3 * 7 / 8 * 2048 + 2 * 3 / 4 * 420 + 128
+    assert row["compiled_collective_ring_bytes"] == round(ring)
+    assert collectives.collective_columns(MODULE)["compiled_collective_count"] == 0  # one device: none
+
+
+# The forms of a GPU target's HLO (an A5000 plan of the tiny model on 8 devices, shortened) and of newer XLA:
+# in a loop of 2, a combined all-gather (one -start/-done pair gathering two arrays; mesh axes printed
+# without quotes), a combined reduce-scatter-start/-done pair, and an all-to-all-start/-done pair over a
+# sub-axis of size 2; after the loop a fusion around a reduce-scatter (as a dynamic-slice fusion holds one).
+GPU_SHARDED = """HloModule gpu_sharded, is_scheduled=true, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%fused_scatter (p: f32[64,16]) -> f32[8,16] {
+  %p = f32[64,16]{1,0} parameter(0)
+  ROOT %reduce-scatter.9 = f32[8,16]{1,0} reduce-scatter(%p), channel_id=9, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+}
+
+%body (arg: (s32[], bf16[8], bf16[8,32], f32[64], f32[64,4], s32[2,32])) -> (s32[], bf16[8], bf16[8,32], f32[64], f32[64,4], s32[2,32]) {
+  %arg = (s32[], bf16[8]{0}, bf16[8,32]{1,0}, f32[64]{0}, f32[64,4]{1,0}, /*index=5*/s32[2,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %a = bf16[8]{0} get-tuple-element(%arg), index=1
+  %b = bf16[8,32]{1,0} get-tuple-element(%arg), index=2
+  %g = f32[64]{0} get-tuple-element(%arg), index=3
+  %h = f32[64,4]{1,0} get-tuple-element(%arg), index=4
+  %t = s32[2,32]{1,0} get-tuple-element(%arg), index=5
+  %ag-start = ((bf16[8]{0}, bf16[8,32]{1,0}), (bf16[64]{0}, bf16[64,32]{1,0})) all-gather-start(%a, %b), channel_id=1, replica_groups=mesh[axis_0=8,axis_1=1] {axis_0}, dimensions={0}, use_global_device_ids=true
+  %ag-done = (bf16[64]{0}, bf16[64,32]{1,0}) all-gather-done(%ag-start)
+  %rs-start = ((f32[64]{0}, f32[64,4]{1,0}), (f32[8]{0}, f32[8,4]{1,0})) reduce-scatter-start(%g, %h), channel_id=2, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, dimensions={0}, to_apply=%add
+  %rs-done = (f32[8]{0}, f32[8,4]{1,0}) reduce-scatter-done(%rs-start)
+  %a2a-start = ((s32[2,32]{1,0}), s32[2,32]{1,0}) all-to-all-start(%t), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1':(2)2}, dimensions={0}
+  %a2a-done = s32[2,32]{1,0} all-to-all-done(%a2a-start)
+  ROOT %out = (s32[], bf16[8]{0}, bf16[8,32]{1,0}, f32[64]{0}, f32[64,4]{1,0}, /*index=5*/s32[2,32]{1,0}) tuple(%i, %a, %b, %g, %h, %t)
+}
+
+%cond (arg.1: (s32[], bf16[8], bf16[8,32], f32[64], f32[64,4], s32[2,32])) -> pred[] {
+  %arg.1 = (s32[], bf16[8]{0}, bf16[8,32]{1,0}, f32[64]{0}, f32[64,4]{1,0}, /*index=5*/s32[2,32]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (p0: (s32[], bf16[8], bf16[8,32], f32[64], f32[64,4], s32[2,32]), w: f32[64,16]) -> f32[8,16] {
+  %p0 = (s32[], bf16[8]{0}, bf16[8,32]{1,0}, f32[64]{0}, f32[64,4]{1,0}, /*index=5*/s32[2,32]{1,0}) parameter(0)
+  %w = f32[64,16]{1,0} parameter(1)
+  %loop = (s32[], bf16[8]{0}, bf16[8,32]{1,0}, f32[64]{0}, f32[64,4]{1,0}, /*index=5*/s32[2,32]{1,0}) while(%p0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %scatter_fusion = f32[8,16]{1,0} fusion(%w), kind=kCustom, calls=%fused_scatter
+}
+"""  # noqa: E501
+
+
+def test_gpu_async_pairs_are_sized_by_their_whole_tuples():
+    found = {c.name: c for c in collectives.count_collectives(hlo.parse(GPU_SHARDED))}
+    assert set(found) == {"ag-start", "rs-start", "a2a-start", "scatter_fusion"}  # each -done belongs to its -start
+    gather = found["ag-start"]  # a combined all-gather works on both gathered arrays, not only the largest
+    assert (gather.kind, gather.executions, gather.group_size) == ("all-gather", 2, 8)
+    assert (gather.operand_bytes, gather.result_bytes) == (2 * 8 + 2 * 8 * 32, 2 * 64 + 2 * 64 * 32)
+    scatter = found["rs-start"]  # a reduce-scatter's buffer is its operands, before scattering
+    assert (scatter.kind, scatter.executions, scatter.group_size) == ("reduce-scatter", 2, 8)
+    assert (scatter.bytes, scatter.result_bytes) == (4 * 64 + 4 * 64 * 4, 4 * 8 + 4 * 8 * 4)
+    to_all = found["a2a-start"]  # over the sub-axis 'axis_1':(2)2: groups of 2
+    assert (to_all.kind, to_all.executions, to_all.bytes, to_all.group_size) == ("all-to-all", 2, 4 * 2 * 32, 2)
+    fused = found["scatter_fusion"]  # a fusion around a collective runs it
+    assert (fused.kind, fused.executions, fused.bytes, fused.group_size) == ("reduce-scatter", 1, 4 * 64 * 16, 8)
+
+
+def test_an_async_done_launches_no_kernel_of_its_own():
+    found = kernels.kernels(GPU_SHARDED)
+    assert [k.name for k in found] == ["ag-start", "rs-start", "a2a-start", "scatter_fusion"]
+    assert all(k.category == "collective" for k in found)
+
+
+@pytest.mark.parametrize("text", [SHARDED, GPU_SHARDED], ids=["sharded", "gpu_sharded"])
+def test_the_kernels_carry_exactly_the_collectives_the_row_counts(text):
+    """The step-time predictor costs kernel.collective; the row reports compiled_collective_*: one parse."""
+    row = collectives.collective_columns(text)
+    launched = [k for k in kernels.kernels(text) if k.collective is not None]
+    assert sum(k.times for k in launched) == row["compiled_collective_count"] > 0
+    assert sum(k.times * k.collective[2] for k in launched) == row["compiled_collective_bytes"]
+    ring = sum(k.times * collectives.ring_factor(kind, n) * size for k in launched for kind, n, size in [k.collective])
+    assert round(ring) == row["compiled_collective_ring_bytes"]
+
+
+@pytest.mark.parametrize(
+    "attributes,size",
+    [
+        ("replica_groups=[2,4]<=[8]", 4),  # iota: 2 groups of 4
+        ("replica_groups=[4,2]<=[2,2,2]T(2,1,0)", 2),
+        ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4),
+        ("replica_groups={}", 8),  # every device
+        ("channel_id=1", 8),
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", 4),
+        ("replica_groups=mesh[axis_0=2,axis_1=4] {axis_0,axis_1}", 8),  # newer XLA prints names without quotes
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1':(2)2}", 2),  # a sub-axis: its own size
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}", 2),  # permuted
+        ("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0','axis_1'}", 8),
+    ],
+)
+def test_replica_group_forms_give_the_devices_per_group(attributes, size):
+    assert collectives.group_size(f"channel_id=7, {attributes}, dimensions={{0}}", num_partitions=8) == size
