@@ -11,6 +11,7 @@ process, as a sweep variant) and recommends the fastest measured tokens/s.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import sys
 import time
@@ -23,7 +24,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
-from jaxscale.config import flatten
+from jaxscale.config import flatten, mesh_shape, mesh_text
 from jaxscale.measure import params
 from jaxscale.plan import fit, gpu_plan, targets
 from jaxscale.sweep import runner
@@ -40,6 +41,16 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     flags.DEFINE_string(
         "target", None, f"Plan for this GPU, no GPU needed ({', '.join(targets.TARGETS)} or a .txtpb); needs the "
         "gpu-plan extra. Without it the local compiler plans (on a CPU only a proxy for a GPU's plan).", flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_integer(
+        "devices", None, "With --target: plan for this many target GPUs (8 per host); the config's mesh must use "
+        "them all (e.g. --config.mesh.fsdp=8). The minibatch and the budget are per device.", lower_bound=1,
+        flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_enum(
+        "rank", None, ("predicted", "tokens"), "How the recommendation ranks the fitting choices: predicted "
+        "(the predicted tokens/s of the target's compiled program; the default with --target) or tokens (most "
+        "tokens per step; the default without). --measure ranks by measured tokens/s.", flag_values=fv,
     )  # fmt: skip
     flags.DEFINE_string(
         "memory", None, "Memory budget per device (20GiB); default: the target's memory.", flag_values=fv
@@ -165,7 +176,7 @@ def _gib(value: int | None) -> str:
 def format_table(rows: list[dict]) -> str:
     """One line per remat choice: largest minibatch, tokens/step, the plan and the analytic estimate there."""
     head = ("remat", "largest minibatch", "tokens/step", "plan GiB", "analytic GiB", "analytic says", "compiles",
-            "s", "tokens/s (measured)")  # fmt: skip
+            "s", "tokens/s (predicted)", "tokens/s (measured)")  # fmt: skip
     lines = [head]
     for r in rows:
         largest = r.get("fit_largest_minibatch")
@@ -174,6 +185,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['tokens_per_step']:,}" if largest else "-", _gib(r.get("compiled_peak_bytes")),
             _gib(r.get("analytic_peak_bytes")), str(r.get("analytic_largest_minibatch")),
             f"{r.get('fit_compiles')} ({r.get('fit_probes_reused', 0)} reused)", f"{r.get('fit_wall_s', 0):.0f}",
+            "-" if not largest or r.get("predicted_tokens_per_s") is None else f"{r['predicted_tokens_per_s']:,.0f}",
             "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}",
         ))  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -182,6 +194,8 @@ def format_table(rows: list[dict]) -> str:
 
 def _header(config, settings: dict) -> str:
     source = settings["fit_plan_source"]
+    if settings.get("fit_devices", 1) > 1:
+        source += f" x{settings['fit_devices']}, mesh {settings['fit_mesh']} (data x fsdp x tensor); per device"
     text = (
         f"fit {config.name}:{config.preset}, seq {config.data.seq_len}, {config.train.num_minibatches} minibatch(es) "
         f"per step: {source}; budget {_gib(settings['fit_budget_bytes'])} GiB ({settings['fit_budget_source']}), "
@@ -204,13 +218,30 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     if fv.max_minibatch < 1 or fv.max_compiles < 1:
         raise UsageError("--max_minibatch and --max_compiles: must be >= 1")
     gpu_plan.check_target_flag(fv.target, plan=True, gemm=fv.gemm)
+    if fv.devices is not None or math.prod(mesh_shape(config)) > 1:
+        if fv.target is None:
+            raise UsageError(
+                f"--devices / mesh {mesh_text(config)}: the fit planner plans a mesh for a GPU target only; add "
+                "--target (e.g. --target h100 --devices 8), or use a 1x1x1 mesh for this machine's compiler"
+            )
+        gpu_plan.check_devices_flag(config, fv.target, fv.devices)
+        if math.prod(mesh_shape(config)) != (fv.devices or 1):  # a 1x1x1 mesh would plan one of the N GPUs
+            raise UsageError(
+                f"mesh: data x fsdp x tensor = {mesh_text(config)} plans {math.prod(mesh_shape(config))} GPU(s), "
+                f"but --devices is {fv.devices or 1}; choose sizes whose product is {fv.devices or 1} "
+                f"(e.g. --config.mesh.fsdp={fv.devices or 1})"
+            )
+    if fv.rank == "predicted" and fv.target is None:
+        raise UsageError("--rank predicted: needs --target (step times are predicted for a GPU); or --rank tokens")
+    devices = fv.devices or 1
     total, source = budget(fv.target, fv.memory)
     spec = targets.get_target(fv.target) if fv.target else None
     settings = {
         "fit_target": spec.name if spec else None, "fit_gemm": fv.gemm if spec else None,
         "fit_target_memory_bytes": spec.device_memory_size if spec else None,
         "fit_budget_bytes": total, "fit_budget_source": source, "fit_headroom": fv.headroom,
-        "fit_xla_limit": fv.xla_limit,
+        "fit_xla_limit": fv.xla_limit, "fit_devices": devices, "fit_mesh": mesh_text(config),
+        "fit_rank": fv.rank or ("predicted" if spec else "tokens"),
         "fit_usable_bytes": int(total * (1 - fv.headroom)),
     }  # fmt: skip
     local = f"the local {jax.default_backend()} compiler's plan"
@@ -219,12 +250,15 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
         _check_measurable(spec)
     limits = {"limit": fv.max_minibatch, "max_compiles": fv.max_compiles}
     name = fv.name or f"fit_{config.name}_{config.preset}_{spec.name if spec else jax.default_backend()}"
+    name += f"_x{devices}" if devices > 1 and not fv.name else ""
     output_root = pathlib.Path(fv.output_root)
     store = ResultsFile(output_root / "experiments" / "results" / name)
     question = _question(config, {**settings, **limits})
-    plan_question = _question(config, {k: settings[k] for k in ("fit_target", "fit_gemm", "fit_plan_source")})
+    plan_keys = ("fit_target", "fit_gemm", "fit_plan_source", "fit_devices")
+    plan_question = _question(config, {k: settings[k] for k in plan_keys})
     respect = fv.xla_limit == "respect"
-    plan = fit.target_planner(spec.name, fv.gemm, settings["fit_usable_bytes"], respect) if spec else fit.local_planner
+    usable = settings["fit_usable_bytes"]
+    plan = fit.target_planner(spec.name, fv.gemm, usable, respect, devices) if spec else fit.local_planner
     if not fv.quiet:
         print(_header(config, settings))
     with store.locked():
@@ -273,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("jaxscale: interrupted; finished rows and probes are kept, run the same command to resume")
         return 130
     print(format_table(rows))
-    best, why = fit.recommend(rows, measured=fv.measure)
+    best, why = fit.recommend(rows, measured=fv.measure, rank=rows[0].get("fit_rank", "tokens") if rows else "tokens")
     if best is None:
         print(f"recommendation: none: {why}; see the rows' error (the smallest plan) for what it needs")
     else:

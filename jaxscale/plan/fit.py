@@ -11,8 +11,8 @@ compiles. Plans are near-linear in the minibatch, so from the analytic estimate'
 four compiles.
 
 The minibatch is per device: `with_minibatch` sets data.batch_size = minibatch x train.num_minibatches x the
-devices the batch is split over (1 today; the mesh's data x fsdp axes once a config has a `mesh` group), so a
-multi-device planner drops in as another `plan_minibatch`.
+devices the batch is split over (the mesh's data x fsdp axes), and `target_planner(..., devices=N)` plans the
+config's mesh on N target GPUs, so every plan and budget is per device.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Search:
 
 
 def data_parallel_size(config: ml_collections.ConfigDict) -> int:
-    """Devices the batch is split over: 1, or the product of a mesh's data and fsdp axes when the config has one."""
+    """Devices the batch is split over: the product of the mesh's data and fsdp axes (1 without a mesh group)."""
     mesh = config.get("mesh")
     return int(mesh.get("data", 1) * mesh.get("fsdp", 1)) if mesh is not None else 1
 
@@ -333,9 +333,14 @@ def fit_row(config: ml_collections.ConfigDict, choice: str, search: Search, sett
     return row
 
 
-def recommend(rows: list[dict], measured: bool = False) -> tuple[dict | None, str]:
-    """The recommended row and why: the fitting choice with the most tokens per step (ties: the least
-    recomputation, then the smaller plan); with `measured`, the fastest measured tokens/s instead."""
+def recommend(rows: list[dict], measured: bool = False, rank: str = "tokens") -> tuple[dict | None, str]:
+    """The recommended row and why, among the choices that fit.
+
+    rank "tokens": the most tokens per step (ties: the least recomputation, then the smaller plan);
+    rank "predicted": the most predicted tokens/s of the target's compiled program (jaxscale.plan.predict; a
+    prediction, said so), falling back to tokens per step where no row has a prediction; with `measured`,
+    the fastest measured tokens/s instead of either.
+    """
     ok = [r for r in rows if r.get("status") == "ok" and r.get("fit_largest_minibatch")]
     if measured:
         timed = [r for r in ok if r.get("tokens_per_s")]
@@ -344,6 +349,15 @@ def recommend(rows: list[dict], measured: bool = False) -> tuple[dict | None, st
             return best, f"fastest measured: {best['tokens_per_s']:,.0f} tokens/s at its largest minibatch"
     if not ok:
         return None, "no remat choice fits the budget at minibatch 1"
+    if rank == "predicted":
+        predicted = [r for r in ok if r.get("predicted_tokens_per_s")]
+        if predicted:
+            best = max(predicted, key=lambda r: r["predicted_tokens_per_s"])
+            return best, (
+                f"fastest predicted: {best['predicted_tokens_per_s']:,.0f} tokens/s at its largest minibatch "
+                f"(a prediction from the target's compiled program, docs/predict.md; --rank tokens for most tokens "
+                "per step)"
+            )
     best = max(
         ok,
         key=lambda r: (

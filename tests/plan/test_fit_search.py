@@ -108,6 +108,17 @@ def test_recommendation_prefers_tokens_per_step_then_less_recompute_or_the_measu
     assert fit.recommend([_row("none", None, status="oom")])[0] is None
 
 
+def test_recommendation_by_predicted_tokens_per_second_is_labelled_a_prediction():
+    rows = [_row("mlp_attn", 32, recompute=2.0), _row("block", 40, recompute=3.0)]
+    rows[0]["predicted_tokens_per_s"], rows[1]["predicted_tokens_per_s"] = 5000.0, 4000.0
+    best, why = fit.recommend(rows, rank="predicted")
+    assert best["fit_choice"] == "mlp_attn" and "fastest predicted: 5,000 tokens/s" in why and "prediction" in why
+    assert fit.recommend(rows, rank="tokens")[0]["fit_choice"] == "block"  # more tokens per step
+    for row in rows:
+        row["predicted_tokens_per_s"] = None  # no prediction (a target without a datasheet peak): tokens decide
+    assert fit.recommend(rows, rank="predicted")[0]["fit_choice"] == "block"
+
+
 def test_fit_row_of_a_budget_no_minibatch_meets_names_the_smallest_plan():
     config = base_config("tiny", "fit")
     probes = [fit.Probe(m, False, 10_000 + m, f"planned peak {10_000 + m} bytes > usable 100 bytes", {}, 0.1)

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices 
 RTOL, ATOL = 2e-5, 2e-7
 
 
-def _config(mesh, **changes):
-    config = base_config("tiny", "mesh")
+def _config(mesh, preset="tiny", **changes):
+    config = base_config(preset, "mesh")
     config.model.dtype = "float32"
     config.model.dropout_rate = 0.0
     config.data.batch_size, config.train.num_minibatches = 16, 2
@@ -71,8 +71,8 @@ def _everything(config, devices=None, step: bool = True):
 
 
 @functools.cache
-def _one_device(changes: tuple, step: bool):
-    return _everything(_config((1, 1, 1), **dict(changes)), step=step)
+def _one_device(preset: str, changes: tuple, step: bool):
+    return _everything(_config((1, 1, 1), preset, **dict(changes)), step=step)
 
 
 def _assert_close(a, b):
@@ -81,10 +81,10 @@ def _assert_close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL)
 
 
-def _assert_same_function(mesh, step=False, **changes):
+def _assert_same_function(mesh, step=False, preset="tiny", **changes):
     """The mesh on the first prod(mesh) of the 8 devices (a mesh must use every device it is given)."""
-    one = _one_device(tuple(sorted(changes.items())), step)
-    many = _everything(_config(mesh, **changes), jax.devices()[: int(np.prod(mesh))], step)
+    one = _one_device(preset, tuple(sorted(changes.items())), step)
+    many = _everything(_config(mesh, preset, **changes), jax.devices()[: int(np.prod(mesh))], step)
     assert many[3].layout is not None and many[3].layout.devices == int(np.prod(mesh))
     _assert_close(many[0], one[0])  # the sharded init draws the same numbers
     _assert_close(many[1], one[1])  # loss sums, accuracy counts and every gradient
@@ -103,6 +103,30 @@ def test_remat_scan_accumulation_and_dropout_on_a_2x2x2_mesh_equal_one_device():
         **{"model.scan_layers": True, "model.remat": ("MLP", "Attn"), "train.num_minibatches": 4,
            "model.dropout_rate": 0.1},
     )  # fmt: skip
+
+
+def test_llama_with_remat_scan_and_accumulation_on_a_2x2x2_mesh_equals_one_device():
+    """The Llama family (RMSNorm, SwiGLU, RoPE, 2 K/V heads for 4 query heads, tied embeddings): its K/V
+    heads and SwiGLU width split over tensor, embed over fsdp; gradients and the parameters after a step."""
+    _assert_same_function(
+        (2, 2, 2),
+        step=True,
+        preset="tiny-llama",
+        **{"model.scan_layers": True, "model.remat": ("MLP", "Attn"), "train.num_minibatches": 4},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh,changes",
+    [
+        ((1, 8, 1), {}),
+        ((1, 1, 2), {"model.remat": ("Block",), "model.remat_policy": "save_qkv_proj"}),
+        ((4, 1, 2), {"model.attention": "xla", "model.tie_embeddings": False, "train.accumulate": "loop"}),
+    ],
+)
+def test_llama_layouts_equal_one_device(mesh, changes):
+    _assert_same_function(mesh, preset="tiny-llama", **changes)
 
 
 @pytest.mark.slow
