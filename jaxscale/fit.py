@@ -253,8 +253,11 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     name += f"_x{devices}" if devices > 1 and not fv.name else ""
     output_root = pathlib.Path(fv.output_root)
     store = ResultsFile(output_root / "experiments" / "results" / name)
-    question = _question(config, {**settings, **limits})
-    plan_keys = ("fit_target", "fit_gemm", "fit_plan_source", "fit_devices")
+    # What a row answers: the config (its mesh included, which --devices must match) and the search's settings;
+    # how the recommendation ranks does not change an answer.
+    asked = {k: v for k, v in settings.items() if k not in ("fit_rank", "fit_devices", "fit_mesh")}
+    question = _question(config, {**asked, **limits})
+    plan_keys = ("fit_target", "fit_gemm", "fit_plan_source")
     plan_question = _question(config, {k: settings[k] for k in plan_keys})
     respect = fv.xla_limit == "respect"
     usable = settings["fit_usable_bytes"]
