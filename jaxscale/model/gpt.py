@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale.model.attention import attention
 from jaxscale.model.axes import constrain, partitioned
 from jaxscale.model.hparams import ModelConfig
-from jaxscale.model.stack import ResidualBlock, Transformer, dense, embed
+from jaxscale.model.stack import ResidualBlock, Transformer, dense, embed, output_logits
 
 
 def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
@@ -96,9 +96,4 @@ class GPT(nn.Module):
             x = constrain(nn.Dropout(cfg.dropout_rate)(x, deterministic=not self.train), ("batch", "seq", "embed"))
         x = Transformer(cfg, self.train, Block, name="transformer")(x)
         with jax.named_scope("head"):
-            x = layer_norm(cfg, "post_norm")(x)
-            if cfg.tie_embeddings:
-                logits = token_embed.attend(x)  # [B, T, V]: x @ embedding.T, no bias
-            else:
-                logits = dense(cfg.vocab_size, ("embed", "vocab"), cfg, "output")(x)  # [B, T, V]
-            return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))  # [B, T, V]
+            return output_logits(cfg, layer_norm(cfg, "post_norm")(x), token_embed, use_bias=True)  # [B, T, V]

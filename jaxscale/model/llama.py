@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale.model.attention import attention
 from jaxscale.model.axes import constrain, partitioned
 from jaxscale.model.hparams import ModelConfig
-from jaxscale.model.stack import ResidualBlock, Transformer, dense, embed
+from jaxscale.model.stack import ResidualBlock, Transformer, dense, embed, output_logits
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -119,9 +119,4 @@ class Llama(nn.Module):
             x = constrain(x, ("batch", "seq", "embed"))
         x = Transformer(cfg, self.train, LlamaBlock, name="transformer")(x)
         with jax.named_scope("head"):
-            x = rms_norm(cfg, "post_norm")(x)
-            if cfg.tie_embeddings:
-                logits = token_embed.attend(x)  # [B, T, V]: x @ embedding.T
-            else:
-                logits = dense(cfg.vocab_size, ("embed", "vocab"), cfg, "output", use_bias=False)(x)  # [B, T, V]
-            return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))  # [B, T, V]
+            return output_logits(cfg, rms_norm(cfg, "post_norm")(x), token_embed, use_bias=False)  # [B, T, V]

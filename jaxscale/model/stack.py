@@ -155,3 +155,13 @@ def embed(cfg: ModelConfig, init: Initializer) -> Embed:
         embedding_init=partitioned(init, ("vocab", "embed")),
         name="embed",
     )
+
+
+def output_logits(cfg: ModelConfig, x: jax.Array, token_embed: Embed, use_bias: bool) -> jax.Array:
+    """[B, T, V] float32 logits of the final normalized activations x [B, T, H]: the token embedding
+    transposed when cfg.tie_embeddings (no bias), else an output projection named ("embed", "vocab")."""
+    if cfg.tie_embeddings:
+        logits = token_embed.attend(x)  # x @ embedding.T
+    else:
+        logits = dense(cfg.vocab_size, ("embed", "vocab"), cfg, "output", use_bias=use_bias)(x)
+    return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config
+from conftest import assert_trees_close, load_config, loss_and_grads, stack_layers
 
 from jaxscale import train
 from jaxscale.config import base_config
@@ -26,17 +26,6 @@ def test_reference_param_count_is_exact(scan_layers):
     state = jax.eval_shape(train.make_init_fn(config))  # shapes only: no memory used
     assert count_params(state.params) == REFERENCE_PARAMS
     assert flops.param_count(config.model) == REFERENCE_PARAMS
-
-
-def _loss_and_grads(config, params, batch):
-    """Deterministic (dropout off) loss and gradients of `config`'s model at `params`."""
-    config.model.dropout_rate = 0.0
-    apply_fn = train.make_model(config).apply
-
-    def loss_fn(p):
-        return train.next_token_loss(p, apply_fn, batch, jax.random.PRNGKey(0))[0]
-
-    return jax.jit(jax.value_and_grad(loss_fn))(params)
 
 
 def _variant(dtype: str, **model_overrides):
@@ -72,7 +61,7 @@ def _plain_reference(dtype: str):
     plain = _variant(dtype)
     params = train.make_init_fn(plain)().params
     batch = _tiny_batch(plain)
-    return params, batch, *_loss_and_grads(plain, params, batch)
+    return params, batch, *loss_and_grads(plain, params, batch)
 
 
 # float32 proves the functions equal to rounding; bfloat16 re-checks the main variants at its own tolerance.
@@ -89,20 +78,13 @@ def test_variant_matches_plain_model(dtype, rtol, atol, overrides):
     variant = _variant(dtype, **overrides)
     params, batch, loss, grads = _plain_reference(dtype)
     num_layers = variant.model.num_layers
-    variant_params = params
-    if variant.model.scan_layers:  # the same weights, stacked on a leading layer axis
-        stacked = [params["transformer"][f"block_{i}"] for i in range(num_layers)]
-        variant_params = dict(params)
-        variant_params["transformer"] = {"blocks": jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *stacked)}
-    variant_loss, variant_grads = _loss_and_grads(variant, variant_params, batch)
+    # scanned: the same weights, stacked on a leading layer axis
+    variant_params = stack_layers(params, num_layers) if variant.model.scan_layers else params
+    variant_loss, variant_grads = loss_and_grads(variant, variant_params, batch)
     if variant.model.scan_layers:
         variant_grads = unstack_scanned_params(variant_grads, num_layers)
     np.testing.assert_allclose(variant_loss, loss, rtol=rtol)
-    flat, tree = jax.tree_util.tree_flatten(grads)
-    variant_flat, variant_tree = jax.tree_util.tree_flatten(variant_grads)
-    assert tree == variant_tree
-    for g, vg in zip(flat, variant_flat, strict=True):
-        np.testing.assert_allclose(np.asarray(vg), np.asarray(g), rtol=rtol, atol=atol)
+    assert_trees_close(variant_grads, grads, rtol=rtol, atol=atol)
 
 
 def test_scanned_init_maps_onto_unrolled_layout():
@@ -118,8 +100,8 @@ def test_bf16_and_fp32_losses_agree():
     fp32, bf16 = _variant("float32"), _variant("bfloat16")
     params = train.make_init_fn(fp32)().params
     batch = _tiny_batch(fp32)
-    loss32, _ = _loss_and_grads(fp32, params, batch)
-    loss16, _ = _loss_and_grads(bf16, params, batch)
+    loss32, _ = loss_and_grads(fp32, params, batch)
+    loss16, _ = loss_and_grads(bf16, params, batch)
     assert abs(float(loss16) - float(loss32)) < 2e-2 * abs(float(loss32))
 
 
@@ -150,7 +132,7 @@ def test_softmax_runs_in_float32_in_the_compiled_program(scan_layers):
 def test_cudnn_attention_matches_reference_on_gpu():
     """The cuDNN (flash) kernel computes the same function as the reference einsum attention."""
     params, batch, loss, grads = _plain_reference("bfloat16")
-    cudnn_loss, cudnn_grads = _loss_and_grads(_variant("bfloat16", attention="cudnn"), params, batch)
+    cudnn_loss, cudnn_grads = loss_and_grads(_variant("bfloat16", attention="cudnn"), params, batch)
     np.testing.assert_allclose(cudnn_loss, loss, rtol=2e-2)
     for g, cg in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(cudnn_grads), strict=True):
         np.testing.assert_allclose(np.asarray(cg), np.asarray(g), rtol=5e-2, atol=5e-3)
