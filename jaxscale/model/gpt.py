@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale.model.attention import attention
 from jaxscale.model.axes import constrain, partitioned
 from jaxscale.model.hparams import ModelConfig
-from jaxscale.model.stack import ResidualBlock, Transformer, dense, embed, output_logits
+from jaxscale.model.stack import ResidualBlock, Transformer, branch_output, dense, embed, output_logits
 
 
 def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
@@ -46,8 +46,7 @@ class AttnBlock(nn.Module):
             q, k, v = jnp.split(qkv, 3, axis=-1)  # each [B, T, nh, hd]
             h = constrain(attention(q, k, v, cfg), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
             h = dense(cfg.hidden_size, ("heads", "head_dim", "embed"), cfg, "out", axis=(-2, -1))(h)
-            h = constrain(h, ("batch", "seq", "embed"))  # [B, T, H]: the tensor-parallel partial sums reduced
-            return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
+            return branch_output(cfg, h, self.train)  # [B, T, H]
 
 
 class MLPBlock(nn.Module):
@@ -64,8 +63,7 @@ class MLPBlock(nn.Module):
             h = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up")(h)  # [B, T, F], F = 4H by default
             h = constrain(checkpoint_name(nn.gelu(h), "mlp_hidden"), ("batch", "seq", "mlp"))  # [B, T, F]
             h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down")(h)
-            h = constrain(h, ("batch", "seq", "embed"))  # [B, T, H]
-            return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
+            return branch_output(cfg, h, self.train)  # [B, T, H]
 
 
 class Block(ResidualBlock):

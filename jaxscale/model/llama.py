@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale.model.attention import attention
 from jaxscale.model.axes import constrain, partitioned
 from jaxscale.model.hparams import ModelConfig
-from jaxscale.model.stack import ResidualBlock, Transformer, dense, embed, output_logits
+from jaxscale.model.stack import ResidualBlock, Transformer, branch_output, dense, embed, output_logits
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -74,8 +74,7 @@ class LlamaAttention(nn.Module):
             k = rotary_embedding(k, positions, cfg.rope_theta)
             h = constrain(attention(q, k, v, cfg), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
             h = dense(cfg.hidden_size, ("heads", "head_dim", "embed"), cfg, "out", axis=(-2, -1), use_bias=False)(h)
-            h = constrain(h, ("batch", "seq", "embed"))  # [B, T, H]: the tensor-parallel partial sums reduced
-            return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
+            return branch_output(cfg, h, self.train)  # [B, T, H]
 
 
 class SwiGLU(nn.Module):
@@ -93,8 +92,7 @@ class SwiGLU(nn.Module):
             up = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up", use_bias=False)(h)  # [B, T, F]
             h = constrain(checkpoint_name(nn.silu(gate) * up, "mlp_hidden"), ("batch", "seq", "mlp"))  # [B, T, F]
             h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down", use_bias=False)(h)
-            h = constrain(h, ("batch", "seq", "embed"))  # [B, T, H]
-            return nn.Dropout(cfg.dropout_rate)(h, deterministic=not self.train)
+            return branch_output(cfg, h, self.train)  # [B, T, H]
 
 
 class LlamaBlock(ResidualBlock):

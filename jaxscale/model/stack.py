@@ -165,3 +165,10 @@ def output_logits(cfg: ModelConfig, x: jax.Array, token_embed: Embed, use_bias: 
     else:
         logits = dense(cfg.vocab_size, ("embed", "vocab"), cfg, "output", use_bias=use_bias)(x)
     return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def branch_output(cfg: ModelConfig, h: jax.Array, train: bool) -> jax.Array:
+    """A sub-block's output before its residual add: [B, T, H] laid out like the residual stream (the
+    tensor-parallel partial sums reduced there), then dropout."""
+    h = constrain(h, ("batch", "seq", "embed"))
+    return nn.Dropout(cfg.dropout_rate)(h, deterministic=not train)
