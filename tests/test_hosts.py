@@ -92,6 +92,7 @@ def test_host_flags_are_parsed_first_and_forwarded_as_given():
     assert hosts.process_dir(pathlib.Path("traces/x")) == pathlib.Path("traces/x")  # process 0 (this one)
 
 
+@pytest.mark.slow  # waits out an 8 s join timeout
 def test_a_process_that_fails_before_joining_stops_the_other_in_bounded_time(tmp_path):
     """Process 1 has a bad config value (exit 2 before joining); process 0 waits --distributed_timeout=8 s in
     jax.distributed.initialize, then JAX ends it (it aborts with its own message): no hang, no row."""
