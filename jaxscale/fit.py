@@ -107,8 +107,8 @@ class ProbeCache:
     judged against the current budget again.
     """
 
-    def __init__(self, store: ResultsFile, question: str):
-        self.store, self.question, self.reused = store, question, 0
+    def __init__(self, store: ResultsFile, question: str, retry_failed: bool = False):
+        self.store, self.question, self.reused, self.retry_failed = store, question, 0, retry_failed
         store.directory.mkdir(parents=True, exist_ok=True)
         self.known = {r["variant"]: r for r in store.rows() if r.get("fit_plan_question") == question}
 
@@ -116,17 +116,20 @@ class ProbeCache:
         self, plan: fit.Planner, config, choice: str, usable: int, minibatch: int, respect_xla_limit: bool = True
     ) -> fit.Probe:
         key = f"{choice}@{minibatch}"
-        partial = self.known.get(key, {}).get("plan", {}).get("plan_gemm_partial")
-        if key in self.known and not (partial and not respect_xla_limit):  # a partial plan judged a warning only
-            self.reused += 1
-            entry = self.known[key]
-        else:
-            row, error, seconds = fit.plan_row(plan, config, choice, minibatch)
-            entry = {"variant": key, "status": "error" if error else "ok", "error": error, "plan": row}
-            entry.update(seconds=seconds, fit_plan_question=self.question)
-            entry = json.loads(json.dumps(entry, default=str))
-            self.store.record(entry)
-            self.known[key] = entry
+        entry = self.known.get(key)
+        if entry is not None and not (entry["status"] == "error" and self.retry_failed):
+            kept = fit.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable, respect_xla_limit)
+            # A partial plan (Triton skipped: the cuBLAS plan did not fit the budget it was made for) decides
+            # only "does not fit"; where this budget would let it fit, both GEMM modes are compiled.
+            if not (entry["plan"] or {}).get("plan_gemm_partial") or not kept.fits:
+                self.reused += 1
+                return kept
+        row, error, seconds = fit.plan_row(plan, config, choice, minibatch)
+        entry = {"variant": key, "status": "error" if error else "ok", "error": error, "plan": row}
+        entry.update(seconds=seconds, fit_plan_question=self.question)
+        entry = json.loads(json.dumps(entry, default=str))
+        self.store.record(entry)
+        self.known[key] = entry
         return fit.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable, respect_xla_limit)
 
 
@@ -180,8 +183,9 @@ def format_table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         largest = r.get("fit_largest_minibatch")
+        shown = f"{largest}" + ("" if r.get("fit_search_complete", True) else "+ (search cut short)")
         lines.append((
-            r.get("fit_remat", r.get("variant")), str(largest) if largest else f"none ({r.get('status')})",
+            r.get("fit_remat", r.get("variant")), shown if largest else f"none ({r.get('status')})",
             f"{r['tokens_per_step']:,}" if largest else "-", _gib(r.get("compiled_peak_bytes")),
             _gib(r.get("analytic_peak_bytes")), str(r.get("analytic_largest_minibatch")),
             f"{r.get('fit_compiles')} ({r.get('fit_probes_reused', 0)} reused)", f"{r.get('fit_wall_s', 0):.0f}",
@@ -249,7 +253,8 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     if fv.measure:
         _check_measurable(spec)
     limits = {"limit": fv.max_minibatch, "max_compiles": fv.max_compiles}
-    name = fv.name or f"fit_{config.name}_{config.preset}_{spec.name if spec else jax.default_backend()}"
+    where = pathlib.Path(spec.name).stem if spec else jax.default_backend()  # a .txtpb target: its file's stem
+    name = fv.name or f"fit_{config.name}_{config.preset}_{where}"
     name += f"_x{devices}" if devices > 1 and not fv.name else ""
     output_root = pathlib.Path(fv.output_root)
     store = ResultsFile(output_root / "experiments" / "results" / name)
@@ -265,7 +270,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     if not fv.quiet:
         print(_header(config, settings))
     with store.locked():
-        cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question)
+        cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question, retry_failed=fv.rerun)
         recorded = {r.get("variant"): r for r in store.rows() if r.get("fit_question") == question}
         for choice in fv.remat:
             if choice in recorded and not fv.rerun:
@@ -310,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("jaxscale: interrupted; finished rows and probes are kept, run the same command to resume")
         return 130
     print(format_table(rows))
-    best, why = fit.recommend(rows, measured=fv.measure, rank=rows[0].get("fit_rank", "tokens") if rows else "tokens")
+    best, why = fit.recommend(rows, measured=fv.measure, rank=fv.rank or ("predicted" if fv.target else "tokens"))
     if best is None:
         print(f"recommendation: none: {why}; see the rows' error (the smallest plan) for what it needs")
     else:

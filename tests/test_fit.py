@@ -9,9 +9,11 @@ import pytest
 from conftest import CONFIGS
 
 from jaxscale import fit as fit_cli
+from jaxscale.plan import gpu_plan
 from jaxscale.sweep import load_results
 
 TINY = f"{CONFIGS}/bf16_remat.py:tiny"
+needs_extra = pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 
 
 def _fit(tmp_path, *args: str) -> int:
@@ -70,11 +72,9 @@ def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_pat
         (["--remat", "everything"], "--remat: unknown everything; allowed: none, mlp_attn, block"),
         ([], "--memory: required without --target on the cpu backend"),
         (["--memory", "4MiB", "--headroom", "1.5"], "--headroom: must be in [0, 1)"),
-        (["--target", "a5000", "--measure"], "--measure: runs on this machine's device"),
         (["--memory", "lots"], "--memory: 'lots' is not a positive memory size"),
         (["--memory", "4MiB", "--devices", "8"], "--devices / mesh 1x1x1: the fit planner plans a mesh for a GPU"),
         (["--memory", "4MiB", "--config.mesh.fsdp=2"], "add --target (e.g. --target h100 --devices 8)"),
-        (["--target", "h100", "--devices", "8"], "1x1x1 plans 1 GPU(s), but --devices is 8"),
         (["--memory", "4MiB", "--rank", "predicted"], "--rank predicted: needs --target"),
     ],
 )
@@ -84,6 +84,19 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):
     assert code == 2 and err.startswith("jaxscale: error: ") and message in err and err.count("\n") == 1
 
 
+@needs_extra
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "a5000", "--measure"], "--measure: runs on this machine's device"),
+        (["--target", "h100", "--devices", "8"], "1x1x1 plans 1 GPU(s), but --devices is 8"),
+    ],
+)
+def test_bad_target_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):
+    test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, args, message)
+
+
+@needs_extra
 def test_fit_plans_a_mesh_on_several_target_gpus_per_device(tmp_path, capsys):
     """--target h100 --devices 2 with FSDP over 2: the minibatch, plan and budget are per device, the batch is
     the minibatch times the devices, and the recommendation ranks by predicted tokens/s (labelled)."""
@@ -95,3 +108,28 @@ def test_fit_plans_a_mesh_on_several_target_gpus_per_device(tmp_path, capsys):
     assert row["status"] == "ok" and row["fit_devices"] == 2 and row["plan_devices"] == 2
     assert row["config.data.batch_size"] == 2 * 2 * row["fit_largest_minibatch"]  # 2 minibatches x 2 devices
     assert row["compiled_peak_bytes"] <= 12 * 2**20 and row["predicted_tokens_per_s"] > 0
+
+
+def test_a_partial_plan_is_reused_only_to_say_it_does_not_fit(tmp_path):
+    """A probe whose Triton plan was skipped (its cuBLAS plan already failed the budget of its fit) is kept; a
+    later fit with a budget it would fit compiles both GEMM modes instead of trusting the cuBLAS half."""
+    from jaxscale.config import base_config
+    from jaxscale.sweep.results import ResultsFile
+
+    compiled: list[bool] = []  # whether each compile was partial
+
+    def planner(budget):
+        def plan(config):
+            partial = 100 > budget  # the cuBLAS plan (peak 100) does not fit: Triton skipped
+            compiled.append(partial)
+            return {"compiled_peak_bytes": 100, "plan_fits": True, "plan_gemm_partial": partial}
+
+        return plan
+
+    config = base_config("tiny", "fit")
+    cache = fit_cli.ProbeCache(ResultsFile(tmp_path / "probes"), "q")
+    assert not cache.measure(planner(50), config, "block", 50, 2).fits  # partial: does not fit 50
+    assert not cache.measure(planner(50), config, "block", 80, 2).fits and compiled == [True]  # reused
+    assert cache.measure(planner(200), config, "block", 200, 2).fits and compiled == [True, False]  # recompiled
+    assert cache.measure(planner(200), config, "block", 200, 2).fits and compiled == [True, False]  # whole: reused
+    assert cache.reused == 2

@@ -54,9 +54,10 @@ def six_n_flops_per_step(config: ml_collections.ConfigDict) -> float:
 def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False) -> float:
     """Model FLOPs of one optimizer step (forward + backward), the PaLM / nanoGPT formula.
 
-    flops_per_token = 6·N + 12·L·H·Q·T, where N counts the parameters that take part in matmuls (all but
-    the embeddings, which are gathers), L layers, H heads, Q head dim, T sequence length. The attention
-    term counts QK^T and AV over the full T×T square; `causal=True` halves it (the useful half).
+    flops_per_token = 6·N + 12·L·H·Q·T, where N counts the parameters that take part in matmuls (all but the
+    embeddings used only as gathers; a tied token embedding is the output head too, so it counts), L layers,
+    H heads, Q head dim, T sequence length. The attention term counts QK^T and AV over the full T×T square;
+    `causal=True` halves it (the useful half).
     """
     m = config.model
     attention = 12 * m.num_layers * m.hidden_size * config.data.seq_len  # L·(H·Q)·T per token, ×12

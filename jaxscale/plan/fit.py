@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxscale.config import flatten, validate
+from jaxscale.config import flatten, mesh_shape, validate
 from jaxscale.measure import flops, memory
 from jaxscale.plan import gpu_plan
 from jaxscale.train import abstract_inputs, make_train_step
@@ -66,18 +66,30 @@ class Search:
     """The probes of one search, in order, and what they bracket."""
 
     probes: list[Probe]
-    largest: Probe | None  # the largest fitting minibatch
-    too_large: Probe | None  # the smallest minibatch above it that does not fit (None: the limit fits)
+    largest: Probe | None  # the largest fitting minibatch found
+    too_large: Probe | None  # the smallest minibatch above it that did not fit
+    limit: int = DEFAULT_LIMIT  # the largest minibatch the search could try
 
     @property
     def compiles(self) -> int:
         return len(self.probes)
 
+    @property
+    def complete(self) -> bool:
+        """Whether the answer is the edge: the bracket closed (largest + 1 does not fit), the limit fits, or
+        minibatch 1 does not fit. False when --max_compiles or a failed compile stopped the search first:
+        `largest` is then only a lower bound."""
+        if self.largest is None:
+            return self.too_large is not None and self.too_large.minibatch == 1
+        if self.too_large is None:
+            return self.largest.minibatch == self.limit
+        return self.too_large.minibatch == self.largest.minibatch + 1
+
 
 def data_parallel_size(config: ml_collections.ConfigDict) -> int:
-    """Devices the batch is split over: the product of the mesh's data and fsdp axes (1 without a mesh group)."""
-    mesh = config.get("mesh")
-    return int(mesh.get("data", 1) * mesh.get("fsdp", 1)) if mesh is not None else 1
+    """Devices the batch is split over: the product of the mesh's data and fsdp axes."""
+    data, fsdp, _ = mesh_shape(config)
+    return data * fsdp
 
 
 def with_minibatch(config: ml_collections.ConfigDict, choice: str, minibatch: int) -> ml_collections.ConfigDict:
@@ -283,7 +295,7 @@ def search_largest(
     low, high = _grow(probes, start, limit)
     if low is not None and high is not None:
         low, high = _bisect(probes, low, high)
-    return Search(list(probes.seen.values()), low, high)
+    return Search(list(probes.seen.values()), low, high, max(1, limit))
 
 
 def analytic_largest_minibatch(
@@ -318,6 +330,13 @@ def fit_row(config: ml_collections.ConfigDict, choice: str, search: Search, sett
             if chosen.failed
             else f"no minibatch fits: the smallest plan (minibatch {chosen.minibatch}) does not fit: {chosen.reason}"
         )
+    row["fit_search_note"] = None
+    if search.largest is not None and not search.complete:
+        row["fit_search_note"] = (
+            f"search stopped before the edge after {search.compiles} compiles (--max_compiles, or a failed "
+            f"compile): minibatch {search.largest.minibatch} fits, larger ones up to "
+            f"{search.too_large.minibatch - 1 if search.too_large else search.limit} were not tried"
+        )
     label, remat, policy = REMAT_CHOICES[choice]
     row.update(
         fit_choice=choice,
@@ -327,7 +346,10 @@ def fit_row(config: ml_collections.ConfigDict, choice: str, search: Search, sett
         fit_compiles=search.compiles,
         fit_compile_s=sum(p.seconds for p in search.probes),
         fit_probes=[[p.minibatch, p.peak_bytes, p.fits] for p in search.probes],
-        analytic_largest_minibatch=analytic_largest_minibatch(config, choice, settings["fit_usable_bytes"]),
+        fit_search_complete=search.complete,
+        analytic_largest_minibatch=analytic_largest_minibatch(
+            config, choice, settings["fit_usable_bytes"], search.limit
+        ),
         **settings,
     )
     return row

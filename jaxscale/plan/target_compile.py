@@ -112,9 +112,13 @@ def captured_stderr() -> Iterator[list[str]]:
 
 
 def _emit(stderr: str) -> None:
-    """Writes XLA's warnings to stderr, as the compile wrote them (the caller reads them from there)."""
-    sys.stderr.write(stderr)
+    """Writes XLA's warnings to file descriptor 2, as the compile wrote them: the caller reads them from there
+    (the parent from the child's stderr, compile_in_process from its fd-2 capture), whatever sys.stderr is
+    (a notebook's or pytest's replaces it)."""
     sys.stderr.flush()
+    data = stderr.encode()
+    while data:
+        data = data[os.write(2, data) :]
 
 
 def compile_for_target(

@@ -14,7 +14,7 @@ from conftest import assert_trees_close, loss_and_grads, stack_layers
 
 from jaxscale import train
 from jaxscale.config import base_config
-from jaxscale.model import unstack_scanned_params
+from jaxscale.model import count_params, unstack_scanned_params
 from jaxscale.model.attention import reference_attention
 from jaxscale.model.llama import rotary_embedding
 
@@ -159,7 +159,7 @@ def test_tied_embeddings_count_once_and_take_both_gradients(preset):
     tied_params, untied_params = _init(tied), _init(untied)
     v, h = tied.model.vocab_size, tied.model.hidden_size
     bias = v if tied.model.family == "gpt" else 0
-    assert train_count(untied_params) - train_count(tied_params) == v * h + bias
+    assert count_params(untied_params) - count_params(tied_params) == v * h + bias
     assert "output" not in tied_params
     # The untied model with its head set to the embedding's transpose (and a zero bias) is the tied model.
     embedding = tied_params["embed"]["embedding"]  # [V, H]
@@ -176,10 +176,6 @@ def test_tied_embeddings_count_once_and_take_both_gradients(preset):
     np.testing.assert_allclose(
         np.asarray(tied_grads["embed"]["embedding"]), gather_grad + head_grad, rtol=1e-4, atol=1e-6
     )
-
-
-def train_count(params) -> int:
-    return sum(x.size for x in jax.tree_util.tree_leaves(params))
 
 
 def test_bf16_llama_keeps_float32_params_logits_and_softmax():

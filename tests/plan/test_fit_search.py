@@ -75,6 +75,14 @@ def test_search_respects_max_compiles_and_stops_on_a_failed_compile():
     calls: list[int] = []
     search = fit.search_largest(_linear(0, 1, 10**6, calls), 10**6, start=1, limit=10**6, max_compiles=5)
     assert search.compiles == 5 and search.largest.minibatch < 10**6
+    assert not search.complete  # the answer is only a lower bound, and the row says so
+    config = base_config("tiny", "fit")
+    row = fit.fit_row(config, "block", search, {"fit_usable_bytes": 10**6})
+    assert row["status"] == "ok" and row["fit_search_complete"] is False
+    assert f"minibatch {search.largest.minibatch} fits" in row["fit_search_note"]
+    exact = fit.search_largest(_linear(0, 1, 100, []), 100, start=1, limit=4096)
+    assert exact.complete and exact.largest.minibatch == 100 and exact.too_large.minibatch == 101
+    assert fit.search_largest(_linear(0, 1, 10**6, []), 10**6, start=64, limit=64).complete  # the limit fits
 
     def broken(minibatch: int) -> fit.Probe:
         return fit.Probe(minibatch, False, None, "XlaRuntimeError: boom", {}, 0.0, failed=True)
@@ -163,3 +171,16 @@ def test_xla_s_warning_decides_only_when_respected():
     assert not fit.judge(
         42, warned, None, 1.0, usable=10 * 2**30, respect_xla_limit=False
     ).fits  # the peak still counts
+
+
+def test_a_compile_s_warnings_reach_fd_2_whatever_sys_stderr_is(monkeypatch):
+    """target_compile writes XLA's warnings (a fresh compile's, or a cached plan's as stored) to file
+    descriptor 2, where compile_in_process reads them, also when sys.stderr is replaced (a notebook, pytest)."""
+    import io
+
+    from jaxscale.plan import target_compile
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    with gpu_plan.captured_stderr() as captured:
+        target_compile._emit("W external/xla: Can't reduce memory use below 1 bytes\n")
+    assert "Can't reduce memory use below 1 bytes" in captured[0]

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import load_config
+from conftest import assert_trees_close, load_config
 
 from jaxscale import run, train
 from jaxscale.config import base_config
@@ -31,12 +31,6 @@ def _setup(dropout: float = 0.0, preset: str = "tiny"):
     return state, batch, grad_fn
 
 
-def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
-
-
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 @pytest.mark.parametrize("method", ["loop", "scan"])
 @pytest.mark.parametrize("num_minibatches", [1, 2, 4])
@@ -46,7 +40,7 @@ def test_accumulated_gradients_equal_full_batch(method, num_minibatches, preset)
     full_grads, full_metrics = jax.jit(grad_fn)(state.params, batch, rng)
     accumulate = jax.jit(train.accumulate_gradients, static_argnums=(0, 4, 5))
     grads, metrics = accumulate(grad_fn, state.params, batch, rng, num_minibatches, method)
-    _assert_trees_close(grads, full_grads)
+    assert_trees_close(grads, full_grads)
     assert float(metrics["tokens"]) == float(full_metrics["tokens"]) == batch.labels.size
     np.testing.assert_allclose(float(metrics["loss_sum"]), float(full_metrics["loss_sum"]), rtol=1e-5)
     assert float(metrics["correct"]) == float(full_metrics["correct"])
@@ -59,7 +53,7 @@ def test_loop_and_scan_use_the_same_dropout_keys():
     rng = jax.random.PRNGKey(7)
     loop = accumulate(grad_fn, state.params, batch, rng, 4, "loop")
     scan = accumulate(grad_fn, state.params, batch, rng, 4, "scan")
-    _assert_trees_close(loop, scan)
+    assert_trees_close(loop, scan)
     no_dropout = _setup(dropout=0.0)[2]
     plain = accumulate(no_dropout, state.params, batch, rng, 4, "scan")
     assert not np.allclose(plain[1]["loss_sum"], scan[1]["loss_sum"])  # dropout really was on
