@@ -31,7 +31,11 @@ from jaxscale.measure import hlo
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 KIND_COLUMNS = {kind: kind.replace("-", "_") for kind in COLLECTIVE_KINDS}
-_KIND_OF = {**{k: k for k in COLLECTIVE_KINDS}, "ragged-all-to-all": "all-to-all", "collective-broadcast": "other"}
+# Each collective op of hlo.COLLECTIVES as a row kind: ragged-all-to-all counts as all-to-all, the rest as other.
+_KIND_OF = {
+    op: op if op in COLLECTIVE_KINDS else "all-to-all" if op == "ragged-all-to-all" else "other"
+    for op in hlo.COLLECTIVES
+}
 _WRAPPERS = ("async-start", "fusion")  # run the collective of the computation they call
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]")
 _MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?=(\d+)")  # 'axis_0'=8 (JAX 0.10) or axis_0=8

@@ -29,7 +29,11 @@ _NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _GEMM_TARGET = re.compile(r"gemm|matmul", re.IGNORECASE)
 _ATTENTION_TARGET = re.compile(r"fmha", re.IGNORECASE)  # cuDNN fused attention (__cudnn$fmha...): its matmuls
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "collective-broadcast")
+# Every collective op XLA emits (jaxscale.measure.collectives maps them to the row's kinds).
+COLLECTIVES = (
+    "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all",
+    "collective-broadcast",
+)  # fmt: skip
 _MOVES = {"parameter", "copy", "bitcast", "transpose", "reshape", "tuple", "get-tuple-element"}
 CATEGORIES = ("matmul", "fusion", "dynamic_update_slice", "copy", "control_flow", "collective", "other")
 
