@@ -211,6 +211,7 @@ def test_without_the_extra_target_is_one_line_naming_it(monkeypatch, capsys, tmp
     assert "\n" not in err
 
 
+@pytest.mark.slow  # 2 target GPUs by default: tests/test_fit.py plans a mesh per device
 @needs_extra
 def test_a_mesh_is_planned_per_device_on_8_target_gpus(tmp_path):
     """FSDP over 8 deviceless H100s: one device's plan holds an eighth of the state, and the GPU program

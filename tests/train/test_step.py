@@ -85,6 +85,7 @@ def _temp_bytes(config) -> int:
     return memory.compiled_memory(run.compile_step(config)[0])["compiled_temp_bytes"]
 
 
+@pytest.mark.slow  # the target-plan version (tests/plan/test_gpu_plan.py) runs by default
 def test_remat_with_scan_shrinks_the_compiled_plan():
     scan_only = load_config("bf16")
     remat = load_config("bf16_remat")
