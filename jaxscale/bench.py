@@ -42,7 +42,7 @@ USAGE = Usage(
         "python -m jaxscale.bench --set model.hidden_size=512,model.head_dim=64,data.batch_size=8",
     ),
     notes=(
-        "Variants are config files configs/<name>.py; their fields are described in jaxscale/config.py "
+        "Variants are config files configs/<name>.py; their fields are described in jaxscale/config/defaults.py "
         "(python -m jaxscale.run --config configs/<name>.py:<preset> --show_config lists them). The table "
         "and its rows (.jsonl) are saved; see docs/measurements.md, 'The benchmark'.",
     ),

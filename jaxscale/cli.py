@@ -23,7 +23,7 @@ class UsageError(Exception):
 
 HELP_FLAGS = ("-h", "--help", "-help", "--helpfull", "--helpshort")
 CONFIG_FIELDS_NOTE = (
-    "Config fields: every field, with what it means, is in jaxscale/config.py (base_config); --show_config "
+    "Config fields: every field, with what it means, is in jaxscale/config/defaults.py (base_config); --show_config "
     "lists them for the given config and preset with their current values (after --config.* overrides). "
     "Override any field as --config.GROUP.FIELD=VALUE, e.g. --config.model.remat='(\"Block\",)'."
 )

@@ -123,7 +123,7 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         "show_config",
         False,
         "Print every config field (after the preset and --config.* overrides) with its value and its "
-        "description from jaxscale/config.py, then exit without compiling.",
+        "description from jaxscale/config/defaults.py, then exit without compiling.",
         flag_values=fv,
     )
     define_cache_flag(fv)

@@ -1,5 +1,5 @@
 """--help on every entry point (usage, what it does, an example, every flag with its default), and
---show_config: a config's fields with their current values and their descriptions from jaxscale/config.py."""
+--show_config: a config's fields with their current values and their descriptions from jaxscale/config/defaults.py."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_run_and_sweep_help_say_where_config_fields_are_described(module, capsys
     main, _ = ENTRY_POINTS[module]
     assert main([module, "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "jaxscale/config.py" in text and "--show_config" in text
+    assert "jaxscale/config/defaults.py" in text and "--show_config" in text
 
 
 def test_target_compile_child_has_help():

@@ -13,7 +13,6 @@ PACKAGE = pathlib.Path(jaxscale.__file__).resolve().parent
 FLOORS: dict[str, int] = {
     "jaxscale._env": 0,
     "jaxscale.config": 0,
-    "jaxscale.model_presets": 0,
     "jaxscale.cli": 0,
     "jaxscale.compile_cache": 0,
     "jaxscale.hosts": 0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
+from jaxscale.config.spec import ModelConfig
 from jaxscale.measure import hlo, params, peaks
 
 # Forward matmuls recomputed in the backward pass, per remat target and policy. A recomputed tensor that
@@ -77,7 +78,8 @@ def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[st
     and 'xla' kernels compute it; a causal cuDNN kernel skips the masked half, so it gets half of them.
     """
     m, t = config.model, config.data.seq_len
-    h, f, kv = m.hidden_size, params.mlp_width(m), params.kv_width(m)
+    sizes = ModelConfig.from_config(m)
+    h, f, kv = sizes.hidden_size, sizes.mlp_width, sizes.kv_width
     attention = 2 * t * h * (0.5 if m.attention == "cudnn" and m.causal else 1.0)
     llama = m.family == "llama"
     return {

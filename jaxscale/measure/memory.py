@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jaxscale.config import mesh_shape
+from jaxscale.config.spec import ModelConfig, mesh_shape, minibatch_per_device
 from jaxscale.measure import params
 
 
@@ -96,14 +96,14 @@ class Dims:
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> Dims:
         m, p = config.model, jnp.dtype(config.model.dtype).itemsize
-        data, fsdp, tensor = mesh_shape(config)
+        sizes, tensor = ModelConfig.from_config(m), mesh_shape(config).tensor
         return cls(
-            b=config.data.batch_size // config.train.num_minibatches // (data * fsdp),
+            b=minibatch_per_device(config),
             s=config.data.seq_len,
             h=m.hidden_size,
-            a=m.hidden_size // m.head_dim,
-            k=params.kv_width(m),
-            f=params.mlp_width(m),
+            a=sizes.num_heads,
+            k=sizes.kv_width,
+            f=sizes.mlp_width,
             v=m.vocab_size,
             p=p,
             q=jnp.dtype(m.softmax_dtype).itemsize,

@@ -12,25 +12,16 @@ import math
 import ml_collections
 import numpy as np
 
+from jaxscale.config.spec import ModelConfig
+
 TILE = 64  # tensor-core friendly multiple for matmul dimensions (bf16 MMA tiles; cuBLAS/Triton pad otherwise)
 ADAFACTOR_MIN_DIM_TO_FACTOR = 128  # optax.adafactor's default min_dim_size_to_factor
 
 
-def mlp_width(model: ml_collections.ConfigDict) -> int:
-    """The MLP's hidden width: mlp_hidden_size, or mlp_expansion * hidden_size when it is 0."""
-    return model.mlp_hidden_size or model.mlp_expansion * model.hidden_size
-
-
-def kv_width(model: ml_collections.ConfigDict) -> int:
-    """Width of the keys (and of the values): K/V heads x head_dim (hidden_size without grouped-query attention)."""
-    heads = model.hidden_size // model.head_dim
-    return (model.num_kv_heads or heads) * model.head_dim
-
-
 def _layer_params(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """One block's parameters: path -> (shape, logical axis names), as the family's modules create them."""
-    h, hd, f = model.hidden_size, model.head_dim, mlp_width(model)
-    heads, kv_heads = h // hd, kv_width(model) // hd
+    sizes = ModelConfig.from_config(model)
+    h, hd, f, heads, kv_heads = sizes.hidden_size, sizes.head_dim, sizes.mlp_width, sizes.num_heads, sizes.kv_heads
     embed, mlp = ("embed",), ("mlp",)
     if model.family == "gpt":
         return {
@@ -121,7 +112,8 @@ def param_count(model: ml_collections.ConfigDict) -> int:
     llama, per layer: two RMSNorm scales 2H, q H·H, k and v 2·H·K, output H·H, gate, up and down 3·H·F; plus
     token embedding V·H, final RMSNorm H and, untied, the output head H·V (no biases anywhere).
     """
-    h, f, v, kv = model.hidden_size, mlp_width(model), model.vocab_size, kv_width(model)
+    sizes = ModelConfig.from_config(model)
+    h, f, v, kv = sizes.hidden_size, sizes.mlp_width, sizes.vocab_size, sizes.kv_width
     if model.family == "gpt":
         per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
         top = v * h + model.max_seq_len * h + 2 * h + (0 if model.tie_embeddings else h * v + v)
@@ -196,7 +188,7 @@ def shape_warnings(model: ml_collections.ConfigDict) -> list[str]:
     dims = {
         "model.hidden_size": model.hidden_size,
         "model.head_dim": model.head_dim,
-        "MLP width (model.mlp_hidden_size or mlp_expansion x hidden_size)": mlp_width(model),
+        "MLP width (model.mlp_hidden_size or mlp_expansion x hidden_size)": ModelConfig.from_config(model).mlp_width,
         "model.vocab_size": model.vocab_size,
     }
     lines = []

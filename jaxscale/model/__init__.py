@@ -1,8 +1,8 @@
 """Flax modules only: the model families the lab trains (no I/O, no measurement)."""
 
+from jaxscale.config.spec import ModelConfig
 from jaxscale.model.families import FAMILIES, build, logical_axes
 from jaxscale.model.gpt import GPT
-from jaxscale.model.hparams import ModelConfig
 from jaxscale.model.llama import Llama
 from jaxscale.model.stack import REMAT_POLICIES, count_params, unstack_scanned_params
 

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxscale.model.hparams import ModelConfig
+from jaxscale.config.spec import ModelConfig
 
 
 def _masked(logits: jax.Array, causal: bool) -> jax.Array:

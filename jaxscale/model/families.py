@@ -6,8 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxscale.config.spec import ModelConfig
 from jaxscale.model.gpt import GPT
-from jaxscale.model.hparams import ModelConfig
 from jaxscale.model.llama import Llama
 
 FAMILIES: dict[str, type[nn.Module]] = {"gpt": GPT, "llama": Llama}

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxscale.config.spec import ModelConfig
 from jaxscale.model.attention import attention
 from jaxscale.model.axes import constrain, partitioned
-from jaxscale.model.hparams import ModelConfig
 from jaxscale.model.stack import ResidualBlock, Transformer, branch_output, dense, embed, output_logits
 
 

@@ -11,8 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxscale.config.spec import ModelConfig
 from jaxscale.model.axes import Initializer, constrain, partitioned
-from jaxscale.model.hparams import ModelConfig
 
 # Named remat policies (MaxText's vocabulary). An unknown name is a KeyError, caught by config validation.
 REMAT_POLICIES = {

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import pickle
 import sys
@@ -143,7 +142,7 @@ def compile_for_target(
       plan_key, compile_cache_hit (None: cache off), compile_cache_saved_s, and `kernels`: the kernels the
       program launches (jaxscale.measure.kernels, as dicts) for the time prediction.
     """
-    if math.prod(mesh_shape(config)) == 1:
+    if mesh_shape(config).devices == 1:
         target = target_sharding(target_config_text)
         step, inputs, device = (
             train.make_train_step(config),

@@ -69,9 +69,9 @@ USAGE = Usage(
         "A sweep file (experiments/*.py; see experiments/README.md and docs/sweep.md) gives get_config(preset), "
         "get_variants(config) (named variants as dotted config overrides) and BASELINE. Rows go to "
         "<output_root>/experiments/results/<sweep>/results.jsonl (and .csv), traces to <output_root>/traces/<sweep>/.",
-        "Config fields: every field, with what it means, is in jaxscale/config.py (base_config). A sweep changes "
-        "fields in its variants, not on the command line; --show_config lists the sweep's base config at the "
-        "preset (values and descriptions) and each variant's overrides.",
+        "Config fields: every field, with what it means, is in jaxscale/config/defaults.py (base_config). "
+        "A sweep changes fields in its variants, not on the command line; --show_config lists the sweep's base "
+        "config at the preset (values and descriptions) and each variant's overrides.",
     ),
 )
 

@@ -114,7 +114,7 @@ def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(config)
-    if math.prod(shape) == 1:
+    if shape.devices == 1:
         devices = devices[:1]
     check_mesh_devices(config, len(devices), f"the device list ({len(devices)} {devices[0].platform} devices)")
     return Mesh(np.array(devices).reshape(shape), MESH_AXES)
@@ -343,7 +343,7 @@ def placement(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       ConfigError: the mesh does not use every device (see config.check_mesh_devices).
     """
     init_fn = make_init_fn(config)
-    if math.prod(mesh_shape(config)) == 1:
+    if mesh_shape(config).devices == 1:
         return Placement(config, init_fn, None)
     return Placement(config, init_fn, make_layout(config, make_mesh(config, devices), init_fn))
 

@@ -9,9 +9,9 @@ from conftest import CONFIGS, load_config, run_cli
 
 from jaxscale import train
 from jaxscale.config import all_presets, validate
+from jaxscale.config.model_presets import MODEL_PRESETS
 from jaxscale.measure import flops
 from jaxscale.model import count_params
-from jaxscale.model_presets import MODEL_PRESETS
 
 # Published counts (Hugging Face model cards / safetensors totals).
 EXPECTED = {

@@ -1,0 +1,109 @@
+"""Typed views of a run config: the model's hyper-parameters and the device mesh, with every derived size.
+
+A `ConfigDict` holds what the user set; what follows from it (query and K/V heads, the MLP width, the mesh's
+device count, the devices a batch is split over, sequences per device) is derived here and nowhere else, so
+validation, the model, the analytic memory model and the planners read the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import ml_collections
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The `model` group of the run config as a frozen (hashable: Flax module attributes must be) dataclass.
+
+    The fields and their meaning are those of jaxscale.config.defaults.base_config.
+    """
+
+    family: str = "gpt"
+    vocab_size: int = 2048
+    hidden_size: int = 1024
+    head_dim: int = 128
+    num_layers: int = 12
+    mlp_expansion: int = 4
+    mlp_hidden_size: int = 0
+    num_kv_heads: int = 0
+    max_seq_len: int = 512
+    dropout_rate: float = 0.1
+    dtype: str = "bfloat16"
+    softmax_dtype: str = "float32"
+    causal: bool = True
+    remat: tuple[str, ...] = ()
+    remat_policy: str = "nothing_saveable"
+    scan_layers: bool = False
+    attention: str = "reference"
+    rope_theta: float = 10000.0
+    norm_epsilon: float = 1e-6
+    tie_embeddings: bool = False
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads: hidden_size // head_dim."""
+        return self.hidden_size // self.head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or one per query head when it is 0 (multi-head attention)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values): K/V heads x head_dim (hidden_size without grouped-query)."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: mlp_hidden_size, or mlp_expansion * hidden_size when it is 0."""
+        return self.mlp_hidden_size or self.mlp_expansion * self.hidden_size
+
+    @classmethod
+    def from_config(cls, model: ml_collections.ConfigDict) -> ModelConfig:
+        """Reads every field from a config's `model` group (a missing field is a KeyError)."""
+        return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls)})
+
+
+class MeshShape(NamedTuple):
+    """The device mesh, data x fsdp x tensor (jaxscale.train.sharding lays the step out over it)."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    @property
+    def devices(self) -> int:
+        """Devices the mesh uses: data x fsdp x tensor (1 for the single-device program)."""
+        return math.prod(self)
+
+    @property
+    def batch_split(self) -> int:
+        """Devices the batch is split over: data x fsdp (tensor-parallel devices share their sequences)."""
+        return self.data * self.fsdp
+
+    @property
+    def text(self) -> str:
+        """`data x fsdp x tensor`, e.g. "2x2x2"."""
+        return "x".join(str(n) for n in self)
+
+
+def mesh_shape(config: ml_collections.ConfigDict) -> MeshShape:
+    """The config's mesh; 1x1x1 for a config from before the mesh group."""
+    mesh = config.get("mesh")
+    return MeshShape() if mesh is None else MeshShape(*(int(mesh[axis]) for axis in MESH_AXES))
+
+
+def mesh_text(config: ml_collections.ConfigDict) -> str:
+    """The mesh as `data x fsdp x tensor`, e.g. "2x2x2"."""
+    return mesh_shape(config).text
+
+
+def minibatch_per_device(config: ml_collections.ConfigDict) -> int:
+    """Sequences one device holds per minibatch: data.batch_size / train.num_minibatches / (data x fsdp)."""
+    return config.data.batch_size // config.train.num_minibatches // mesh_shape(config).batch_split

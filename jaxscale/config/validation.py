@@ -1,0 +1,195 @@
+"""Validation of a run config: each field the lab cannot run is one line naming it and what is allowed."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import ml_collections
+
+from jaxscale.config.defaults import (
+    ACCUMULATE_METHODS,
+    ATTENTION_IMPLS,
+    DATA_SOURCES,
+    DTYPES,
+    FAMILIES,
+    OPTIMIZERS,
+    REMAT_POLICIES,
+    REMAT_TARGETS,
+    ConfigError,
+)
+from jaxscale.config.spec import ModelConfig, mesh_shape, mesh_text
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {message}")
+
+
+def _positive(config: ml_collections.ConfigDict, *fields: str) -> None:
+    for field in fields:
+        group, key = field.split(".")
+        value = config[group][key]
+        _check(isinstance(value, int) and value > 0, field, f"must be a positive integer, got {value!r}")
+
+
+def _one_of(value: object, allowed: tuple[str, ...], field: str) -> None:
+    _check(value in allowed, field, f"unknown {value!r}; allowed: {', '.join(allowed)}")
+
+
+def _validate_family(m: ml_collections.ConfigDict) -> None:
+    """The fields of the model family: grouped-query heads, MLP width, RoPE and norm settings."""
+    _one_of(m.family, FAMILIES, "model.family")
+    for field in ("num_kv_heads", "mlp_hidden_size"):
+        value = m[field]
+        _check(isinstance(value, int) and value >= 0, f"model.{field}", f"must be an integer >= 0, got {value!r}")
+    sizes = ModelConfig.from_config(m)
+    num_heads, kv_heads = sizes.num_heads, sizes.kv_heads
+    if m.family == "gpt":
+        _check(
+            kv_heads == num_heads,
+            "model.num_kv_heads",
+            f"{m.num_kv_heads}: gpt's fused QKV projection has one K/V head per query head ({num_heads}, or 0); "
+            "grouped-query attention needs model.family=llama",
+        )
+    _check(
+        num_heads % kv_heads == 0,
+        "model.num_kv_heads",
+        f"{m.num_kv_heads} does not divide the {num_heads} query heads (hidden_size / head_dim); allowed: "
+        + ", ".join(str(n) for n in range(1, num_heads + 1) if num_heads % n == 0),
+    )
+    if m.family == "llama":
+        _check(
+            m.head_dim % 2 == 0, "model.head_dim", f"{m.head_dim}: rotary embeddings rotate pairs, so it must be even"
+        )
+    _check(m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}")
+    _check(m.norm_epsilon > 0, "model.norm_epsilon", f"must be > 0, got {m.norm_epsilon}")
+    _check(
+        isinstance(m.tie_embeddings, bool), "model.tie_embeddings", f"must be True or False, got {m.tie_embeddings!r}"
+    )
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError naming the first field that the lab cannot run."""
+    _positive(config, "model.vocab_size", "model.hidden_size", "model.head_dim", "model.num_layers")
+    _positive(config, "model.mlp_expansion", "model.max_seq_len", "data.batch_size", "data.seq_len")
+    _positive(config, "train.num_minibatches", "train.steps")
+    m, d, t, o = config.model, config.data, config.train, config.optimizer
+    _check(
+        m.hidden_size % m.head_dim == 0,
+        "model.hidden_size",
+        f"{m.hidden_size} is not divisible by model.head_dim={m.head_dim}",
+    )
+    _check(d.seq_len <= m.max_seq_len, "data.seq_len", f"{d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    _check(
+        d.batch_size % t.num_minibatches == 0,
+        "data.batch_size",
+        f"{d.batch_size} is not divisible by train.num_minibatches={t.num_minibatches}",
+    )
+    _validate_family(m)
+    _one_of(m.dtype, DTYPES, "model.dtype")
+    _one_of(m.softmax_dtype, DTYPES, "model.softmax_dtype")
+    _check(isinstance(m.remat, tuple), "model.remat", f"must be a tuple of names from {REMAT_TARGETS}")
+    for target in m.remat:
+        _one_of(target, REMAT_TARGETS, "model.remat")
+    _one_of(m.remat_policy, REMAT_POLICIES, "model.remat_policy")
+    _one_of(m.attention, ATTENTION_IMPLS, "model.attention")
+    if m.attention == "cudnn":
+        _check(
+            jax.default_backend() == "gpu",
+            "model.attention",
+            f"'cudnn' needs a CUDA GPU backend, this one is {jax.default_backend()}; allowed here: reference, xla",
+        )
+    _check(0.0 <= m.dropout_rate < 1.0, "model.dropout_rate", f"must be in [0, 1), got {m.dropout_rate}")
+    _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")
+    _validate_data_and_eval(d, t)
+    _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _check(config.profile.steps >= 0, "profile.steps", f"must be >= 0, got {config.profile.steps}")
+    _validate_mesh(config)
+    _one_of(o.name, OPTIMIZERS, "optimizer.name")
+    _check(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
+    _check(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _check(o.transition_steps > 0, "optimizer.transition_steps", f"must be > 0, got {o.transition_steps}")
+    _check(o.grad_clip_norm >= 0, "optimizer.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _validate_mesh(config: ml_collections.ConfigDict) -> None:
+    """Each mesh axis divides what it splits (JAX shards only evenly): see jaxscale.train.sharding.RULES."""
+    _positive(config, "mesh.data", "mesh.fsdp", "mesh.tensor")
+    m, sizes, mesh = config.model, ModelConfig.from_config(config.model), mesh_shape(config)
+    (data, fsdp, tensor), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
+    _check(
+        minibatch % mesh.batch_split == 0,
+        "mesh",
+        f"data x fsdp = {data}x{fsdp} = {data * fsdp} does not divide the minibatch of {minibatch} sequences "
+        f"(data.batch_size / train.num_minibatches); data x fsdp may be: {_divisors(minibatch)}",
+    )
+    _check(
+        m.hidden_size % fsdp == 0,
+        "mesh.fsdp",
+        f"{fsdp} does not divide model.hidden_size={m.hidden_size} (FSDP splits the embed axis); allowed: "
+        f"{_divisors(m.hidden_size)}",
+    )
+    splits = {
+        "attention heads (model.hidden_size / model.head_dim)": sizes.num_heads,
+        "the MLP width (model.mlp_hidden_size, or model.mlp_expansion x model.hidden_size)": sizes.mlp_width,
+        "model.vocab_size": m.vocab_size,
+    }
+    if sizes.kv_heads != sizes.num_heads:  # grouped-query attention: K/V heads split too
+        splits["K/V heads (model.num_kv_heads)"] = sizes.kv_heads
+    for what, size in splits.items():
+        _check(
+            size % tensor == 0,
+            "mesh.tensor",
+            f"{tensor} does not divide the {size} {what}; tensor may be a common divisor of heads, MLP width "
+            f"and vocabulary: {_divisors(math.gcd(*splits.values()))}",
+        )
+
+
+def check_mesh_devices(
+    config: ml_collections.ConfigDict, devices: int, where: str = "this process", hint: str = ""
+) -> None:
+    """Raises ConfigError unless the mesh uses every one of `devices` devices (1x1x1 always runs on one).
+
+    Args:
+      config: a validated config.
+      devices: the device count the step would run or be planned on.
+      where: what has the devices, for the message ("this run (cpu)", "target h100 (--devices)").
+      hint: appended to the message (how to get other devices).
+    """
+    product = mesh_shape(config).devices
+    if product == 1 or product == devices:
+        return
+    fix = f"choose sizes whose product is {devices} (e.g. --config.mesh.data={devices}), or 1x1x1 for one device"
+    if devices == 1:
+        fix = "use 1x1x1"
+    raise ConfigError(
+        f"mesh: data x fsdp x tensor = {mesh_text(config)} = {product} devices, but {where} has {devices}; {fix}{hint}"
+    )
+
+
+def _non_negative_int(value: object, field: str) -> None:
+    _check(isinstance(value, int) and value >= 0, field, f"must be an integer >= 0, got {value!r}")
+
+
+def _validate_data_and_eval(d: ml_collections.ConfigDict, t: ml_collections.ConfigDict) -> None:
+    """The data source, its pipeline knobs, validation and checkpoint fields (the files are checked later)."""
+    _one_of(d.source, DATA_SOURCES, "data.source")
+    if d.source == "text":
+        _check(bool(d.path), "data.path", "required with data.source=text: a directory written by "
+               "python -m jaxscale.data prepare --text FILES --out DIR")  # fmt: skip
+    _non_negative_int(d.workers, "data.workers")
+    _non_negative_int(d.prefetch, "data.prefetch")
+    _check(d.host_delay_s >= 0, "data.host_delay_s", f"must be >= 0 seconds, got {d.host_delay_s}")
+    _non_negative_int(t.eval_every, "train.eval_every")
+    _check(t.eval_every == 0 or d.source == "text", "train.eval_every",
+           f"validation needs a held-out split: set data.source=text (it is {d.source!r}), or 0")  # fmt: skip
+    _check(isinstance(t.eval_batches, int) and t.eval_batches > 0, "train.eval_batches",
+           f"must be a positive integer, got {t.eval_batches!r}")  # fmt: skip
+    _non_negative_int(t.checkpoint_every, "train.checkpoint_every")
+    _check(isinstance(t.checkpoint_keep, int) and t.checkpoint_keep > 0, "train.checkpoint_keep",
+           f"must be a positive integer, got {t.checkpoint_keep!r}")  # fmt: skip

@@ -1,0 +1,41 @@
+"""The typed views of a config: derived sizes against published model cards and hand counts of meshes."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import load_config
+
+from jaxscale.config import ConfigError, MeshShape, ModelConfig, mesh_shape, minibatch_per_device, validate
+
+
+def test_llama3_1_8b_sizes_are_the_published_ones():
+    # meta-llama/Llama-3.1-8B config.json: hidden 4096, 32 attention heads, 8 key/value heads,
+    # intermediate_size 14336; so head_dim 128 and K/V width 8 x 128 = 1024.
+    sizes = ModelConfig.from_config(load_config("bf16_remat", "llama3.1-8b").model)
+    assert (sizes.num_heads, sizes.kv_heads, sizes.kv_width, sizes.mlp_width) == (32, 8, 1024, 14336)
+
+
+def test_gpt_sizes_without_grouped_query_attention():
+    # :seed is the notebook's GPT: hidden 1024 in 8 heads of 128, MLP 4 x 1024, one K/V head per query head.
+    sizes = ModelConfig.from_config(load_config("bf16_remat", "seed").model)
+    assert (sizes.num_heads, sizes.kv_heads, sizes.kv_width, sizes.mlp_width) == (8, 8, 1024, 4096)
+
+
+def test_mesh_shape_derives_devices_split_and_text():
+    config = load_config("bf16_remat", "tiny")  # batch 8 in 2 minibatches
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 1
+    mesh = mesh_shape(config)
+    assert mesh == MeshShape(2, 2, 1) and tuple(mesh) == (2, 2, 1)  # still unpacks as (data, fsdp, tensor)
+    assert (mesh.devices, mesh.batch_split, mesh.text) == (4, 4, "2x2x1")
+    assert minibatch_per_device(config) == 8 // 2 // 4 == 1
+    config.mesh.tensor = 2  # tensor-parallel devices share their sequences: the split stays data x fsdp
+    assert (mesh_shape(config).devices, mesh_shape(config).batch_split, minibatch_per_device(config)) == (8, 4, 1)
+
+
+def test_validation_reads_the_same_derived_sizes():
+    config = load_config("bf16_remat", "tiny-llama")
+    config.model.num_kv_heads = 3  # the tiny Llama has 4 query heads: 3 divides none of them
+    with pytest.raises(
+        ConfigError, match=r"^model.num_kv_heads: 3 does not divide the 4 query heads.*allowed: 1, 2, 4$"
+    ):
+        validate(config)
