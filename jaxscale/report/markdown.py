@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import sys
 from collections.abc import Sequence
 
 import matplotlib
@@ -238,6 +237,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"report: {path} (figures beside it)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
