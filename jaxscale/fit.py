@@ -23,7 +23,16 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from jaxscale.cli import UsageError, define_config_flag, fail, parse_bytes, parse_config_flags
+from jaxscale.cli import (
+    Usage,
+    UsageError,
+    define_config_flag,
+    fail,
+    parse_bytes,
+    parse_config_flags,
+    print_help,
+    wants_help,
+)
 from jaxscale.config import flatten, mesh_shape, mesh_text
 from jaxscale.measure import params
 from jaxscale.plan import fit, gpu_plan, targets
@@ -302,10 +311,36 @@ def _check_measurable(spec: targets.GpuTarget | None) -> None:
         )
 
 
+USAGE = Usage(
+    command="python -m jaxscale.fit --config CONFIG.py:PRESET [--target GPU] [--memory SIZE] [flags]",
+    summary="For each remat choice, the largest per-device minibatch whose compiled plan fits the memory budget, "
+    "found by compilation alone (no GPU needed with --target); prints a table and a recommendation and keeps the "
+    "rows (resumable) in experiments/results/<fit name>/; --measure then times each fitting choice here.",
+    examples=(
+        "python -m jaxscale.fit --config configs/bf16_remat.py:seed --target a5000",
+        "python -m jaxscale.fit --config configs/bf16_remat.py:llama3.2-1b --target l4 "
+        "--config.optimizer.name=adafactor --memory 20GiB --headroom 0.05",
+        "python -m jaxscale.fit --config configs/bf16_remat.py:tiny --memory 4MiB",
+        "python -m jaxscale.fit --config configs/bf16_remat.py:llama3.1-8b --config.data.seq_len=8192 "
+        "--config.mesh.fsdp=8 --target h100 --devices 8",
+    ),
+    notes=(
+        "Without --target the local compiler plans (on a CPU only a proxy for a GPU's plan) and --memory is "
+        "required on a CPU. Rows: <output_root>/experiments/results/<fit name>/results.jsonl (python -m "
+        "jaxscale.report reads them); each probe's plan in probes/ beside it. See docs/fit.md.",
+        "Config fields: every field, with what it means, is in jaxscale/config/defaults.py (base_config); python -m "
+        "jaxscale.run --config CONFIG.py:PRESET --show_config lists them with their values. Override any field "
+        "as --config.GROUP.FIELD=VALUE, e.g. --config.optimizer.name=adafactor.",
+    ),
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: the fit table and recommendation; exit 0, or 2 for bad input."""
     argv = list(sys.argv if argv is None else argv)
     fv = _flag_values(argv)
+    if wants_help(argv):
+        return print_help(USAGE, fv)
     try:
         config = parse_config_flags(fv, argv)
         rows, path = run_fit(fv, config)

@@ -22,8 +22,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+EXAMPLES = (
+    "python -m jaxscale.data pydoc-text --out /tmp/pydoc.txt",
+    "python -m jaxscale.data prepare --text /tmp/pydoc.txt --out data/pydoc_bytes",
+    "python -m jaxscale.data prepare --text docs README.md --out data/docs_bpe --tokenizer bpe --vocab 2048",
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m jaxscale.data", description="Prepare text as token files for data.source=text.")
+    parser = _Parser(prog="python -m jaxscale.data", description="Prepare text as token files for data.source=text.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     commands = parser.add_subparsers(dest="command", required=True, metavar="{prepare,pydoc-text}")
     p = commands.add_parser("prepare", help="tokenize text files or folders into DIR", description=(
         "Tokenize text files or folders (searched for " + ", ".join(prepare.TEXT_SUFFIXES) + ") into DIR: "
@@ -51,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Write Python's own documentation text (pydoc_data.topics) to FILE.",
     )
     t.add_argument("--out", required=True, metavar="FILE", help="the .txt file to write")
+    # --help shows the examples and every command's flags on one page, as the lab's other commands do
+    commands_help = "".join(f"\n{command.format_help()}" for command in (p, t))
+    parser.epilog = "examples:\n" + "".join(f"  {example}\n" for example in EXAMPLES) + commands_help
     return parser  # fmt: skip
 
 

@@ -29,11 +29,12 @@ from typing import Any
 
 import jax
 import ml_collections
+from absl import flags
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale import compile_cache, train
-from jaxscale.cli import fail, wants_help
+from jaxscale.cli import Usage, fail, print_help, wants_help
 from jaxscale.config import mesh_shape
 from jaxscale.measure import collectives, kernels, memory
 from jaxscale.model import count_params
@@ -48,12 +49,16 @@ GEMM_OPTIONS: dict[str, dict[str, bool]] = {
     "cublas": {"xla_gpu_enable_triton_gemm": False},
 }
 
-USAGE = (
-    "usage: python -m jaxscale.plan.target_compile RESULT.json < REQUEST.pickle\n\n"
-    "The child process of GPU planning (jaxscale.plan.gpu_plan starts it; run `python -m jaxscale.run --plan "
-    "--target a5000` instead). Reads a pickled {'config': ConfigDict, 'target_config_text': str} from stdin, "
+USAGE = Usage(
+    command="python -m jaxscale.plan.target_compile RESULT.json < REQUEST.pickle",
+    summary="The child process of GPU planning (jaxscale.plan.gpu_plan starts it; run `python -m jaxscale.run "
+    "--plan --target a5000` instead). Reads a pickled {'config': ConfigDict, 'target_config_text': str} from stdin, "
     "compiles the train step for that GPU target without a GPU (JAX_PLATFORMS=cpu, the gpu-plan extra) and "
-    "writes XLA's memory plan as JSON to RESULT.json; XLA's warnings go to stderr."
+    "writes XLA's memory plan as JSON to RESULT.json; XLA's warnings go to stderr.",
+    examples=(
+        "python -m jaxscale.plan.target_compile /tmp/plan.json < /tmp/request.pickle",
+        "python -m jaxscale.run --config configs/bf16_remat.py:seed --plan --target a5000   # starts it for you",
+    ),
 )
 
 
@@ -186,8 +191,7 @@ def compile_for_target(
 def main(argv: list[str]) -> int:
     """Child entry point: pickled request on stdin, JSON result to argv[1]."""
     if wants_help(argv):
-        print(USAGE)
-        return 0
+        return print_help(USAGE, flags.FlagValues())  # no flags: one argument and stdin
     if len(argv) != 2 or sys.stdin.isatty():
         return fail("give RESULT.json and a pickled request on stdin; see --help (this is planning's child process)")
     try:

@@ -7,11 +7,13 @@ from jaxscale.report.markdown import (
     figures,
     main,
     notes,
+    plot_input_wait,
     plot_memory_breakdown,
     plot_op_shares,
     plot_time_vs_memory,
     plot_tokens_per_s,
     plot_vs_baseline,
+    reads_input,
     summary_table,
     to_markdown,
     variant_labels,
@@ -19,6 +21,7 @@ from jaxscale.report.markdown import (
 )
 
 __all__ = [
-    "figures", "main", "notes", "plot_memory_breakdown", "plot_op_shares", "plot_time_vs_memory",
-    "plot_tokens_per_s", "plot_vs_baseline", "summary_table", "to_markdown", "variant_labels", "write_report",
+    "figures", "main", "notes", "plot_input_wait", "plot_memory_breakdown", "plot_op_shares", "plot_time_vs_memory",
+    "plot_tokens_per_s", "plot_vs_baseline", "reads_input", "summary_table", "to_markdown", "variant_labels",
+    "write_report",
 ]  # fmt: skip

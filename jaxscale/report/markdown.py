@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import sys
 from collections.abc import Sequence
 
 import matplotlib
@@ -21,12 +20,16 @@ from jaxscale.report.plots import (
     ANALYTIC_PEAK,
     figures,
     memory_unit,
+    plot_input_wait,
     plot_memory_breakdown,
     plot_op_shares,
     plot_time_vs_memory,
     plot_tokens_per_s,
     plot_vs_baseline,
+    reads_input,
     share_columns,
+    throughput,
+    throughput_vs_baseline,
     variant_labels,
     with_peak,
 )
@@ -35,11 +38,13 @@ from jaxscale.sweep.results import RESULTS_FILE, load_results, mesh_of
 __all__ = [
     "figures",
     "notes",
+    "plot_input_wait",
     "plot_memory_breakdown",
     "plot_op_shares",
     "plot_time_vs_memory",
     "plot_tokens_per_s",
     "plot_vs_baseline",
+    "reads_input",
     "summary_table",
     "to_markdown",
     "variant_labels",
@@ -47,6 +52,7 @@ __all__ = [
 ]
 
 REPORT_FILE = "report.md"
+WALL_TOKENS = "tokens/s (wall, input wait included)"
 
 # What each figure shows, written under it in report.md (the notebook says the same in its markdown cells).
 CAPTIONS = {
@@ -61,6 +67,22 @@ CAPTIONS = {
     "vs_baseline": "Throughput and peak memory relative to the sweep's baseline variant (1.0 = the same); "
     "a memory ratio is shown only where both peaks come from the same source.",
 }
+# Where the sweep has input waits (its batches come from the host), time and throughput are wall time.
+INPUT_CAPTIONS = {
+    "time_vs_memory": "Median wall time per step, the wait for its batch included, against peak memory (its "
+    "source on the axis). Down and left is better; the ringed points joined by the line are the Pareto front.",
+    "tokens_per_s": "Tokens per second in wall time: tokens per step over the median of input wait + step "
+    "(tokens_per_s_with_input_wait), so a run that waits for its input shows it; longer is faster.",
+    "vs_baseline": "Wall-time throughput (input wait included) and peak memory relative to the sweep's baseline "
+    "(1.0 = the same): below 1, the variant trains fewer tokens per second of wall time than the baseline.",
+    "input_wait": "Per variant, the compiled step (median, blue) and the wait for its batch before it (median, "
+    "red), with the share of wall time spent waiting (input_wait_fraction): the input-bound runs are the red ones.",
+}
+
+
+def captions(frame: pd.DataFrame) -> dict[str, str]:
+    """What each figure shows, as written under it in report.md (wall-time wording where input was waited for)."""
+    return {**CAPTIONS, **INPUT_CAPTIONS} if reads_input(frame) else dict(CAPTIONS)
 
 
 # Predicted step time (jaxscale.plan.predict) beside what it predicts, where rows have them.
@@ -91,6 +113,8 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
       peak memory (GiB, per device on a mesh) and its source, the analytic peak where known, the predicted
       step time beside the measured (or the notebook's) where rows have it, the collectives' MiB per device
       and step by kind (where any), and the change against the baseline variant; the error of failures.
+      Where the sweep has input waits (plots.reads_input), the input wait, step + wait, the wait share and
+      tokens/s in wall time take the place of tokens/s, and the change against the baseline is in wall time.
     """
     frame = with_peak(frame)
     divisor, unit = memory_unit(frame["best_peak_bytes"])
@@ -105,6 +129,16 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
             "peak source": frame["best_peak_source"],
         }
     )
+    if reads_input(frame):  # wall time: the step and the wait for its batch; tokens/s of the step alone left out
+        table = table.drop(columns="tokens/s")
+        wait = {
+            "input wait s (median)": "input_wait_s_median",
+            "step + wait s (median)": "step_with_input_wait_s_median",
+            "wait share": "input_wait_fraction",
+        }
+        for position, (header, column) in enumerate(wait.items(), start=3):
+            table.insert(position, header, pd.to_numeric(frame.get(column), errors="coerce"))
+        table.insert(6, WALL_TOKENS, throughput(frame)[0])
     if ANALYTIC_PEAK in frame:
         table[f"analytic peak {unit}"] = pd.to_numeric(frame[ANALYTIC_PEAK], errors="coerce") / divisor
     for column, header in PREDICTED_COLUMNS.items():
@@ -119,7 +153,7 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
             table[f"{kind.replace('_', '-')} MiB"] = pd.to_numeric(column, errors="coerce") / 2**20
         table["collective MiB"] = pd.to_numeric(frame["compiled_collective_bytes"], errors="coerce") / 2**20
     is_baseline = frame["variant"] == frame["baseline"]
-    speed = [_ratio_text(v, True) for v in frame["throughput_vs_baseline"]]
+    speed = [_ratio_text(v, True) for v in throughput_vs_baseline(frame)]
     memory = [_ratio_text(v, False) for v in frame["peak_vs_baseline"]]
     table["vs baseline"] = [
         "baseline" if base else ", ".join(t for t in (s, m) if t != "-") or "-"
@@ -133,9 +167,9 @@ def _markdown_cell(value: object, column: str) -> str:
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return "-"
     if isinstance(value, float):
-        spec = {"step s (median)": ".4f", "tokens/s": ",.0f", "compile s": ".1f", "predicted step s": ".4f"}.get(
-            column, ".3f"
-        )
+        spec = {"step s (median)": ".4f", "tokens/s": ",.0f", "compile s": ".1f", "predicted step s": ".4f",
+                WALL_TOKENS: ",.0f", "input wait s (median)": ".4f", "step + wait s (median)": ".4f",
+                "wait share": ".0%"}.get(column, ".3f")  # fmt: skip
         return format(value, spec)
     return str(value).replace("|", "\\|").replace("\n", " ")
 
@@ -152,6 +186,12 @@ def to_markdown(table: pd.DataFrame) -> str:
 def notes(frame: pd.DataFrame) -> list[str]:
     """Caveats a reader needs: where peak memory came from, and which measured columns are absent."""
     found, frame = [], with_peak(frame)
+    if reads_input(frame):
+        found.append(
+            "Input: this sweep reads batches from the host (data.source), so time and throughput are wall time, the "
+            "wait for each batch included (step + wait s, tokens_per_s_with_input_wait), and so are the ratios "
+            "against the baseline; tokens_per_s, the compiled step alone, is in the results file."
+        )
     sources = sorted({s for s in frame["best_peak_source"].dropna()})
     if sources:
         found.append(f"Peak memory source: {', '.join(sources)} (the device allocator's peak where the backend "
@@ -199,7 +239,7 @@ def write_report(results: str | os.PathLike, output_dir: str | os.PathLike | Non
     lines += [f"- {note}" for note in notes(frame)] + [""]
     for name, figure in figures(frame).items():
         figure.savefig(output_dir / f"{name}.png", dpi=110)
-        lines += [f"## {name.replace('_', ' ')}", "", f"![{name}]({name}.png)", "", CAPTIONS[name], ""]
+        lines += [f"## {name.replace('_', ' ')}", "", f"![{name}]({name}.png)", "", captions(frame)[name], ""]
     path = output_dir / REPORT_FILE
     path.write_text("\n".join(lines))
     return path
@@ -237,7 +277,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(str(error))
     print(f"report: {path} (figures beside it)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,6 +32,53 @@ COMPILED_COLORS = {
     "compiled peak": "#4c72b0",
 }
 ANALYTIC_COLORS = ("#55a868", "#a1c9a4", "#dd8452", "#f0c27b")
+# Wall time, input wait included (jaxscale.train.loop): what a sweep whose batches come from the host is timed by.
+WALL_THROUGHPUT = "tokens_per_s_with_input_wait"  # tokens per step / median of (input wait + step)
+WALL_STEP = "step_with_input_wait_s_median"
+
+
+def reads_input(frame: pd.DataFrame) -> bool:
+    """Whether the sweep has input waits: a row fed from the host (data.source not synthetic) that measured its
+    wall-time throughput. Its figures and table then use the wall time, which `tokens_per_s` (the compiled
+    step alone) leaves out: a run that waits 3 s for each batch of a 1.8 s step is not 0.97x its baseline."""
+    if WALL_THROUGHPUT not in frame or "config.data.source" not in frame:
+        return False
+    source = frame["config.data.source"]
+    fed = source.notna() & (source.astype(str) != "synthetic")
+    return bool((fed & pd.to_numeric(frame[WALL_THROUGHPUT], errors="coerce").notna()).any())
+
+
+def throughput(frame: pd.DataFrame) -> tuple[pd.Series, str]:
+    """(tokens/s per row, NaN where the row failed; what they are): wall time where the sweep has input waits."""
+    ok, step_only = frame["status"] == "ok", pd.to_numeric(frame["tokens_per_s"], errors="coerce")
+    if not reads_input(frame):
+        return step_only.where(ok), "tokens/s (tokens per step / median step time)"
+    wall = pd.to_numeric(frame[WALL_THROUGHPUT], errors="coerce")
+    synthetic = frame["config.data.source"].astype(str) == "synthetic"  # made on the device: nothing to wait for
+    wall = wall.where(wall.notna() | ~synthetic, step_only)  # older synthetic rows without the wall-time column
+    return wall.where(ok), "tokens/s in wall time, input wait included (tokens per step / median of input wait + step)"
+
+
+def step_time(frame: pd.DataFrame) -> tuple[pd.Series, str]:
+    """(median seconds per step, its label): input wait + step where the sweep has input waits."""
+    step_only = pd.to_numeric(frame["step_s_median"], errors="coerce")
+    if not reads_input(frame):
+        return step_only, "step time, median (s)"
+    wall = pd.to_numeric(frame.get(WALL_STEP), errors="coerce")
+    synthetic = frame["config.data.source"].astype(str) == "synthetic"  # as in `throughput`
+    return wall.where(wall.notna() | ~synthetic, step_only), "input wait + step, median (s)"
+
+
+def throughput_vs_baseline(frame: pd.DataFrame) -> pd.Series:
+    """Each ok row's throughput over its sweep's baseline's: the sweep's throughput_vs_baseline (the compiled
+    step's), or the wall-time ratio (input wait included) where the sweep has input waits."""
+    if not reads_input(frame):
+        return pd.to_numeric(frame["throughput_vs_baseline"], errors="coerce")
+    values, _ = throughput(frame)
+    by_variant = {(sweep, variant): values[i] for i, sweep, variant in zip(frame.index, frame["sweep"],
+                                                                           frame["variant"], strict=True)}  # fmt: skip
+    base = [by_variant.get((sweep, b), np.nan) for sweep, b in zip(frame["sweep"], frame["baseline"], strict=True)]
+    return values / pd.Series(base, index=frame.index, dtype=float)
 
 
 def variant_labels(frame: pd.DataFrame) -> pd.Series:
@@ -114,9 +161,10 @@ def plot_time_vs_memory(frame: pd.DataFrame) -> Figure:
       The figure; the x axis names the peak-memory source(s), failed variants are listed in a note.
     """
     frame, labels = with_peak(frame), variant_labels(frame)
-    step_s = pd.to_numeric(frame["step_s_median"], errors="coerce")
+    step_s, step_label = step_time(frame)
     data = frame[(frame["status"] == "ok") & step_s.notna() & frame["best_peak_bytes"].notna()]
-    title = "Step time against peak memory"
+    title = "Wall time per step (input wait included) against peak memory" if reads_input(frame) else \
+        "Step time against peak memory"  # fmt: skip
     if data.empty:
         return _empty(title, "no successful variant with both a step time and a peak memory to plot")
     figure = Figure(figsize=(8, 5.5), layout="constrained")
@@ -142,7 +190,7 @@ def plot_time_vs_memory(frame: pd.DataFrame) -> Figure:
             axis.set_minor_formatter(ticker.StrMethodFormatter("{x:g}"))
     ax.scatter([], [], s=160, facecolors="none", edgecolors="k", label="Pareto front (ringed, dashed)")
     ax.set_xlabel(f"peak memory ({unit}; source: {', '.join(markers)})")
-    ax.set_ylabel("step time, median (s)")
+    ax.set_ylabel(step_label)
     figure.suptitle(title)
     ax.margins(0.15)
     ax.grid(alpha=0.3)
@@ -188,14 +236,43 @@ def _barh_by_variant(ax: Axes, frame: pd.DataFrame, values: pd.Series, labels: p
 
 
 def plot_tokens_per_s(frame: pd.DataFrame) -> Figure:
-    """Tokens per second per variant (from the median step); failures show their status instead of a bar."""
+    """Tokens per second per variant (from the median step, or in wall time with the input wait where the sweep
+    has input waits, as `throughput`); failures show their status instead of a bar."""
     figure = Figure(figsize=(8, 1.2 + 0.45 * len(frame)), layout="constrained")
     ax = figure.add_subplot()
-    values = pd.to_numeric(frame["tokens_per_s"], errors="coerce").where(frame["status"] == "ok")
+    values, what = throughput(frame)
     _barh_by_variant(ax, frame, values, variant_labels(frame), ",.0f")
     devices = ", ".join(str(d) for d in frame.get("device_kind", pd.Series(dtype=object)).dropna().unique())
-    ax.set_xlabel(f"tokens/s (tokens per step / median step time){'; device: ' + devices if devices else ''}")
-    ax.set_title("Throughput per variant")
+    ax.set_xlabel(f"{what}{'; device: ' + devices if devices else ''}", wrap=True)
+    ax.set_title("Throughput per variant" + (", input wait included" if reads_input(frame) else ""))
+    return figure
+
+
+def plot_input_wait(frame: pd.DataFrame) -> Figure:
+    """Per variant, the median step (compute) and the median wait for its batch before it, stacked, with the
+    share of wall time spent waiting (input_wait_fraction): where an input-bound run's time goes."""
+    figure = Figure(figsize=(9, 1.4 + 0.45 * len(frame)), layout="constrained")
+    ax = figure.add_subplot()
+    step = pd.to_numeric(frame["step_s_median"], errors="coerce").where(frame["status"] == "ok")
+    wait = pd.to_numeric(frame.get("input_wait_s_median"), errors="coerce").fillna(0.0)
+    share = pd.to_numeric(frame.get("input_wait_fraction"), errors="coerce")
+    labels, positions = variant_labels(frame), np.arange(len(frame))[::-1]
+    for y, i in zip(positions, frame.index, strict=True):
+        if pd.isna(step[i]):
+            ax.text(0, y, f" {frame.at[i, 'status']}", va="center", fontsize=8, color="#7a2020")
+            continue
+        ax.barh(y, step[i], color="#4c72b0", label="compiled step (median)")
+        ax.barh(y, wait[i], left=step[i], color="#c44e52", label="input wait before it (median)")
+        waiting = "" if pd.isna(share[i]) else f", {share[i]:.0%} of wall time waiting"
+        ax.text(step[i] + wait[i], y, f" {step[i]:.2f} s + {wait[i]:.2f} s{waiting}", va="center", fontsize=8)
+    baseline = frame["variant"] == frame["baseline"]
+    ax.set_yticks(positions, [f"{labels[i]}{' (baseline)' if baseline[i] else ''}" for i in frame.index])
+    handles, names = ax.get_legend_handles_labels()
+    ax.legend(dict(zip(names, handles, strict=True)).values(), dict.fromkeys(names), fontsize=8, loc="lower right")
+    ax.margins(x=0.35)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_xlabel("seconds per step in wall time: the compiled step, then the wait for its batch")
+    ax.set_title("Where a step's wall time goes: compute and input wait")
     return figure
 
 
@@ -295,11 +372,12 @@ def plot_vs_baseline(frame: pd.DataFrame) -> Figure:
     baselines = ", ".join(str(b) for b in frame["baseline"].dropna().unique()) or "none named"
     figure = Figure(figsize=(11, 1.4 + 0.45 * len(frame)), layout="constrained")
     speed_ax, memory_ax = figure.subplots(1, 2, sharey=True)
-    speed = pd.to_numeric(frame["throughput_vs_baseline"], errors="coerce")
+    speed = throughput_vs_baseline(frame)
     memory = pd.to_numeric(frame["peak_vs_baseline"], errors="coerce")
     _barh_by_variant(speed_ax, frame, speed, labels, ".2f")
     _barh_by_variant(memory_ax, frame, memory, labels, ".2f")
-    axes = {speed_ax: "throughput / baseline's (>1: faster)", memory_ax: "peak memory / baseline's (<1: smaller)"}
+    speed_text = "wall-time throughput (input wait included)" if reads_input(frame) else "throughput"
+    axes = {speed_ax: f"{speed_text} / baseline's (>1: faster)", memory_ax: "peak memory / baseline's (<1: smaller)"}
     for ax, what in axes.items():
         ax.axvline(1.0, color="k", lw=1)
         ax.set_xlabel(what)
@@ -311,11 +389,12 @@ def plot_vs_baseline(frame: pd.DataFrame) -> Figure:
 
 def figures(frame: pd.DataFrame) -> dict[str, Figure]:
     """Every figure of the report, by file stem: time_vs_memory, tokens_per_s, memory_breakdown, op_shares,
-    vs_baseline."""
-    return {
+    vs_baseline, and input_wait where the sweep has input waits."""
+    found = {
         "time_vs_memory": plot_time_vs_memory(frame),
         "tokens_per_s": plot_tokens_per_s(frame),
         "memory_breakdown": plot_memory_breakdown(frame),
         "op_shares": plot_op_shares(frame),
         "vs_baseline": plot_vs_baseline(frame),
     }
+    return {**found, "input_wait": plot_input_wait(frame)} if reads_input(frame) else found

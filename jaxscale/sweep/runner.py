@@ -424,7 +424,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(outcome.table())
     print(f"results: {outcome.results_path} (and {outcome.results_path.with_suffix('.csv')})")
     return 1 if fv.strict and outcome.failed() else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

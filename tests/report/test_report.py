@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 import textwrap
@@ -13,7 +14,7 @@ import pytest
 from nbclient import NotebookClient
 
 from jaxscale.report import markdown as report
-from jaxscale.report.plots import ANALYTIC_PARTS, ANALYTIC_PEAK, pareto_front
+from jaxscale.report.plots import ANALYTIC_PARTS, ANALYTIC_PEAK, WALL_STEP, WALL_THROUGHPUT, pareto_front
 from jaxscale.sweep.runner import load_results, run_sweep
 
 matplotlib.use("Agg")
@@ -140,3 +141,97 @@ def test_notebook_runs_headless_on_the_sweep(results_dir, monkeypatch):
     assert len(images) == len(FIGURES)
     tables = [output["data"]["text/markdown"] for output in outputs if "text/markdown" in output.get("data", {})]
     assert any("| bf16_remat | ok |" in table and "| broken | error |" in table for table in tables)
+
+
+# An input-pipeline sweep written by hand (the shape of experiments/results/input_pipeline_cpu): 4096 tokens per
+# step; (variant, data source, median step s, median input wait s, wait share). The slow synchronous run's step
+# is as fast as the baseline's, but it waits 3 s for each batch.
+TOKENS = 4096
+INPUT_ROWS = [
+    ("synthetic", "synthetic", 1.79, 0.0, 0.0),
+    ("slow_sync", "text", 1.85, 3.00, 0.62),
+    ("slow_prefetch2", "text", 1.78, 1.14, 0.39),
+    ("slow_workers4", "text", 1.36, 0.0, 0.0),
+]
+
+
+@pytest.fixture
+def input_frame(tmp_path) -> pd.DataFrame:
+    rows = []
+    for variant, source, step, wait, share in INPUT_ROWS:
+        rows.append({
+            "name": variant, "sweep": "pipeline", "variant": variant, "baseline": "synthetic", "status": "ok",
+            "error": None, "config.data.source": source, "tokens_per_step": TOKENS, "compile_s": 1.0,
+            "step_s_median": step, "tokens_per_s": TOKENS / step, "input_wait_s_median": wait,
+            "step_with_input_wait_s_median": step + wait, "tokens_per_s_with_input_wait": TOKENS / (step + wait),
+            "input_wait_fraction": share, "compiled_backend": "cpu", "compiled_peak_bytes": 2**20,
+        })  # fmt: skip
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return load_results(tmp_path)
+
+
+def bar_widths(ax) -> dict[str, float]:
+    """Each bar's length by its variant's tick label, read off the drawn axes (first variant on top)."""
+    ticks = {
+        round(tick.get_position()[1]): tick.get_text().removesuffix(" (baseline)") for tick in ax.get_yticklabels()
+    }
+    return {ticks[round(bar.get_y() + bar.get_height() / 2)]: bar.get_width() for bar in ax.patches}
+
+
+def test_a_sweep_with_input_waits_is_drawn_and_tabled_in_wall_time(input_frame):
+    """The input-bound run must show below the baseline: its wall time per step is 1.85 + 3.00 s against 1.79 s.
+    The expected ratios are the step times' inverse ratios, by hand; tokens_per_s alone would say 0.97."""
+    assert report.reads_input(input_frame)
+    wall = {variant: step + wait for variant, _, step, wait, _ in INPUT_ROWS}
+    tokens_ax = report.plot_tokens_per_s(input_frame).axes[0]
+    drawn = bar_widths(tokens_ax)
+    assert drawn["slow_sync"] == pytest.approx(TOKENS / 4.85) and drawn["slow_sync"] < drawn["synthetic"]
+    assert "wall time" in tokens_ax.get_xlabel() and "input wait" in tokens_ax.get_xlabel()
+    speed_ax = report.plot_vs_baseline(input_frame).axes[0]
+    ratios = bar_widths(speed_ax)
+    for variant in wall:
+        assert ratios[variant] == pytest.approx(wall["synthetic"] / wall[variant]), variant
+    assert ratios["slow_sync"] < ratios["slow_prefetch2"] < 1 < ratios["slow_workers4"]  # the experiment's story
+    assert "input wait included" in speed_ax.get_xlabel()
+    time_ax = report.plot_time_vs_memory(input_frame).axes[0]
+    assert "input wait" in time_ax.get_ylabel() and max(time_ax.collections[0].get_offsets()[:, 1]) == 4.85
+
+    table = report.summary_table(input_frame).set_index("variant")
+    assert "tokens/s" not in table  # the compiled step's throughput is not what this table ranks by
+    assert table.at["slow_sync", report.WALL_TOKENS] == pytest.approx(TOKENS / 4.85)
+    assert table.at["slow_sync", "vs baseline"].startswith(f"{4.85 / 1.79:.2f}x slower")
+    assert table.at["slow_workers4", "vs baseline"].startswith(f"{1.79 / 1.36:.2f}x faster")
+    assert any("wall time" in note for note in report.notes(input_frame))
+
+
+def test_the_input_wait_figure_stacks_the_wait_after_the_step(input_frame):
+    figure = report.figures(input_frame)["input_wait"]
+    ax = figure.axes[0]
+    bars = [(round(bar.get_x(), 6), round(bar.get_width(), 6)) for bar in ax.patches if bar.get_width() > 0]
+    assert (1.85, 3.00) in bars and (0, 1.85) in bars  # slow_sync: the step, then its wait
+    assert "62% of wall time waiting" in axes_texts(figure)
+
+
+def test_without_input_the_figures_keep_the_compiled_steps_throughput(input_frame):
+    synthetic = input_frame.assign(**{"config.data.source": "synthetic"})
+    assert not report.reads_input(synthetic) and "input_wait" not in report.figures(synthetic)
+    drawn = bar_widths(report.plot_tokens_per_s(synthetic).axes[0])
+    assert drawn["slow_sync"] == pytest.approx(TOKENS / 1.85)
+    assert "tokens/s" in report.summary_table(synthetic)
+    assert report.captions(synthetic)["tokens_per_s"] == report.CAPTIONS["tokens_per_s"]
+
+
+def test_report_of_an_input_sweep_says_wall_time(input_frame, tmp_path):
+    path = report.write_report(tmp_path)
+    text = path.read_text()
+    assert "![input_wait](input_wait.png)" in text and "tokens_per_s_with_input_wait" in text
+    assert (tmp_path / "input_wait.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_older_synthetic_rows_without_the_wall_time_keep_their_step(input_frame):
+    """A synthetic row made before the wall-time columns existed: its batch is made on the device, nothing to wait
+    for, so its step stands for its wall time; a host-fed row without them stays missing (never guessed)."""
+    older = input_frame.copy()
+    older.loc[older["variant"].isin(["synthetic", "slow_workers4"]), [WALL_STEP, WALL_THROUGHPUT]] = None
+    drawn = bar_widths(report.plot_tokens_per_s(older).axes[0])
+    assert drawn["synthetic"] == pytest.approx(TOKENS / 1.79) and "slow_workers4" not in drawn
