@@ -88,7 +88,17 @@ BAD_STARTS = [
     ("jaxscale.bench", "--preset", "huge"),
     ("jaxscale.measure.traces", "/nonexistent/run"),
     ("jaxscale.plan.target_compile",),
+    ("jaxscale.fit", "--config", "configs/bf16_remat.py:no_such_preset"),
+    ("jaxscale.data", "prepare", "--text", "/nonexistent/text", "--out", "/nonexistent/tokens"),
 ]
+
+
+def test_bad_starts_cover_every_entry_point():
+    """The list above is checked against the entry points found in the package's files (tests/test_cli.py),
+    so a new one cannot be missed."""
+    from test_cli import find_entry_points
+
+    assert set(find_entry_points()) <= {args[0] for args in BAD_STARTS}
 
 
 @pytest.mark.parametrize("args", BAD_STARTS, ids=[a[0] for a in BAD_STARTS])
