@@ -120,6 +120,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict()
     c.train.num_minibatches = 4  # gradient accumulation: minibatches per step (1 = none)
     c.train.accumulate = "scan"  # accumulation form: scan (lax.scan) or loop (unrolled Python loop)
+    c.train.loss_chunk_len = 0  # positions per chunk of the output head + loss (no [B, T, V] logits); 0: whole
     c.train.steps = 10  # timed steps (median and p90 are taken over these)
     c.train.warmup_steps = 2  # untimed steps run before timing, after the ahead-of-time compile
     c.train.seed = 42  # seed of parameter init and dropout

@@ -102,6 +102,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     _check(0.0 <= m.dropout_rate < 1.0, "model.dropout_rate", f"must be in [0, 1), got {m.dropout_rate}")
     _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")
+    _validate_loss_chunk(t.loss_chunk_len, d.seq_len)
     _validate_data_and_eval(d, t)
     _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _check(config.profile.steps >= 0, "profile.steps", f"must be >= 0, got {config.profile.steps}")
@@ -169,6 +170,16 @@ def check_mesh_devices(
         fix = "use 1x1x1"
     raise ConfigError(
         f"mesh: data x fsdp x tensor = {mesh_text(config)} = {product} devices, but {where} has {devices}; {fix}{hint}"
+    )
+
+
+def _validate_loss_chunk(chunk_len: object, seq_len: int) -> None:
+    """train.loss_chunk_len: 0 (the whole logits at once) or a divisor of the sequence."""
+    _non_negative_int(chunk_len, "train.loss_chunk_len")
+    _check(
+        chunk_len == 0 or seq_len % chunk_len == 0,
+        "train.loss_chunk_len",
+        f"{chunk_len} does not divide data.seq_len={seq_len}; allowed: 0 (no chunks) or one of {_divisors(seq_len)}",
     )
 
 

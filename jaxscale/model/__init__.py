@@ -1,7 +1,7 @@
 """Flax modules only: the model families the lab trains (no I/O, no measurement)."""
 
 from jaxscale.config.spec import ModelConfig
-from jaxscale.model.families import FAMILIES, build, logical_axes
+from jaxscale.model.families import FAMILIES, build, head_fn, logical_axes
 from jaxscale.model.gpt import GPT
 from jaxscale.model.llama import Llama
 from jaxscale.model.stack import REMAT_POLICIES, count_params, unstack_scanned_params
@@ -14,6 +14,7 @@ __all__ = [
     "ModelConfig",
     "build",
     "count_params",
+    "head_fn",
     "logical_axes",
     "unstack_scanned_params",
 ]

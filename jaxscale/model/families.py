@@ -1,6 +1,9 @@
-"""The model families by name, and the logical axis names their parameters carry."""
+"""The model families by name, their output heads, and the logical axis names their parameters carry."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -9,6 +12,7 @@ import jax.numpy as jnp
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model.gpt import GPT
 from jaxscale.model.llama import Llama
+from jaxscale.model.stack import head_logits
 
 FAMILIES: dict[str, type[nn.Module]] = {"gpt": GPT, "llama": Llama}
 
@@ -16,6 +20,12 @@ FAMILIES: dict[str, type[nn.Module]] = {"gpt": GPT, "llama": Llama}
 def build(cfg: ModelConfig, train: bool = False) -> nn.Module:
     """The module of cfg.family; an unknown family is a KeyError (config validation names the allowed ones)."""
     return FAMILIES[cfg.family](cfg, train=train)
+
+
+def head_fn(cfg: ModelConfig) -> Callable[[dict, jax.Array], jax.Array]:
+    """(params, x [..., T, H] final normalized activations) -> [..., T, V] float32 logits: cfg.family's output
+    head outside the model (its bias as the family has it), for a loss computed over chunks of tokens."""
+    return functools.partial(head_logits, cfg, use_bias=FAMILIES[cfg.family].head_bias)
 
 
 def logical_axes(cfg: ModelConfig) -> dict:

@@ -74,13 +74,15 @@ class Block(ResidualBlock):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer. Input [batch, seq] int tokens, output [batch, seq, vocab] float32 logits."""
+    """Decoder-only transformer. Input [batch, seq] int tokens, output [batch, seq, vocab] float32 logits
+    (or, with features_only, the final normalized activations [batch, seq, hidden] the head reads)."""
 
     config: ModelConfig
     train: bool = False
+    head_bias = True  # the output projection has a bias (when not tied to the embedding)
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, features_only: bool = False) -> jax.Array:
         cfg = self.config
         seq = tokens.shape[1]
         # GPT-2 draws its (tied) token embedding from N(0, 0.02); the reference keeps Flax's default.
@@ -94,4 +96,5 @@ class GPT(nn.Module):
             x = constrain(nn.Dropout(cfg.dropout_rate)(x, deterministic=not self.train), ("batch", "seq", "embed"))
         x = Transformer(cfg, self.train, Block, name="transformer")(x)
         with jax.named_scope("head"):
-            return output_logits(cfg, layer_norm(cfg, "post_norm")(x), token_embed, use_bias=True)  # [B, T, V]
+            x = layer_norm(cfg, "post_norm")(x)  # [B, T, H]
+            return x if features_only else output_logits(cfg, x, token_embed, self.head_bias)  # [B, T, V]

@@ -103,13 +103,15 @@ class LlamaBlock(ResidualBlock):
 
 
 class Llama(nn.Module):
-    """Decoder-only Llama. Input [batch, seq] int tokens, output [batch, seq, vocab] float32 logits."""
+    """Decoder-only Llama. Input [batch, seq] int tokens, output [batch, seq, vocab] float32 logits (or, with
+    features_only, the final normalized activations [batch, seq, hidden] the head reads)."""
 
     config: ModelConfig
     train: bool = False
+    head_bias = False  # no biases anywhere in Llama
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, features_only: bool = False) -> jax.Array:
         cfg = self.config
         with jax.named_scope("embed"):
             token_embed = embed(cfg, nn.initializers.normal(0.02))  # HF's init range
@@ -117,4 +119,5 @@ class Llama(nn.Module):
             x = constrain(x, ("batch", "seq", "embed"))
         x = Transformer(cfg, self.train, LlamaBlock, name="transformer")(x)
         with jax.named_scope("head"):
-            return output_logits(cfg, rms_norm(cfg, "post_norm")(x), token_embed, use_bias=False)  # [B, T, V]
+            x = rms_norm(cfg, "post_norm")(x)  # [B, T, H]
+            return x if features_only else output_logits(cfg, x, token_embed, self.head_bias)  # [B, T, V]

@@ -163,7 +163,23 @@ def output_logits(cfg: ModelConfig, x: jax.Array, token_embed: Embed, use_bias: 
     if cfg.tie_embeddings:
         logits = token_embed.attend(x)  # x @ embedding.T
     else:
-        logits = dense(cfg.vocab_size, ("embed", "vocab"), cfg, "output", use_bias=use_bias)(x)
+        logits = output_projection(cfg, use_bias)(x)
+    return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def output_projection(cfg: ModelConfig, use_bias: bool) -> nn.DenseGeneral:
+    """The untied output head [hidden, vocab], named "output" in the model's params."""
+    return dense(cfg.vocab_size, ("embed", "vocab"), cfg, "output", use_bias=use_bias)
+
+
+def head_logits(cfg: ModelConfig, params: dict, x: jax.Array, use_bias: bool) -> jax.Array:
+    """The model's output head applied to its params from outside the model (the chunked loss): the same
+    modules as output_logits, so [..., T, H] -> [..., T, V] float32 logits of the same function."""
+    if cfg.tie_embeddings:
+        table = embed(cfg, nn.initializers.zeros_init())
+        logits = table.apply({"params": params["embed"]}, x, method=Embed.attend)  # x @ embedding.T
+    else:
+        logits = output_projection(cfg, use_bias).apply({"params": params["output"]}, x)
     return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
 

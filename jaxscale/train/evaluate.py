@@ -10,16 +10,16 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxscale.train.sharding import host_scalars
-from jaxscale.train.step import Batch, Metrics, make_model, next_token_loss
+from jaxscale.train.step import Batch, Metrics, make_loss_fn, make_model
 
 
 def make_eval_step(config: ml_collections.ConfigDict) -> Callable[[Any, Batch], Metrics]:
     """A jitted (params, batch) -> {"loss_sum", "correct", "tokens"} of the model in eval mode (no dropout)."""
-    model = make_model(config, train=False)
-    key = jax.random.PRNGKey(0)  # unused without dropout; next_token_loss takes one
+    model, loss_fn = make_model(config, train=False), make_loss_fn(config)
+    key = jax.random.PRNGKey(0)  # unused without dropout; the loss takes one
 
     def eval_step(params: Any, batch: Batch) -> Metrics:
-        _, metrics = next_token_loss(params, model.apply, batch, key)
+        _, metrics = loss_fn(params, model.apply, batch, key)
         return metrics
 
     return jax.jit(eval_step)

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.config import MESH_AXES, check_mesh_devices, mesh_shape
 from jaxscale.measure.params import removed_axis
-from jaxscale.train.step import Batch, TrainState, init_metrics, make_init_fn, make_train_step, train_step
+from jaxscale.train.step import Batch, TrainState, init_metrics, make_init_fn, make_train_step, step_options, train_step
 from jaxscale.train.step import abstract_inputs as unsharded_inputs
 
 # Logical axis name -> mesh axes, in order of precedence (Flax's logical_to_mesh_axes): a name takes its
@@ -179,12 +179,7 @@ def make_step(config: ml_collections.ConfigDict, layout: Layout | None) -> Any:
     layout, and tracing (`.lower`, a first call) inside `layout.activate()`."""
     if layout is None:
         return make_train_step(config)
-    step = functools.partial(
-        train_step,
-        num_minibatches=config.train.num_minibatches,
-        accumulate=config.train.accumulate,
-        grad_shardings=layout.state.params,
-    )
+    step = functools.partial(train_step, **step_options(config), grad_shardings=layout.state.params)
     shardings = (layout.state, layout.metrics, layout.batch)
     jitted = jax.jit(step, in_shardings=shardings, out_shardings=shardings[:2], donate_argnums=(0, 1))
     return MeshStep(jitted, layout)

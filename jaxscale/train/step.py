@@ -123,6 +123,60 @@ def next_token_loss(params: Any, apply_fn: Callable, batch: Batch, rng: jax.Arra
     return loss.mean(), metrics
 
 
+def chunked_next_token_loss(
+    params: Any,
+    apply_fn: Callable,
+    batch: Batch,
+    rng: jax.Array,
+    head_fn: Callable[[Any, jax.Array], jax.Array],
+    chunk_len: int,
+) -> tuple[jax.Array, Metrics]:
+    """next_token_loss with the output head and the loss computed over chunks of `chunk_len` positions.
+
+    The model runs up to its final norm; a lax.scan then takes each chunk of the sequence (every sequence
+    of the batch, so the batch's layout on a mesh is kept), computes its [B, C, V] float32 logits, their
+    log-softmax and cross-entropy, and sums them. Each chunk is under jax.checkpoint, so the backward pass
+    recomputes its logits instead of keeping them: no [B, T, V] array is ever alive, only one [B, C, V]
+    chunk (torchtitan's chunked loss, MaxText's vocabulary tiling). Same function as next_token_loss.
+    """
+    features = apply_fn({"params": params}, batch.inputs, features_only=True, rngs={"dropout": rng})  # [B, T, H]
+    rows, seq, hidden = features.shape
+    chunks = seq // chunk_len
+    # [n, B, C, ...]: chunk i holds positions i*C ... (i+1)*C - 1 of every sequence.
+    xs = features.reshape(rows, chunks, chunk_len, hidden).swapaxes(0, 1)
+    labels = batch.labels.reshape(rows, chunks, chunk_len).swapaxes(0, 1)
+
+    @jax.checkpoint  # keep nothing of a chunk: the backward pass recomputes its logits
+    def chunk_sums(params: Any, x: jax.Array, chunk_labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = head_fn(params, x)  # [B, C, V] float32
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, chunk_labels)  # [B, C]
+        correct = jnp.argmax(logits, axis=-1) == chunk_labels  # [B, C]
+        return loss.sum(), correct.sum().astype(jnp.float32)
+
+    def body(carry, chunk):
+        loss_sum, correct = chunk_sums(params, *chunk)
+        return (carry[0] + loss_sum, carry[1] + correct), None
+
+    zero = jnp.zeros((), jnp.float32)
+    with jax.named_scope("chunked_loss"):
+        (loss_sum, correct), _ = jax.lax.scan(body, (zero, zero), (xs, labels))
+    tokens = rows * seq
+    metrics = {"loss_sum": loss_sum, "correct": correct, "tokens": jnp.asarray(tokens, jnp.float32)}
+    return loss_sum / tokens, metrics
+
+
+LossFn = Callable[[Any, Callable, Batch, jax.Array], tuple[jax.Array, Metrics]]
+
+
+def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
+    """The step's loss: next_token_loss, or its chunked form when train.loss_chunk_len > 0."""
+    chunk_len = config.train.get("loss_chunk_len", 0)
+    if not chunk_len:
+        return next_token_loss
+    head_fn = models.head_fn(models.ModelConfig.from_config(config.model))
+    return functools.partial(chunked_next_token_loss, head_fn=head_fn, chunk_len=chunk_len)
+
+
 def _tree_add(a: Any, b: Any) -> Any:
     return jax.tree_util.tree_map(jnp.add, a, b)
 
@@ -198,6 +252,7 @@ def batch_gradients(
     num_minibatches: int,
     accumulate: str,
     grad_shardings: Any = None,
+    loss_fn: LossFn = next_token_loss,
 ) -> tuple[Any, Metrics]:
     """Gradients of the mean next-token loss over `batch` (accumulated over its minibatches) and the summed
     metrics: the train step's work before the optimizer.
@@ -210,7 +265,7 @@ def batch_gradients(
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
     def grad_fn(params, minibatch, minibatch_rng):
-        (_, step_metrics), grads = jax.value_and_grad(next_token_loss, has_aux=True)(
+        (_, step_metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, state.apply_fn, constrain_batch(minibatch), minibatch_rng
         )
         return constrain_grads(grads), step_metrics
@@ -225,22 +280,31 @@ def train_step(
     num_minibatches: int,
     accumulate: str,
     grad_shardings: Any = None,
+    loss_fn: LossFn = next_token_loss,
 ):
     """One optimizer step over `batch`; metrics are added to the running sums (no host sync).
 
-    `grad_shardings`: see batch_gradients (None off a mesh).
+    `grad_shardings`, `loss_fn`: see batch_gradients (None off a mesh; the whole-logits loss).
     """
     rng, step_rng = jax.random.split(state.rng)
     with jax.named_scope("accumulate"):
-        grads, step_metrics = batch_gradients(state, batch, step_rng, num_minibatches, accumulate, grad_shardings)
+        grads, step_metrics = batch_gradients(
+            state, batch, step_rng, num_minibatches, accumulate, grad_shardings, loss_fn
+        )
     with jax.named_scope("optimizer"):
         state = state.apply_gradients(grads=grads, rng=rng)
     return state, _tree_add(metrics, step_metrics)
 
 
+def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """train_step's keyword arguments that the config fixes: accumulation and the loss."""
+    return dict(
+        num_minibatches=config.train.num_minibatches,
+        accumulate=config.train.accumulate,
+        loss_fn=make_loss_fn(config),
+    )
+
+
 def make_train_step(config: ml_collections.ConfigDict) -> Callable:
     """The jitted step (state, metrics, batch) -> (state, metrics), with state and metrics donated."""
-    step = functools.partial(
-        train_step, num_minibatches=config.train.num_minibatches, accumulate=config.train.accumulate
-    )
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(functools.partial(train_step, **step_options(config)), donate_argnums=(0, 1))
