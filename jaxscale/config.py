@@ -46,7 +46,7 @@ FAMILIES = ("gpt", "llama")
 DTYPES = ("bfloat16", "float32", "float16")
 REMAT_TARGETS = ("MLP", "Attn", "Block")
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj")
-ATTENTION_IMPLS = ("reference", "xla", "cudnn")
+ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 DATA_SOURCES = ("synthetic", "text")
@@ -106,7 +106,9 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")
     c.model.remat_policy = "nothing_saveable"  # what remat keeps: one of REMAT_POLICIES
     c.model.scan_layers = False  # stack the blocks with nn.scan (one compiled body) or unroll them
-    c.model.attention = "reference"  # attention kernel: reference (einsum), xla or cudnn (jax.nn)
+    c.model.attention = "reference"  # reference (einsum), xla or cudnn (jax.nn), chunked or flash (docs/attention.md)
+    c.model.attention_block_q = 0  # flash: queries per block of the forward kernel, a power of two; 0: by head_dim
+    c.model.attention_block_k = 0  # flash, chunked: keys per block (flash: a power of two); 0: by head_dim / seq_len
 
     c.data = ml_collections.ConfigDict()
     c.data.batch_size = 64  # sequences per optimizer step (split into train.num_minibatches)
@@ -218,6 +220,51 @@ def _validate_family(m: ml_collections.ConfigDict) -> None:
     )
 
 
+# The flash forward kernel's shared memory, (block_q + 4 block_k) x head_dim padded to a power of two x bytes,
+# must fit an H100's 232,448 bytes; a block left 0 takes the default. Both rules are those of
+# jaxscale.model.flash_attention (forward_shared_memory, default_block; tests/model/test_attention.py keeps
+# the two in step).
+FLASH_SHARED_MEMORY = 232448
+
+
+def _flash_blocks(m: ml_collections.ConfigDict, seq_len: int) -> None:
+    """model.attention_block_q / _k of flash: powers of two dividing data.seq_len whose tiles fit."""
+    head_bytes = (1 << (m.head_dim - 1).bit_length()) * (4 if m.dtype == "float32" else 2)
+    powers = [1 << i for i in range(seq_len.bit_length()) if seq_len % (1 << i) == 0]
+    default = max(p for p in powers if p <= max(1, min(128, 32768 // head_bytes)))
+    for field in ("attention_block_q", "attention_block_k"):
+        block = m[field]
+        allowed = ", ".join(map(str, powers))
+        _check(block == 0 or block in powers, f"model.{field}", f"{block} must be a power of two dividing "
+               f"data.seq_len={seq_len} (Triton tiles); allowed: 0 (default) or {allowed}")  # fmt: skip
+    block_q, block_k = m.attention_block_q or default, m.attention_block_k or default
+    need = (block_q + 4 * block_k) * head_bytes
+    _check(need <= FLASH_SHARED_MEMORY, "model.attention_block_q" if m.attention_block_q else "model.attention_block_k",
+           f"blocks of {block_q} queries and {block_k} keys at model.head_dim={m.head_dim} ({m.dtype}) need "
+           f"{need:,} bytes of shared memory in the flash forward kernel, over an H100's {FLASH_SHARED_MEMORY:,}; "
+           f"use smaller blocks, or 0 for the default ({default})")  # fmt: skip
+
+
+def _validate_attention(m: ml_collections.ConfigDict, seq_len: int) -> None:
+    """The kernel and its block sizes: chunked's key block divides data.seq_len; flash's see _flash_blocks."""
+    _one_of(m.attention, ATTENTION_IMPLS, "model.attention")
+    if m.attention == "cudnn":
+        _check(
+            jax.default_backend() == "gpu",
+            "model.attention",
+            f"'cudnn' needs a CUDA GPU backend, this one is {jax.default_backend()}; allowed here: "
+            "reference, xla, chunked, flash (interpret mode)",
+        )
+    for field in ("attention_block_q", "attention_block_k"):
+        _non_negative_int(m[field], f"model.{field}")
+    if m.attention == "chunked" and m.attention_block_k:
+        _check(seq_len % m.attention_block_k == 0, "model.attention_block_k",
+               f"{m.attention_block_k} does not divide data.seq_len={seq_len}; allowed: 0 (default) or "
+               f"{_divisors(seq_len)}")  # fmt: skip
+    if m.attention == "flash":
+        _flash_blocks(m, seq_len)
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first field that the lab cannot run."""
     _positive(config, "model.vocab_size", "model.hidden_size", "model.head_dim", "model.num_layers")
@@ -242,13 +289,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for target in m.remat:
         _one_of(target, REMAT_TARGETS, "model.remat")
     _one_of(m.remat_policy, REMAT_POLICIES, "model.remat_policy")
-    _one_of(m.attention, ATTENTION_IMPLS, "model.attention")
-    if m.attention == "cudnn":
-        _check(
-            jax.default_backend() == "gpu",
-            "model.attention",
-            f"'cudnn' needs a CUDA GPU backend, this one is {jax.default_backend()}; allowed here: reference, xla",
-        )
+    _validate_attention(m, d.seq_len)
     _check(0.0 <= m.dropout_rate < 1.0, "model.dropout_rate", f"must be in [0, 1), got {m.dropout_rate}")
     _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")
     _validate_data_and_eval(d, t)
