@@ -45,7 +45,7 @@ FAMILIES = ("gpt", "llama")
 DTYPES = ("bfloat16", "float32", "float16")
 REMAT_TARGETS = ("MLP", "Attn", "Block")
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj")
-ATTENTION_IMPLS = ("reference", "xla", "cudnn")
+ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 DATA_SOURCES = ("synthetic", "text")
@@ -105,7 +105,9 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")
     c.model.remat_policy = "nothing_saveable"  # what remat keeps: one of REMAT_POLICIES
     c.model.scan_layers = False  # stack the blocks with nn.scan (one compiled body) or unroll them
-    c.model.attention = "reference"  # attention kernel: reference (einsum), xla or cudnn (jax.nn)
+    c.model.attention = "reference"  # reference (einsum), xla or cudnn (jax.nn), chunked or flash (docs/attention.md)
+    c.model.attention_block_q = 0  # flash: queries per block of the forward kernel, a power of two; 0: by head_dim
+    c.model.attention_block_k = 0  # flash, chunked: keys per block (flash: a power of two); 0: by head_dim / seq_len
 
     c.data = ml_collections.ConfigDict()
     c.data.batch_size = 64  # sequences per optimizer step (split into train.num_minibatches)

@@ -40,6 +40,8 @@ class ModelConfig:
     remat_policy: str = "nothing_saveable"
     scan_layers: bool = False
     attention: str = "reference"
+    attention_block_q: int = 0
+    attention_block_k: int = 0
     rope_theta: float = 10000.0
     norm_epsilon: float = 1e-6
     tie_embeddings: bool = False

@@ -7,6 +7,7 @@ import math
 import jax
 import ml_collections
 
+from jaxscale.config import kernel_blocks
 from jaxscale.config.defaults import (
     ACCUMULATE_METHODS,
     ATTENTION_IMPLS,
@@ -69,6 +70,48 @@ def _validate_family(m: ml_collections.ConfigDict) -> None:
     )
 
 
+def _flash_blocks(m: ml_collections.ConfigDict, seq_len: int) -> None:
+    """model.attention_block_q / _k of flash: powers of two dividing data.seq_len whose tiles fit the shared
+    memory of an H100 (kernel_blocks.forward_shared_memory); a block left 0 takes the default."""
+    itemsize = 4 if m.dtype == "float32" else 2
+    powers = [1 << i for i in range(seq_len.bit_length()) if seq_len % (1 << i) == 0]
+    default = kernel_blocks.default_block(m.head_dim, seq_len, itemsize)
+    for field in ("attention_block_q", "attention_block_k"):
+        block = m[field]
+        allowed = ", ".join(map(str, powers))
+        _check(block == 0 or block in powers, f"model.{field}", f"{block} must be a power of two dividing "
+               f"data.seq_len={seq_len} (Triton tiles); allowed: 0 (default) or {allowed}")  # fmt: skip
+    block_q, block_k = m.attention_block_q or default, m.attention_block_k or default
+    need, limit = (
+        kernel_blocks.forward_shared_memory(block_q, block_k, m.head_dim, itemsize),
+        kernel_blocks.SHARED_MEMORY_BYTES,
+    )
+    _check(need <= limit, "model.attention_block_q" if m.attention_block_q else "model.attention_block_k",
+           f"blocks of {block_q} queries and {block_k} keys at model.head_dim={m.head_dim} ({m.dtype}) need "
+           f"{need:,} bytes of shared memory in the flash forward kernel, over an H100's {limit:,}; "
+           f"use smaller blocks, or 0 for the default ({default})")  # fmt: skip
+
+
+def _validate_attention(m: ml_collections.ConfigDict, seq_len: int) -> None:
+    """The kernel and its block sizes: chunked's key block divides data.seq_len; flash's see _flash_blocks."""
+    _one_of(m.attention, ATTENTION_IMPLS, "model.attention")
+    if m.attention == "cudnn":
+        _check(
+            jax.default_backend() == "gpu",
+            "model.attention",
+            f"'cudnn' needs a CUDA GPU backend, this one is {jax.default_backend()}; allowed here: "
+            "reference, xla, chunked, flash (interpret mode)",
+        )
+    for field in ("attention_block_q", "attention_block_k"):
+        _non_negative_int(m[field], f"model.{field}")
+    if m.attention == "chunked" and m.attention_block_k:
+        _check(seq_len % m.attention_block_k == 0, "model.attention_block_k",
+               f"{m.attention_block_k} does not divide data.seq_len={seq_len}; allowed: 0 (default) or "
+               f"{_divisors(seq_len)}")  # fmt: skip
+    if m.attention == "flash":
+        _flash_blocks(m, seq_len)
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first field that the lab cannot run."""
     _positive(config, "model.vocab_size", "model.hidden_size", "model.head_dim", "model.num_layers")
@@ -93,13 +136,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for target in m.remat:
         _one_of(target, REMAT_TARGETS, "model.remat")
     _one_of(m.remat_policy, REMAT_POLICIES, "model.remat_policy")
-    _one_of(m.attention, ATTENTION_IMPLS, "model.attention")
-    if m.attention == "cudnn":
-        _check(
-            jax.default_backend() == "gpu",
-            "model.attention",
-            f"'cudnn' needs a CUDA GPU backend, this one is {jax.default_backend()}; allowed here: reference, xla",
-        )
+    _validate_attention(m, d.seq_len)
     _check(0.0 <= m.dropout_rate < 1.0, "model.dropout_rate", f"must be in [0, 1), got {m.dropout_rate}")
     _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")
     _validate_loss_chunk(t.loss_chunk_len, d.seq_len)

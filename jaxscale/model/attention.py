@@ -1,4 +1,6 @@
-"""Attention kernels shared by every family: the reference einsum (fp32 logits) and jax.nn's, both with GQA."""
+"""Attention kernels shared by every family, all with grouped-query attention: the reference einsum (fp32
+logits), jax.nn's (xla, cudnn), the chunked online-softmax loop (plain JAX, .chunked_attention) and the
+Pallas flash kernel (.flash_attention). docs/attention.md compares them."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.config.spec import ModelConfig
+from jaxscale.model.chunked_attention import chunked_attention, default_key_block
+from jaxscale.model.flash_attention import flash_attention
 
 
 def _masked(logits: jax.Array, causal: bool) -> jax.Array:
@@ -57,6 +61,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax
     """
     if cfg.attention == "reference":
         return reference_attention(q, k, v, cfg.causal, jnp.dtype(cfg.softmax_dtype))
+    if cfg.attention == "chunked":
+        return chunked_attention(q, k, v, cfg.causal, cfg.attention_block_k or default_key_block(k.shape[1]))
+    if cfg.attention == "flash":
+        return flash_attention(q, k, v, cfg.causal, cfg.attention_block_q, cfg.attention_block_k)
     # jax.nn.dot_product_attention computes its logits and softmax in float32 for bf16/fp16 inputs and takes
     # K/V with fewer heads than the query (grouped-query attention) as they are.
     return jax.nn.dot_product_attention(q, k, v, is_causal=cfg.causal, implementation=cfg.attention)
