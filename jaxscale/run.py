@@ -221,16 +221,18 @@ def execute(config, compiled, placement: sharding.Placement, run_dir: pathlib.Pa
 
     Raises RunError on a non-finite loss.
     """
-    state, evaluation = placement.init_state(), _evaluation(config, placement)
-    first, data_state, checkpoints = 0, None, None
+    evaluation = _evaluation(config, placement)
+    first, state, data_state, checkpoints = 0, None, None, None
     with contextlib.ExitStack() as cleanup:  # closed in reverse, also on errors and Ctrl-C
         if config.train.checkpoint_every:
             from jaxscale.train.checkpoint import Checkpoints  # orbax is imported only by runs that checkpoint
 
             checkpoints = Checkpoints(run_dir / "checkpoints", config)
             cleanup.callback(_close_checkpoints, checkpoints, row)
-            if checkpoints.latest_step() is not None:
-                first, state, data_state = checkpoints.restore(state)
+            if checkpoints.latest_step() is not None:  # meta checked first, then read into the abstract state
+                first, state, data_state = checkpoints.restore(placement.abstract_inputs()[0])
+        if state is None:  # a fresh run: the only state ever initialised
+            state = placement.init_state()
         row["resumed_from_step"] = first or None
         row.update(data.data_columns(config))
         source = data.make_source(config, placement, state=data_state)
@@ -247,6 +249,20 @@ def execute(config, compiled, placement: sharding.Placement, run_dir: pathlib.Pa
             _steps(config, loop, run_dir, row, bar)
         except FloatingPointError as error:
             raise RunError("nan", str(error)) from None
+
+
+def check_resume(config: ml_collections.ConfigDict, run_dir: pathlib.Path) -> None:
+    """The newest checkpoint in run_dir, if any, against this run's config and data (its meta alone is read).
+
+    Raises:
+      UsageError: one line naming the field the checkpoint was written with otherwise; nothing is written.
+    """
+    from jaxscale.train import checkpoint  # orbax is imported only by runs that checkpoint
+
+    try:
+        checkpoint.check_resume(run_dir / "checkpoints", config)
+    except checkpoint.CheckpointError as error:
+        raise UsageError(str(error)) from None
 
 
 def _close_checkpoints(checkpoints, row: dict) -> None:
@@ -470,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget = None if fv.device_memory is None else parse_bytes(fv.device_memory, "--device_memory")
         if config.data.source == "text" and not fv.plan:
             data.check(config)  # token files against the config, before anything is written
+        if config.train.checkpoint_every and not fv.plan:
+            check_resume(config, hosts.process_dir(run_dir))  # a checkpoint's meta, before anything is written
     except (UsageError, data.DataError) as error:
         return fail(str(error))
     if config.preset_source != "given":

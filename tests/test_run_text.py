@@ -10,6 +10,7 @@ import math
 import pathlib
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from conftest import text_config
@@ -18,6 +19,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from jaxscale import run
 from jaxscale.data import TextSource, prepare_tokens, read
+from jaxscale.train import sharding
+from jaxscale.train.checkpoint import Checkpoints
 
 
 def unigram_entropy(directory: pathlib.Path, split: str = "validation") -> float:
@@ -91,6 +94,11 @@ def test_a_stopped_run_resumes_from_its_last_checkpoint_on_the_same_loss_curve(p
     with pytest.raises(KeyboardInterrupt):
         _execute(config, compiled, placement, tmp_path / "stopped")
     monkeypatch.setattr(TextSource, "next_batch", original)
+
+    def no_init(self):  # a resume reads the checkpoint into the abstract state: no state is initialised first
+        raise AssertionError("a state was initialised on resume")
+
+    monkeypatch.setattr(sharding.Placement, "init_state", no_init)
     resumed = _execute(config, compiled, placement, tmp_path / "stopped")
     assert resumed["resumed_from_step"] == 6 and resumed["checkpoint_steps"] == [9]
     assert resumed["loss_first"] is None and full["loss_first"] == full["loss_all"][0]
@@ -134,6 +142,48 @@ def test_bad_data_is_one_line_with_exit_2_and_nothing_written(tmp_path, pydoc_by
         assert code == 2, (args[-2:], err[-300:])
         assert err.startswith("jaxscale: error: ") and "\n" not in err and message in err, (message, err)
         assert not output.exists()
+
+
+def _files(directory: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_with_another_shape_or_other_data_is_one_line_with_exit_2(tmp_path, pydoc_bytes, capsys, monkeypatch):
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    config = text_config("bf16", "tiny", pydoc_bytes, checkpoint_every=1)
+    checkpoints = tmp_path / "output" / "traces" / "stopped" / "checkpoints"
+    saver = Checkpoints(checkpoints, config)  # as a run stopped after step 2 leaves it
+    saver.save(2, jax.jit(sharding.placement(config).init_fn)(), {"grain": {"next_index": 2}})
+    saver.close()
+    before = _files(checkpoints.parent)
+    other_data = tmp_path / "other_data"  # the same sizes, another source text
+    shutil.copytree(pydoc_bytes, other_data)
+    raw = json.loads((other_data / "manifest.json").read_text())
+    raw["sources"][0]["sha256"] = "0" * 64
+    (other_data / "manifest.json").write_text(json.dumps(raw))
+    text = [
+        "--config",
+        "configs/bf16.py:tiny",
+        "--config.data.source=text",
+        "--config.model.vocab_size=256",
+        "--config.train.checkpoint_every=1",
+        "--output_root",
+        str(tmp_path / "output"),
+        "--name",
+        "stopped",
+    ]
+    cases = [
+        ([f"--config.data.path={pydoc_bytes}", "--config.model.hidden_size=128"],
+         "model.hidden_size: {where} was written with model.hidden_size=64, this run has 128; resume with the same"),
+        ([f"--config.data.path={other_data}"], f"data.path: {other_data} holds other token files than {{where}} was"),
+    ]  # fmt: skip
+    for args, message in cases:
+        code = run.main(["jaxscale.run", *text, *args])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, err[-2000:]
+        assert err.startswith(f"jaxscale: error: {message.format(where=checkpoints / '2')}"), err
+        assert "\n" not in err and "Traceback" not in err
+        assert _files(checkpoints.parent) == before  # the checkpoint untouched, no result.json, nothing added
 
 
 @pytest.mark.slow

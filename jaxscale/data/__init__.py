@@ -4,21 +4,24 @@
 with `data.source=text` and `data.path=DIR` trains on them through `make_source`.
 """
 
+from jaxscale.data.batch import Batch, make_batch, windows_to_batch
 from jaxscale.data.manifest import DataError, Manifest, read
 from jaxscale.data.prepare import prepare_tokens
 from jaxscale.data.source import (
+    BatchPlacement,
     DataSource,
     SyntheticSource,
     TextSource,
     check,
     data_columns,
     make_source,
-    place_batch,
     validation_batches,
 )
 from jaxscale.data.stats import unigram_entropy_nats
 
 __all__ = [
+    "Batch",
+    "BatchPlacement",
     "DataError",
     "DataSource",
     "Manifest",
@@ -26,10 +29,11 @@ __all__ = [
     "TextSource",
     "check",
     "data_columns",
+    "make_batch",
     "make_source",
-    "place_batch",
     "prepare_tokens",
     "read",
     "unigram_entropy_nats",
     "validation_batches",
+    "windows_to_batch",
 ]

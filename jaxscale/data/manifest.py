@@ -13,6 +13,7 @@ DIR/tokenizer.json       the trained BPE tokenizer (Hugging Face `tokenizers`), 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 
@@ -56,6 +57,25 @@ class Manifest:
 
     def split(self, name: str) -> Split:
         return self.splits[name]
+
+    @property
+    def digest(self) -> str:
+        """sha256 (hex) of what fixes the tokens: the manifest (its sources' sha256, tokenizer, vocabulary, dtype,
+        split sizes, validation fraction) and, for bpe, the tokenizer file's bytes.
+
+        Left out: `created_at` and the sources' paths, so the same text prepared again elsewhere has the same
+        digest. The token files themselves are not hashed (a checkpointed run compares this at every resume).
+        """
+        content = {key: value for key, value in self.raw.items() if key != "created_at"}
+        sources = content.get("sources")
+        if isinstance(sources, list):
+            content["sources"] = [{k: v for k, v in s.items() if k != "path"} if isinstance(s, dict) else s
+                                  for s in sources]  # fmt: skip
+        digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode())
+        tokenizer_file = self.raw.get("tokenizer_file")
+        if isinstance(tokenizer_file, str) and (self.directory / tokenizer_file).is_file():
+            digest.update((self.directory / tokenizer_file).read_bytes())
+        return digest.hexdigest()
 
 
 def dtype_for(vocab_size: int) -> str:

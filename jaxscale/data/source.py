@@ -1,7 +1,8 @@
 """Where a run's batches come from: one interface for the synthetic batch and for text through grain.
 
 A data source hands the train step its next batch already on the device, and says how long the step waited
-for it. `place_batch` is the one place a host batch goes to the device(s). TextSource prefetches: a background
+for it. Sources make host batches; the run's placement (`BatchPlacement`: jaxscale.train.sharding.Placement,
+whose `place_batch` is the one place a batch goes to the device(s)) puts them there. TextSource prefetches: a background
 thread takes batches from the grain iterator and places them on the device `data.prefetch` steps ahead
 (double buffering at 1, the default 2), so host work overlaps the device's step; with prefetch 0 the step
 waits for all of its batch's preparation. The wait is a `jax.profiler.TraceAnnotation("input_wait")` in a trace.
@@ -19,11 +20,20 @@ import ml_collections
 import numpy as np
 
 from jaxscale.data import manifest, stats
+from jaxscale.data.batch import Batch, make_batch, windows_to_batch
 from jaxscale.data.manifest import DataError
-from jaxscale.train.sharding import Placement
-from jaxscale.train.step import Batch, make_batch
 
 WAIT_ANNOTATION = "input_wait"
+
+
+class BatchPlacement(Protocol):
+    """Where batches go: the run's jaxscale.train.sharding.Placement (one device, or split over a mesh)."""
+
+    def place_batch(self, batch: Batch) -> Batch:
+        """A global host batch (every process holds all of it) on the device(s)."""
+
+    def place_share(self, share: Batch) -> Batch:
+        """This process's share of a global batch (the text loader's rows) on the device(s)."""
 
 
 class DataSource(Protocol):
@@ -39,38 +49,17 @@ class DataSource(Protocol):
         """Stops background threads and worker processes."""
 
 
-def place_batch(host_batch: Batch, sharding: jax.sharding.Sharding | None = None) -> Batch:
-    """Puts a batch (numpy or jax arrays [batch, seq]) on the device(s); the one place batches are placed.
-
-    Args:
-      host_batch: this process's batch; with several processes, its share of the global batch.
-      sharding: the batch's sharding on a mesh (None: the default device). With several processes, each
-        feeds its own share and the global array is assembled with make_array_from_process_local_data.
-    """
-    if sharding is None:
-        return jax.device_put(host_batch)
-    if jax.process_count() > 1:
-        return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, x), host_batch)
-    return jax.device_put(host_batch, sharding)
-
-
-def windows_to_batch(windows: np.ndarray) -> Batch:
-    """[B, T + 1] token ids -> Batch(inputs=[B, T] the first T, labels=[B, T] the last T), int32 on the host."""
-    windows = np.asarray(windows, dtype=np.int32)  # a fresh array: grain's shared memory is not kept alive
-    return Batch(inputs=windows[:, :-1], labels=windows[:, 1:])
-
-
 class SyntheticSource:
     """The reference's data: one batch of random tokens, made on the device once and used for every step.
 
-    Every process makes the same global batch from the seed; `placement` (jaxscale.train.sharding) puts it
-    where the step takes it: as is on one device, each process's rows on a mesh.
+    Every process makes the same global batch from the seed; `placement` puts it where the step takes it:
+    on the device, or each process's rows on a mesh.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, placement: Placement | None = None):
+    def __init__(self, config: ml_collections.ConfigDict, placement: BatchPlacement):
         d = config.data
         batch = make_batch(jax.random.PRNGKey(d.seed), d.batch_size, d.seq_len, config.model.vocab_size)
-        self._batch = batch if placement is None else placement.place_batch(batch)
+        self._batch = placement.place_batch(batch)
 
     def next_batch(self) -> tuple[Batch, float]:
         start = time.perf_counter()
@@ -93,12 +82,12 @@ class _Failed:
 class TextSource:
     """Random windows of a prepared text split through grain, prefetched onto the device by a thread."""
 
-    def __init__(self, config: ml_collections.ConfigDict, sharding=None, state: dict | None = None):
+    def __init__(self, config: ml_collections.ConfigDict, placement: BatchPlacement, state: dict | None = None):
         from jaxscale.data import loader  # grain is imported only by runs on text
 
         d = config.data
         split = check(config).split("train")
-        self._sharding = sharding
+        self._placement = placement
         if d.batch_size % jax.process_count():
             raise DataError(f"data.batch_size: {d.batch_size} is not divisible by the {jax.process_count()} processes")
         dataset = loader.batches(split, d.batch_size, d.seq_len, d.seed, d.host_delay_s,
@@ -115,7 +104,7 @@ class TextSource:
             self._thread.start()
 
     def _produce(self) -> tuple[Batch, dict]:
-        batch = place_batch(windows_to_batch(next(self._iterator)), self._sharding)
+        batch = self._placement.place_share(windows_to_batch(next(self._iterator)))
         return jax.block_until_ready(batch), self._iterator.get_state()
 
     def _put(self, item: object) -> None:
@@ -184,7 +173,7 @@ def check(config: ml_collections.ConfigDict) -> manifest.Manifest:
     return found
 
 
-def validation_batches(config: ml_collections.ConfigDict, placement: Placement | None = None) -> list[Batch]:
+def validation_batches(config: ml_collections.ConfigDict, placement: BatchPlacement) -> list[Batch]:
     """Fixed held-out batches: train.eval_batches x data.batch_size windows, evenly spaced over the split.
 
     Each batch has the rows of one minibatch (batch_size / num_minibatches), so evaluation needs no more
@@ -198,10 +187,7 @@ def validation_batches(config: ml_collections.ConfigDict, placement: Placement |
     starts = np.linspace(0, split.tokens - d.seq_len - 1, count).round().astype(np.int64)  # [count]
     windows = np.stack([tokens[s : s + d.seq_len + 1] for s in starts])  # [count, T + 1]
     rows = d.batch_size // t.num_minibatches
-    batches = [windows_to_batch(windows[i : i + rows]) for i in range(0, count, rows)]
-    if placement is None or placement.layout is None:
-        return [place_batch(batch) for batch in batches]
-    return [placement.place_batch(batch) for batch in batches]
+    return [placement.place_batch(windows_to_batch(windows[i : i + rows])) for i in range(0, count, rows)]
 
 
 def data_columns(config: ml_collections.ConfigDict) -> dict:
@@ -218,14 +204,12 @@ def data_columns(config: ml_collections.ConfigDict) -> dict:
     }
 
 
-def make_source(
-    config: ml_collections.ConfigDict, placement: Placement | None = None, state: dict | None = None
-) -> DataSource:
+def make_source(config: ml_collections.ConfigDict, placement: BatchPlacement, state: dict | None = None) -> DataSource:
     """The data source of `config.data.source`, resumed at `state` (from DataSource.state()) when given.
 
-    `placement` (jaxscale.train.sharding.placement) says where batches go: one device, or split over a mesh
-    (the text loader gives each process its own rows, placed with the mesh's batch sharding).
+    `placement` (jaxscale.train.sharding.placement(config)) says where batches go: one device, or split over a
+    mesh (the text loader gives each process its own rows, placed as its share of the global batch).
     """
     if config.data.source == "text":
-        return TextSource(config, None if placement is None else placement.batch_sharding, state)
+        return TextSource(config, placement, state)
     return SyntheticSource(config, placement)

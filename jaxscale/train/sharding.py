@@ -243,19 +243,26 @@ def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
     return slice(first, last)
 
 
-def place_batch(batch: Batch, layout: Layout) -> Batch:
-    """A host batch (the global [batch, seq] tokens, numpy or jax) as global arrays split over the mesh.
+def place_batch(batch: Batch, sharding: NamedSharding | None = None, *, share: bool = False) -> Batch:
+    """A host batch ([batch, seq] arrays, numpy or jax) on the device(s): the one place batches are placed.
 
-    Each process passes only its own rows to `jax.make_array_from_process_local_data` (`process_rows`), so
-    on several hosts every process feeds its share of the global batch and nothing else.
+    Args:
+      batch: the global batch, of which each process passes only its own rows (`process_rows`) to
+        `jax.make_array_from_process_local_data`; or, with `share`, this process's share alone (its rows, as
+        the text loader yields them), from which the global array is assembled across processes.
+      sharding: the batch's sharding on a mesh (`Layout.batch.inputs`); None: the default device.
     """
+    if sharding is None:
+        return jax.device_put(batch)
 
-    def place(host: Any, sharding: NamedSharding) -> jax.Array:
+    def place(host: Any) -> jax.Array:
         host = np.asarray(host)
+        if share:
+            return jax.make_array_from_process_local_data(sharding, host)
         local = host[process_rows(sharding, host.shape[0])]
         return jax.make_array_from_process_local_data(sharding, local, host.shape)
 
-    return jax.tree_util.tree_map(place, batch, layout.batch)
+    return jax.tree_util.tree_map(place, batch)
 
 
 def state_bytes_per_device(abstract_state: Any) -> dict[str, int]:
@@ -279,7 +286,7 @@ def state_bytes_per_device(abstract_state: Any) -> dict[str, int]:
 class Placement:
     """How one run's train step is compiled and fed: on one device (layout None, the program of old) or on a
     mesh. The run asks it for the step, its abstract inputs, the initial state, and places every batch
-    through `place_batch`, so the run's code is the same for both.
+    through `place_batch` (the data sources are handed it), so the run's code is the same for both.
     """
 
     config: ml_collections.ConfigDict
@@ -305,8 +312,12 @@ class Placement:
         return metrics if self.layout is None else place_metrics(metrics, self.layout)
 
     def place_batch(self, batch: Batch) -> Batch:
-        """A global host batch where the step takes it: as is on one device, split over the mesh otherwise."""
-        return batch if self.layout is None else place_batch(batch, self.layout)
+        """A global host batch where the step takes it: on the default device, or split over the mesh."""
+        return place_batch(batch, self.batch_sharding)
+
+    def place_share(self, share: Batch) -> Batch:
+        """This process's share of a global batch (the text loader's rows) where the step takes it."""
+        return place_batch(share, self.batch_sharding, share=True)
 
     @property
     def batch_sharding(self) -> NamedSharding | None:

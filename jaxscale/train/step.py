@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -15,6 +14,8 @@ import optax
 from flax.training import train_state
 
 from jaxscale import model as models
+from jaxscale.data.batch import Batch as Batch  # the batch type is the data package's; re-exported
+from jaxscale.data.batch import make_batch as make_batch  # as train.Batch and train.make_batch
 
 Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 scalars, summed
 
@@ -23,21 +24,6 @@ class TrainState(train_state.TrainState):
     """Params, optimizer state and step (from Flax) plus the RNG key that dropout draws from."""
 
     rng: jax.Array
-
-
-@flax.struct.dataclass
-class Batch:
-    """inputs: [batch, seq] tokens shifted right by one with 0 in front; labels: [batch, seq] tokens."""
-
-    inputs: jax.Array
-    labels: jax.Array
-
-
-def make_batch(key: jax.Array, batch_size: int, seq_len: int, vocab_size: int) -> Batch:
-    """Random tokens as data, as in the reference: the model learns next-token prediction on them."""
-    tokens = jax.random.randint(key, (batch_size, seq_len), 1, vocab_size)  # [B, T]
-    inputs = jnp.pad(tokens[:, :-1], ((0, 0), (1, 0)))  # [B, T]: 0, t_0, ..., t_{T-2}
-    return Batch(inputs=inputs, labels=tokens)
 
 
 def batch_shape(config: ml_collections.ConfigDict) -> Batch:

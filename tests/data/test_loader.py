@@ -43,7 +43,7 @@ def test_worker_processes_give_the_same_batches_and_their_state_resumes(tmp_path
     try:
         seen = _take(workers, 5)
         state = workers.get_state()
-        resumed = loader.iterate(dataset, 2, 2)
+        resumed = loader.iterate(dataset, 2, 3)  # another buffer (data.prefetch): the state counts batches handed out
         try:
             resumed.set_state(state)
             seen += _take(resumed, 3)
@@ -68,3 +68,15 @@ def test_each_process_reads_its_own_share_of_every_batch(tmp_path):
     assert all(share.shape == (2, 17) for per_process in shares for share in per_process)
     for step in range(2):  # the processes' shares of a step are, together, the single process's batch
         np.testing.assert_array_equal(np.concatenate([shares[0][step], shares[1][step]]), single[step])
+
+
+def test_a_position_means_the_same_batch_for_any_process_count(tmp_path):
+    # Why the process count is not among a checkpoint's fields: process p's slice index j is global batch j.
+    split = read(write_counting_tokens(tmp_path / "d", train=1000)).split("train")
+    single = _take(loader.iterate(loader.batches(split, 4, 16, seed=3), 0, 0), 5)
+    first = loader.iterate(loader.batches(split, 4, 16, seed=3, process_index=0, process_count=2), 0, 0)
+    _take(first, 3)
+    resumed = loader.iterate(loader.batches(split, 4, 16, seed=3), 0, 0)
+    resumed.set_state(first.get_state())  # process 0's position after 3 steps on 2 processes, resumed on 1
+    for step, batch in enumerate(_take(resumed, 2), start=3):
+        np.testing.assert_array_equal(batch, single[step])

@@ -42,6 +42,26 @@ def test_bpe_tokenizer_is_trained_here_and_decodes_back(pydoc_text, tmp_path):
     assert len(bpe.decode(train[:2000].tolist())) > 2000
 
 
+def test_the_digest_names_the_data_not_where_or_when_it_was_prepared(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 40)
+    first = prepare_tokens([text], tmp_path / "first", progress=False)
+    moved = tmp_path / "elsewhere" / "a.txt"
+    moved.parent.mkdir()
+    moved.write_bytes(text.read_bytes())
+    again = prepare_tokens([moved], tmp_path / "again", progress=False)  # another path, maybe another second
+    raw = json.loads((again.directory / "manifest.json").read_text())
+    raw["created_at"] = "1999-01-01T00:00:00"
+    (again.directory / "manifest.json").write_text(json.dumps(raw))
+    assert len(first.digest) == 64 and read(again.directory).digest == first.digest
+    text.write_text("The quick brown fox jumps over the lazy cat.\n" * 40)  # same size, other bytes
+    assert prepare_tokens([text], tmp_path / "other", progress=False).digest != first.digest
+    bpe = prepare_tokens([moved], tmp_path / "bpe", kind="bpe", vocab_size=260, progress=False).digest
+    with open(tmp_path / "bpe" / "tokenizer.json", "a") as handle:
+        handle.write(" ")  # the tokenizer file is part of the data
+    assert read(tmp_path / "bpe").digest != bpe != first.digest
+
+
 def test_folders_are_searched_for_text_files_and_files_are_joined_in_order(tmp_path):
     folder = tmp_path / "corpus"
     (folder / "sub").mkdir(parents=True)

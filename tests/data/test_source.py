@@ -4,14 +4,20 @@ config with errors that name the field."""
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import jax
 import numpy as np
 import pytest
 from conftest import load_config, text_config, write_counting_tokens
 
+import jaxscale.data
+import jaxscale.data.source
 from jaxscale import train
-from jaxscale.data import DataError, check, make_source, place_batch, read, validation_batches
-from jaxscale.data.source import SyntheticSource, TextSource, windows_to_batch
+from jaxscale.data import Batch, DataError, check, make_batch, make_source, read, validation_batches, windows_to_batch
+from jaxscale.data.source import SyntheticSource, TextSource
+from jaxscale.train.sharding import place_batch, placement
 
 
 def _counting_config(tmp_path, **data_fields):
@@ -31,7 +37,7 @@ def _take(source, count: int) -> list[np.ndarray]:
 
 def test_synthetic_source_hands_out_the_reference_batch_every_step():
     config = load_config("bf16", "tiny")
-    source = make_source(config)
+    source = make_source(config, placement(config))
     expected = train.make_batch(jax.random.PRNGKey(config.data.seed), 8, 32, config.model.vocab_size)
     for _ in range(2):
         batch, _ = source.next_batch()
@@ -53,7 +59,25 @@ def test_place_batch_puts_the_batch_on_the_device_or_its_sharding():
     assert isinstance(placed.inputs, jax.Array) and placed.inputs.devices() == {jax.devices()[0]}
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    assert place_batch(host, sharding).labels.sharding == sharding
+    for share in (False, True):  # one process: the global batch and its share are the same rows
+        placed = place_batch(host, sharding, share=share)
+        assert placed.labels.sharding == sharding
+        np.testing.assert_array_equal(placed.labels, host.labels)
+
+
+def test_the_data_package_makes_batches_and_leaves_their_placement_to_train():
+    # One concern in one place: the Batch type lives in data (train re-exports it), placement in train.sharding.
+    assert train.Batch is Batch and train.make_batch is make_batch
+    package = pathlib.Path(jaxscale.data.__file__).parent
+    imported = [
+        name
+        for path in package.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        for name in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        + ([alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+    ]
+    assert [m for m in imported if m.startswith("jaxscale.train")] == []
+    assert not any(hasattr(module, "place_batch") for module in (jaxscale.data, jaxscale.data.source))
 
 
 def test_place_batch_assembles_the_global_batch_from_each_process_share(monkeypatch):
@@ -62,7 +86,7 @@ def test_place_batch_assembles_the_global_batch_from_each_process_share(monkeypa
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    placed = place_batch(host, sharding)
+    placed = place_batch(host, sharding, share=True)
     assert placed.inputs.sharding == sharding
     np.testing.assert_array_equal(placed.inputs, host.inputs)
 
@@ -70,14 +94,15 @@ def test_place_batch_assembles_the_global_batch_from_each_process_share(monkeypa
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_text_batches_do_not_depend_on_prefetch_and_resume_from_a_saved_position(tmp_path, prefetch):
     config = _counting_config(tmp_path, prefetch=prefetch)
-    reference = TextSource(_counting_config(tmp_path / "ref", prefetch=0))
+    reference_config = _counting_config(tmp_path / "ref", prefetch=0)
+    reference = TextSource(reference_config, placement(reference_config))
     expected = _take(reference, 7)
     reference.close()
-    source = TextSource(config)
+    source = TextSource(config, placement(config))
     seen = _take(source, 4)
     position = source.state()  # the prefetch thread has read further ahead; the position is the 4th batch's
     source.close()
-    resumed = TextSource(config, state=position)
+    resumed = TextSource(config, placement(config), state=position)
     seen += _take(resumed, 3)
     resumed.close()
     for batch, want in zip(seen, expected, strict=True):
@@ -89,13 +114,13 @@ def test_text_batches_do_not_depend_on_prefetch_and_resume_from_a_saved_position
 def test_validation_batches_are_fixed_minibatch_sized_windows(tmp_path):
     config = _counting_config(tmp_path)
     config.train.eval_every, config.train.eval_batches = 5, 2
-    batches = validation_batches(config)
+    batches = validation_batches(config, placement(config))
     rows = config.data.batch_size // config.train.num_minibatches
     assert len(batches) == 2 * config.train.num_minibatches
     assert all(b.inputs.shape == (rows, config.data.seq_len) for b in batches)
     starts = np.concatenate([np.asarray(b.inputs)[:, 0] for b in batches])
     assert starts[0] == 0 and starts[-1] == 200 - config.data.seq_len - 1  # evenly spread over the split
-    again = validation_batches(config)
+    again = validation_batches(config, placement(config))
     assert all((np.asarray(a.labels) == np.asarray(b.labels)).all() for a, b in zip(batches, again, strict=True))
 
 
