@@ -123,7 +123,7 @@ def _reference_step(preset: str):
     "attention,blocks",
     [
         ("chunked", {"attention_block_k": 8}),
-        ("chunked", {}),
+        pytest.param("chunked", {}, marks=pytest.mark.slow),  # the default key block: tested on the kernel
         ("flash", {"attention_block_q": 16, "attention_block_k": 16}),
     ],
 )
