@@ -125,10 +125,6 @@ def group_size(attributes: str, num_partitions: int) -> int:
     return max(sizes) if sizes and max(sizes) > 0 else num_partitions
 
 
-def _operand_bytes(instruction: hlo.Instruction, computation: dict[str, hlo.Instruction]) -> int:
-    return sum(hlo.shape_bytes(computation[o].shape) for o in instruction.operands if o in computation)
-
-
 def _wrapped(instruction: hlo.Instruction, module: hlo.Module) -> tuple[hlo.Instruction, dict] | None:
     """The collective an async-start or a fusion runs (its computation's root, else the last collective
     there; XLA wraps one collective per async computation), with that computation; else None."""
@@ -155,7 +151,7 @@ def launched(step: hlo.Executed, module: hlo.Module) -> Collective | None:
     base = opcode.removesuffix("-start")
     if base not in _KIND_OF:
         return None
-    operands = _operand_bytes(instruction, computation)
+    operands = hlo.operand_bytes(instruction, computation)
     result = hlo.shape_bytes(instruction.shape)
     if opcode.endswith("-start"):  # the -done's shape is the result; the -start's tuple also holds the operands
         done = next((i for i in computation.values() if i.opcode == f"{base}-done" and instruction.name in i.operands),

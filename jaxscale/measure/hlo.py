@@ -155,6 +155,11 @@ def shape_bytes(shape: str) -> int:
     return sum(DTYPE_BYTES[dtype] * math.prod(d) for dtype, d in arrays(shape))
 
 
+def operand_bytes(instruction: Instruction, computation: dict[str, Instruction]) -> int:
+    """Bytes of an instruction's operands that its computation defines (each operand's whole shape)."""
+    return sum(shape_bytes(computation[o].shape) for o in instruction.operands if o in computation)
+
+
 def element_type(shape: str) -> str:
     """The element type of an array shape, or of a tuple's first array ('' when there is none)."""
     found = arrays(shape)

@@ -174,10 +174,6 @@ def _dots(fused: dict[str, hlo.Instruction]) -> list[hlo.Instruction]:
     return [i for i in fused.values() if i.opcode == "dot"]
 
 
-def _operand_bytes(instruction: hlo.Instruction, computation: dict[str, hlo.Instruction]) -> int:
-    return sum(hlo.shape_bytes(computation[o].shape) for o in instruction.operands if o in computation)
-
-
 def _gemm_kernel(dot: hlo.Instruction, holder: dict[str, hlo.Instruction], **fields) -> Kernel:
     """A GEMM kernel from its dot (or cuBLAS call) and the computation holding the dot's operands."""
     return Kernel(
@@ -207,7 +203,7 @@ def _custom_call(instruction: hlo.Instruction, computation: dict, **fields) -> K
         for t, d in hlo.arrays(instruction.shape)
         if t != "s8" or not hlo.is_matmul(instruction)
     )
-    read = _operand_bytes(instruction, computation)
+    read = hlo.operand_bytes(instruction, computation)
     if hlo.is_matmul(instruction):
         return _gemm_kernel(instruction, computation, detail=target, bytes_read=read, bytes_written=written, **fields)
     return Kernel(category="fusion", detail=target, flops=0.0, flop_dtype="vector", bytes_read=read,
@@ -242,13 +238,13 @@ def _plain(instruction: hlo.Instruction, computation: dict, **fields) -> Kernel:
         return Kernel(category="dynamic_update_slice", detail=op, flops=0.0, flop_dtype="vector",
                       bytes_read=update, bytes_written=update, **fields)  # fmt: skip
     if hlo.is_matmul(instruction):
-        read = _operand_bytes(instruction, computation)
+        read = hlo.operand_bytes(instruction, computation)
         return _gemm_kernel(instruction, computation, detail=op, bytes_read=read, bytes_written=out, **fields)
     flops = vector_flops(
         {instruction.name: instruction, **{o: computation[o] for o in instruction.operands if o in computation}}
     )
     return Kernel(category="fusion", detail=op, flops=flops, flop_dtype="vector",
-                  bytes_read=_operand_bytes(instruction, computation), bytes_written=out, **fields)  # fmt: skip
+                  bytes_read=hlo.operand_bytes(instruction, computation), bytes_written=out, **fields)  # fmt: skip
 
 
 def kernels(hlo_text: str) -> list[Kernel]:

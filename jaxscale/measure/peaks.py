@@ -110,18 +110,50 @@ def peak_flops(device_kind: str, dtype: str, precision: str | None = None) -> tu
     return value, peak.source if value is not None else f"{peak.source}; no figure for {dtype}"
 
 
+MAX_AGE_S = 7 * 24 * 3600  # a cached CPU roofline older than a week is measured again
+STALE_MARGIN = 1.10  # a new measurement of the same matmul 10% faster than the cached one: the cache is stale
+
+
 def cache_path() -> pathlib.Path:
     """JSON cache of measured CPU rooflines: $JAXSCALE_CACHE_DIR or ~/.cache/jaxscale, file peak_flops.json."""
     root = os.environ.get("JAXSCALE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "jaxscale"
     return pathlib.Path(root) / "peak_flops.json"
 
 
+def cpu_name() -> str:
+    """The CPU a roofline is measured on: its model (/proc/cpuinfo's first `model name`, else what `platform`
+    reports) and the cores this process may run on (its affinity, which a container or taskset narrows)."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores"
+
+
 def _machine_key(dtype: str, size: int) -> str:
     device = jax.devices()[0]
-    return "|".join(
-        (platform.node(), platform.processor() or platform.machine(), str(os.cpu_count()), device.device_kind)
-        + (f"jax {jax.__version__}", dtype, f"n={size}")
-    )
+    return "|".join((platform.node(), cpu_name(), device.device_kind, f"jax {jax.__version__}", dtype, f"n={size}"))
+
+
+def _read_cache() -> dict:
+    path = cache_path()
+    try:
+        cache = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):  # unreadable or half-written: measure again rather than fail a run
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _fresh(entry: dict | None, field: str) -> bool:
+    """A cached measurement that holds `field` and is younger than MAX_AGE_S (an entry without its time is old)."""
+    if not isinstance(entry, dict) or field not in entry:
+        return False
+    age = time.time() - float(entry.get("measured_unix", 0))
+    return 0 <= age < MAX_AGE_S
 
 
 def measure_matmul_flops(dtype: str, size: int = 2048, repeats: int = 5) -> float:
@@ -142,29 +174,48 @@ def measure_matmul_flops(dtype: str, size: int = 2048, repeats: int = 5) -> floa
     return 2.0 * size**3 / best
 
 
-def measured_peak(dtype: str, size: int = 2048, refresh: bool = False) -> tuple[float, str]:
-    """This machine's matmul roofline for `dtype`, measured once and cached per machine (see cache_path).
+def matmul_source(dtype: str, size: int, when: str) -> str:
+    """Where a measured matmul roofline comes from (the row's peak_flops_source, predicted_roofline_source)."""
+    return f"measured: jitted {size}x{size} {dtype} matmul, best of >=5 runs, {when}"
 
-    Args:
-      dtype: the run's compute dtype name.
-      size: matrix side of the measured matmul.
-      refresh: measure again and overwrite the cached value.
+
+def measured_peak(dtype: str, size: int = 2048, refresh: bool = False) -> tuple[float, str]:
+    """This machine's matmul roofline for `dtype`: cached per machine and CPU (see cache_path, cpu_name),
+    measured again when the cached one is older than MAX_AGE_S, or when `refresh`.
 
     Returns:
-      (FLOP/s, source) where source names the measurement and when it was taken.
+      (FLOP/s, source) where source names the measurement, its CPU and when it was taken.
     """
-    path, key = cache_path(), _machine_key(dtype, size)
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    if refresh or key not in cache:
-        cache = store_peak(dtype, size, measure_matmul_flops(dtype, size))
-    entry = cache[key]
-    source = f"measured: jitted {size}x{size} {dtype} matmul, best of >=5 runs, {entry['measured_at']} (cache {path})"
-    return float(entry["flops_per_s"]), source
+    key = _machine_key(dtype, size)
+    entry = _read_cache().get(key)
+    if refresh or not _fresh(entry, "flops_per_s"):
+        entry = _store(key, {"flops_per_s": measure_matmul_flops(dtype, size)})
+    when = f"{entry['measured_at']} on {entry.get('cpu', cpu_name())} (cache {cache_path()})"
+    return float(entry["flops_per_s"]), matmul_source(dtype, size, when)
 
 
-def store_peak(dtype: str, size: int, flops_per_s: float) -> dict:
-    """Writes a measured roofline into the cache (atomically); returns the whole cache."""
-    return _store(_machine_key(dtype, size), {"flops_per_s": flops_per_s})
+def record_matmul(dtype: str, size: int, flops_per_s: float) -> str | None:
+    """Files a run's own measurement of the roofline matmul (the same jitted size³ matmul) in the cache.
+
+    The cache keeps the faster of the two, because a roofline is what the machine can do. A measurement more
+    than STALE_MARGIN faster than the cached one means the cached one was taken under load (or is from
+    before a change to the machine): it is replaced, and the returned note says so; otherwise None.
+    """
+    key = _machine_key(dtype, size)
+    entry = _read_cache().get(key)
+    if not _fresh(entry, "flops_per_s"):
+        _store(key, {"flops_per_s": flops_per_s})
+        return None
+    cached = float(entry["flops_per_s"])
+    if flops_per_s <= cached:
+        return None
+    _store(key, {"flops_per_s": flops_per_s})
+    if flops_per_s <= cached * STALE_MARGIN:
+        return None
+    return (
+        f"the cached {dtype} matmul roofline was stale: {cached / 1e9:.1f} GFLOP/s (measured {entry['measured_at']}), "
+        f"this run measured {flops_per_s / 1e9:.1f}; the cache now holds the new measurement ({cache_path()})"
+    )
 
 
 def measure_memory_bandwidth(size_bytes: int = 2**26, repeats: int = 5) -> float:
@@ -185,33 +236,33 @@ def measure_memory_bandwidth(size_bytes: int = 2**26, repeats: int = 5) -> float
 
 
 def measured_bandwidth(size_bytes: int = 2**26, refresh: bool = False) -> tuple[float, str]:
-    """This machine's memory bandwidth (bytes/s), measured once and cached per machine like the matmul roofline.
+    """This machine's memory bandwidth (bytes/s), cached and expired like the matmul roofline (measured_peak).
 
     Returns:
-      (bytes/s, source) where source names the measurement and when it was taken.
+      (bytes/s, source) where source names the measurement, its CPU and when it was taken.
     """
-    path, key = cache_path(), _machine_key("bandwidth", size_bytes)
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    if refresh or key not in cache or "bytes_per_s" not in cache[key]:
-        cache = _store(key, {"bytes_per_s": measure_memory_bandwidth(size_bytes)})
-    entry = cache[key]
+    key = _machine_key("bandwidth", size_bytes)
+    entry = _read_cache().get(key)
+    if refresh or not _fresh(entry, "bytes_per_s"):
+        entry = _store(key, {"bytes_per_s": measure_memory_bandwidth(size_bytes)})
     source = (
         f"measured: jitted in-place x*2 over {size_bytes // 2**20} MiB of float32 (STREAM scale), best of 5, "
-        f"{entry['measured_at']} (cache {path})"
+        f"{entry['measured_at']} on {entry.get('cpu', cpu_name())} (cache {cache_path()})"
     )
     return float(entry["bytes_per_s"]), source
 
 
 def _store(key: str, entry: dict) -> dict:
-    """Writes one measurement into the cache (atomically); returns the whole cache."""
+    """Writes one measurement into the cache (atomically), stamped with its time and CPU; returns the entry."""
     path = cache_path()
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    cache[key] = {**entry, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    cache = _read_cache()
+    cache[key] = {**entry, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "measured_unix": time.time(),
+                  "cpu": cpu_name()}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cache, indent=1) + "\n")
     tmp.replace(path)
-    return cache
+    return cache[key]
 
 
 def resolve_peak(dtype: str, device: jax.Device | None = None) -> tuple[float | None, str]:

@@ -7,7 +7,8 @@ collectives, each with the trip counts of its loops) takes
 
 where the peak is the one its dtype runs at (bf16/fp16 tensor cores, TF32 for a float32 dot at DEFAULT
 precision, float32 CUDA cores for elementwise work), and a collective moves its ring-algorithm bytes over
-the link between the GPUs. The step is the sum over kernels times their launches (XLA runs one kernel at
+the slowest link its group crosses (NVLink within the target's NVLink domain, PCIe beyond it, the network
+across hosts). The step is the sum over kernels times their launches (XLA runs one kernel at
 a time on one stream). `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch
 cost: the pure roofline. The constants and their sources:
 
@@ -20,8 +21,11 @@ cost: the pure roofline. The constants and their sources:
   tile and wave quantization (Matrix Multiplication Background User's Guide, ch. 3): a GEMM of
   `batch · ceil(m/128) · ceil(n/128)` tiles runs in `ceil(tiles / SMs)` waves, and only the useful share
   of those waves' work counts.
-- MEMORY_EFFICIENCY 0.85: sustained fraction of the datasheet bandwidth in streaming kernels (an RTX
-  A5000 measured 659.5 of 768 GB/s read+write = 86%; BabelStream triad on an H100 NVL 3.30 of 3.9 TB/s).
+- MEMORY_EFFICIENCY 0.85: sustained fraction of the datasheet bandwidth in a streaming kernel that reads
+  one array and writes another, as most fusions do: STREAM "scale" measured on an H100 PCIe at full
+  occupancy, 1704 GB/s of the datasheet's 2.0 TB/s = 85% (te42kyfo/gpu-benches, cuda-stream/h100_pcie.txt;
+  its "triad", two reads and a write, 1832 GB/s = 92%). No published measurement for an RTX A5000 was
+  found; the same fraction is assumed.
 - LAUNCH_S 5.8 µs: the smallest GEMMs of OpenXLA's measured H100 table take 5.9 µs whatever their size
   (67 MFLOP at 11.5 TFLOP/s): a fixed cost per kernel of about 5.8 µs once the work (~0.1 µs) is taken out.
 - Collective bytes: NCCL's bus-bandwidth factors (nccl-tests doc/PERFORMANCE.md): all-reduce 2(n-1)/n,
@@ -67,7 +71,9 @@ class Roofline:
     matmul_flops_per_s: dict[str, float]  # by kernels.Kernel.flop_dtype: bf16, f16, tf32, f32
     vector_flops_per_s: float  # elementwise work
     memory_bytes_per_s: float
-    link_bytes_per_s: float  # collectives among the GPUs of one host
+    link_bytes_per_s: float  # collectives within a group of up to link_devices GPUs (NVLink, else PCIe)
+    link_devices: int  # GPUs that link joins: the NVLink domain (a bridge: 2), else a host's
+    host_bytes_per_s: float  # collectives beyond the link's GPUs within one host (PCIe)
     network_bytes_per_s: float  # collectives that span hosts
     devices_per_host: int
     cores: int | None  # SMs, for tile and wave quantization (None: none, a CPU)
@@ -77,8 +83,13 @@ class Roofline:
     source: str
 
 
-def gpu_roofline(target: targets.GpuTarget, precision: str | None = None, devices_per_host: int = 8) -> Roofline:
+def gpu_roofline(
+    target: targets.GpuTarget, precision: str | None = None, devices_per_host: int = targets.GPUS_PER_HOST
+) -> Roofline:
     """The roofline of a GPU target: datasheet peaks (jaxscale.measure.peaks) and the target's bandwidths.
+
+    A collective over up to `target.nvlink_domain` GPUs runs over NVLink; a larger group within one host
+    (or any group of a GPU without NVLink) over PCIe; a group that spans hosts over the network.
 
     Raises:
       ValueError: the peak table has no entry for the target's device_kind.
@@ -87,7 +98,7 @@ def gpu_roofline(target: targets.GpuTarget, precision: str | None = None, device
     if peak is None or peak.bfloat16 is None or peak.float32 is None:
         raise ValueError(f"no datasheet peak for {target.device_kind!r} (add it to jaxscale/measure/peaks.py)")
     full_fp32 = (precision or "").lower() in ("highest", "float32", "fp32")
-    link = target.nvlink_bandwidth or target.pcie_bandwidth
+    nvlink = target.nvlink_bandwidth is not None and target.nvlink_domain is not None
     return Roofline(
         name=target.name,
         matmul_flops_per_s={
@@ -98,7 +109,9 @@ def gpu_roofline(target: targets.GpuTarget, precision: str | None = None, device
         },
         vector_flops_per_s=peak.float32,
         memory_bytes_per_s=float(target.memory_bandwidth),
-        link_bytes_per_s=float(link),
+        link_bytes_per_s=float(target.nvlink_bandwidth if nvlink else target.pcie_bandwidth),
+        link_devices=min(target.nvlink_domain, devices_per_host) if nvlink else devices_per_host,
+        host_bytes_per_s=float(target.pcie_bandwidth),
         network_bytes_per_s=float(target.network_bandwidth or target.pcie_bandwidth),
         devices_per_host=devices_per_host,
         cores=target.core_count,
@@ -122,6 +135,8 @@ def cpu_roofline() -> Roofline:
         vector_flops_per_s=f32,
         memory_bytes_per_s=bandwidth,
         link_bytes_per_s=bandwidth,
+        link_devices=1,
+        host_bytes_per_s=bandwidth,
         network_bytes_per_s=bandwidth,
         devices_per_host=1,
         cores=None,
@@ -142,12 +157,19 @@ def quantization(gemm: tuple[int, int, int, int] | None, cores: int | None) -> f
     return max(1, batch) * m * n / (waves * cores * GEMM_TILE * GEMM_TILE)
 
 
+def link_bytes_per_s(roof: Roofline, group: int) -> float:
+    """The bandwidth a collective over `group` devices runs at: the slowest link its ring crosses (NVLink
+    within the NVLink domain, PCIe beyond it within a host, the network across hosts)."""
+    if group <= roof.link_devices:
+        return roof.link_bytes_per_s
+    return roof.host_bytes_per_s if group <= roof.devices_per_host else roof.network_bytes_per_s
+
+
 def kernel_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, float]:
     """(predicted seconds without launch cost, pure-roofline seconds) of one launch of a kernel."""
     if kernel.collective is not None:
         op, group, payload = kernel.collective
-        link = roof.link_bytes_per_s if group <= roof.devices_per_host else roof.network_bytes_per_s
-        seconds = collective_factor(op, group) * payload / link
+        seconds = collective_factor(op, group) * payload / link_bytes_per_s(roof, group)
         return seconds, seconds
     if kernel.category == "matmul":
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])

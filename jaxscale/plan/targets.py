@@ -93,10 +93,12 @@ class GpuTarget:
     clock_rate_ghz: float
     source: str
     config_text: str | None = None  # a user's own text proto (from a file); None builds it from the fields
-    # Links for collectives, bytes/s per direction per GPU (see INTERCONNECT_SOURCES): NVLink to the GPUs of
-    # the same host (None: none), the host's PCIe slot, and the network to other hosts (None: not part of
-    # a reference system; a collective across hosts is then costed at PCIe speed, the card's own limit).
+    # Links for collectives, bytes/s per direction per GPU (see INTERCONNECT_SOURCES): NVLink among the GPUs
+    # of one NVLink domain of `nvlink_domain` GPUs (None: no NVLink), the host's PCIe slot (among the GPUs of
+    # one host beyond the NVLink domain), and the network to other hosts (None: not part of a reference
+    # system; a collective across hosts is then costed at PCIe speed, the card's own limit).
     nvlink_bandwidth: int | None = None
+    nvlink_domain: int | None = None  # GPUs that NVLink joins: a bridge 2, an HGX/DGX NVSwitch baseboard 8
     pcie_bandwidth: int = 31_500_000_000
     network_bandwidth: int | None = None
     interconnect_source: str = "not given: PCIe 4.0 x16 assumed, no NVLink, no network"
@@ -107,6 +109,9 @@ class GpuTarget:
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"target {self.name}: {field} must be a positive integer, got {value!r}")
+        if (self.nvlink_bandwidth is None) != (self.nvlink_domain is None) or (self.nvlink_domain or 2) < 2:
+            raise ValueError(f"target {self.name}: nvlink_bandwidth and nvlink_domain (>= 2 GPUs) go together, "
+                             f"got {self.nvlink_bandwidth!r} and {self.nvlink_domain!r}")  # fmt: skip
         if self.config_text is not None:
             return
         if not self.clock_rate_ghz > 0:
@@ -120,11 +125,14 @@ class GpuTarget:
 PCIE4_X16 = 31_500_000_000  # PCI-SIG: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s per direction
 PCIE5_X16 = 63_000_000_000  # PCI-SIG: 32 GT/s x 16 lanes = 63 GB/s per direction
 INTERCONNECT_SOURCES: dict[str, str] = {
-    "a5000": "RTX A5000 datasheet: NVLink bridge for 2 GPUs, 112.5 GB/s bidirectional; PCIe 4.0 x16; no network",
-    "a100": "A100 datasheet: NVLink 600 GB/s (bidirectional); PCIe 4.0 x16; DGX A100 datasheet: one 200 Gb/s "
-    "HDR InfiniBand ConnectX-6 per GPU (25 GB/s)",
-    "h100": "H100 datasheet: NVLink 900 GB/s (bidirectional), PCIe 5.0 x16; DGX H100 datasheet: one 400 Gb/s "
-    "ConnectX-7 per GPU (50 GB/s)",
+    "a5000": "NVIDIA RTX A5000 datasheet: an NVLink bridge connects two RTX A5000 GPUs (NVLink domain of 2), "
+    "112.5 GB/s bidirectional; PCIe 4.0 x16; no network",
+    "a100": "A100 datasheet: NVLink 600 GB/s (bidirectional), PCIe 4.0 x16; DGX A100 datasheet: 8 A100 SXM4 GPUs "
+    "joined by 6 NVSwitches (NVLink domain of 8), one 200 Gb/s HDR InfiniBand ConnectX-6 per GPU (25 GB/s)",
+    "h100": "H100 datasheet: NVLink 900 GB/s (bidirectional), PCIe 5.0 x16; DGX H100 datasheet: 8 H100 SXM5 GPUs "
+    "joined by 4 NVSwitches (NVLink domain of 8), one 400 Gb/s ConnectX-7 per GPU (50 GB/s)",
+    "h200": "H200 datasheet: NVLink 900 GB/s (bidirectional), PCIe 5.0 x16; HGX H200 (8 GPUs on NVSwitch: "
+    "NVLink domain of 8) networked like DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s)",
     "pcie-only": "datasheet: no NVLink; PCIe 4.0 x16; no network",
 }
 
@@ -141,8 +149,9 @@ TARGETS: dict[str, GpuTarget] = {
             l2_cache_size=6 * MIB,
             clock_rate_ghz=1.695,
             source="NVIDIA RTX A5000 datasheet (8192 CUDA cores = 64 SMs, 768 GB/s, 1695 MHz boost), GA102 L2 6 MB; "
-            "memory = nvidia-smi total 24564 MiB; as in shared/gpu_targets/a5000.txtpb (the reference GPU)",
+            "memory = nvidia-smi total 24564 MiB on the notebook's reference GPU",
             nvlink_bandwidth=56_250_000_000,
+            nvlink_domain=2,
             pcie_bandwidth=PCIE4_X16,
             interconnect_source=INTERCONNECT_SOURCES["a5000"],
         ),
@@ -157,6 +166,7 @@ TARGETS: dict[str, GpuTarget] = {
             clock_rate_ghz=1.41,
             source=_OPENXLA_SPECS.format("a100_sxm_40.txtpb"),
             nvlink_bandwidth=300_000_000_000,
+            nvlink_domain=8,
             pcie_bandwidth=PCIE4_X16,
             network_bandwidth=25_000_000_000,
             interconnect_source=INTERCONNECT_SOURCES["a100"],
@@ -172,6 +182,7 @@ TARGETS: dict[str, GpuTarget] = {
             clock_rate_ghz=1.41,
             source=_OPENXLA_SPECS.format("a100_sxm_80.txtpb"),
             nvlink_bandwidth=300_000_000_000,
+            nvlink_domain=8,
             pcie_bandwidth=PCIE4_X16,
             network_bandwidth=25_000_000_000,
             interconnect_source=INTERCONNECT_SOURCES["a100"],
@@ -187,6 +198,7 @@ TARGETS: dict[str, GpuTarget] = {
             clock_rate_ghz=1.98,
             source=_OPENXLA_SPECS.format("h100_sxm.txtpb") + "; H100 SXM5",
             nvlink_bandwidth=450_000_000_000,
+            nvlink_domain=8,
             pcie_bandwidth=PCIE5_X16,
             network_bandwidth=50_000_000_000,
             interconnect_source=INTERCONNECT_SOURCES["h100"],
@@ -203,9 +215,10 @@ TARGETS: dict[str, GpuTarget] = {
             source="NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, SXM); SMs, L2 and clock as H100 SXM (same GH100 "
             "configuration); memory = nvidia-smi total 143771 MiB (may exceed what CUDA reports by ~0.5 GiB)",
             nvlink_bandwidth=450_000_000_000,
+            nvlink_domain=8,
             pcie_bandwidth=PCIE5_X16,
             network_bandwidth=50_000_000_000,
-            interconnect_source=INTERCONNECT_SOURCES["h100"],
+            interconnect_source=INTERCONNECT_SOURCES["h200"],
         ),
         GpuTarget(
             name="l4",

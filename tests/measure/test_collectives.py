@@ -3,10 +3,16 @@ kernels the step-time predictor costs), with trip counts, per-device sizes and r
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
+import sys
+
 import pytest
 from test_hlo import MODULE  # a single-device module: no collectives
 
 from jaxscale.measure import collectives, hlo, kernels
+from jaxscale.plan import predict, targets
 
 # A sharded step in miniature: a loop of 3 iterations whose body all-gathers a weight (async pair, as GPUs
 # compile it) and runs a reduce-scatter wrapped in async-start/async-done; after the loop a combined
@@ -154,15 +160,48 @@ def test_an_async_done_launches_no_kernel_of_its_own():
     assert all(k.category == "collective" for k in found)
 
 
-@pytest.mark.parametrize("text", [SHARDED, GPU_SHARDED], ids=["sharded", "gpu_sharded"])
-def test_the_kernels_carry_exactly_the_collectives_the_row_counts(text):
-    """The step-time predictor costs kernel.collective; the row reports compiled_collective_*: one parse."""
+# Compiled on 4 simulated CPU devices (XLA_FLAGS must be set before jax is imported: a child process): on a
+# 2x2 mesh, a psum over axis "a" of a replicated f32[1024] and an all-gather over both axes of f32[256] shards.
+_SIMULATED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+def step(x, y):
+    return jax.lax.psum(x, "a"), jax.lax.all_gather(y, ("a", "b"), tiled=True)
+mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(("a", "b"))), out_specs=(P(), P()), check_vma=False)
+array = jax.ShapeDtypeStruct((1024,), jnp.float32)
+print(jax.jit(mapped).lower(array, array).compile().as_text())
+"""
+
+
+@functools.cache
+def simulated_collectives_hlo() -> str:
+    """The optimized HLO of _SIMULATED: one all-reduce over groups of 2, one all-gather over all 4 devices."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", _SIMULATED], capture_output=True, text=True, env=env, check=True,
+                          timeout=300)  # fmt: skip
+    return done.stdout
+
+
+def test_a_compiled_all_reduce_and_all_gather_have_the_ring_bytes_of_the_closed_form():
+    """Known arrays on simulated devices: the buffers are 1024 float32 = 4096 bytes per device, and a ring over
+    n devices sends 2(n-1)/n of it for an all-reduce, (n-1)/n for an all-gather (nccl-tests PERFORMANCE.md)."""
+    text = simulated_collectives_hlo()
+    found = sorted(k.collective for k in kernels.kernels(text) if k.collective is not None)
+    assert found == [("all-gather", 4, 4096), ("all-reduce", 2, 4096)]
     row = collectives.collective_columns(text)
-    launched = [k for k in kernels.kernels(text) if k.collective is not None]
-    assert sum(k.times for k in launched) == row["compiled_collective_count"] > 0
-    assert sum(k.times * k.collective[2] for k in launched) == row["compiled_collective_bytes"]
-    ring = sum(k.times * collectives.ring_factor(kind, n) * size for k in launched for kind, n, size in [k.collective])
-    assert round(ring) == row["compiled_collective_ring_bytes"]
+    assert (row["compiled_collective_all_reduce_count"], row["compiled_collective_all_gather_count"]) == (1, 1)
+    assert row["compiled_collective_bytes"] == 8192
+    # all-reduce over 2: 2 * 1/2 * 4096 = 4096 bytes; all-gather over 4: 3/4 * 4096 = 3072 bytes
+    assert row["compiled_collective_ring_bytes"] == 4096 + 3072
+
+
+def test_the_collectives_of_a_program_compiled_on_simulated_devices_are_costed_on_their_links():
+    """On an A5000 target: the all-reduce over 2 devices sends 4096 ring bytes over the NVLink bridge
+    (4096 / 56.25e9 = 72.818 ns), the all-gather over 4 sends 3072 over PCIe (3072 / 31.5e9 = 97.524 ns)."""
+    found = [k for k in kernels.kernels(simulated_collectives_hlo()) if k.collective is not None]
+    columns = predict.predict(found, predict.gpu_roofline(targets.TARGETS["a5000"]))
+    assert columns["predicted_collective_s"] == pytest.approx(170.342e-9, rel=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -84,3 +84,11 @@ def test_shape_bytes_reads_arrays_and_tuples():
     assert hlo.shape_bytes("bf16[8,32]{1,0}") == 512
     assert hlo.shape_bytes("(f32[4]{0}, /*index=1*/s8[3], pred[])") == 16 + 3 + 1
     assert hlo.shape_bytes("token[]") == 0
+
+
+def test_operand_bytes_sums_the_operands_the_computation_defines():
+    main = hlo.parse(MODULE).computations["main"]
+    assert hlo.operand_bytes(main["dot.2"], main) == 4 * 8 * 16 + 4 * 16 * 4  # f32[8,16] and f32[16,4]
+    # the dynamic-update-slice fusion: f32[3,8,4], f32[1,8,4] and the s32[] index
+    assert hlo.operand_bytes(main["dus_fusion"], main) == 4 * 3 * 8 * 4 + 4 * 8 * 4 + 4
+    assert hlo.operand_bytes(main["a"], main) == 0  # a parameter has no operands

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import time
 
 import jax
 import pytest
@@ -64,6 +67,87 @@ def test_measured_cpu_peak_is_cached_per_machine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(peaks, "measure_matmul_flops", must_not_measure)
     assert peaks.measured_peak("float32", size=128)[0] == value
+
+
+def _measurements(monkeypatch, *values: float) -> list[float]:
+    """Stubs the matmul measurement to return `values` in turn; returns the list of what it returned."""
+    returned, pending = [], list(values)
+
+    def measure(dtype, size=2048, repeats=5):
+        returned.append(pending.pop(0))
+        return returned[-1]
+
+    monkeypatch.setattr(peaks, "measure_matmul_flops", measure)
+    return returned
+
+
+def _age_cache(path, seconds: float | None) -> None:
+    """Makes every entry of a cache file `seconds` old (None: drops its time, as caches before the limit had)."""
+    cache = json.loads(path.read_text())
+    for entry in cache.values():
+        entry.pop("measured_unix")
+        if seconds is not None:
+            entry["measured_unix"] = time.time() - seconds
+    path.write_text(json.dumps(cache))
+
+
+def test_the_cached_roofline_belongs_to_one_cpu_model_and_core_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSCALE_CACHE_DIR", str(tmp_path))
+    measured = _measurements(monkeypatch, 1e11, 2e11)
+    monkeypatch.setattr(peaks, "cpu_name", lambda: "AMD EPYC, 2 cores")
+    assert peaks.measured_peak("float32", size=128)[0] == 1e11
+    monkeypatch.setattr(peaks, "cpu_name", lambda: "AMD EPYC, 16 cores")  # same host name, more cores
+    value, source = peaks.measured_peak("float32", size=128)
+    assert value == 2e11 and "AMD EPYC, 16 cores" in source
+    monkeypatch.setattr(peaks, "cpu_name", lambda: "AMD EPYC, 2 cores")
+    assert peaks.measured_peak("float32", size=128)[0] == 1e11 and measured == [1e11, 2e11]  # no third measurement
+    cpus = sorted(entry["cpu"] for entry in json.loads((tmp_path / "peak_flops.json").read_text()).values())
+    assert cpus == ["AMD EPYC, 16 cores", "AMD EPYC, 2 cores"]
+
+
+def test_the_cpu_is_named_by_its_model_and_the_cores_this_process_may_use():
+    name = peaks.cpu_name()
+    assert name.endswith(f", {len(os.sched_getaffinity(0))} cores")
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    models = [
+        line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")
+    ]
+    if models:
+        assert name.startswith(models[0])
+
+
+@pytest.mark.parametrize("age_s", [peaks.MAX_AGE_S + 60, None], ids=["older_than_the_limit", "without_a_time"])
+def test_an_old_cached_roofline_is_measured_again(tmp_path, monkeypatch, age_s):
+    monkeypatch.setenv("JAXSCALE_CACHE_DIR", str(tmp_path))
+    measured = _measurements(monkeypatch, 5e10, 9e10, 1e12)
+    assert peaks.measured_peak("float32", size=128)[0] == 5e10
+    _age_cache(tmp_path / "peak_flops.json", 3600.0)  # an hour old: still good
+    assert peaks.measured_peak("float32", size=128)[0] == 5e10
+    _age_cache(tmp_path / "peak_flops.json", age_s)
+    assert peaks.measured_peak("float32", size=128)[0] == 9e10
+    assert measured == [5e10, 9e10]
+    (entry,) = json.loads((tmp_path / "peak_flops.json").read_text()).values()
+    assert entry["flops_per_s"] == 9e10 and time.time() - entry["measured_unix"] < 60
+
+
+def test_a_run_that_measures_the_matmul_faster_than_the_cache_replaces_a_stale_roofline(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSCALE_CACHE_DIR", str(tmp_path))
+    _measurements(monkeypatch, 5e10)  # cached while the machine was loaded
+    assert peaks.measured_peak("float32", size=128)[0] == 5e10
+    assert peaks.record_matmul("float32", 128, 3e10) is None  # slower: a loaded moment, the cache stays
+    assert peaks.measured_peak("float32", size=128)[0] == 5e10
+    note = peaks.record_matmul("float32", 128, 8e10)  # 60% faster than the cache: it was stale
+    assert "stale" in note and "50.0 GFLOP/s" in note and "80.0" in note
+    assert peaks.measured_peak("float32", size=128)[0] == 8e10
+    assert peaks.record_matmul("float32", 128, 8.4e10) is None  # 5% faster: noise, kept as the better, no flag
+    assert peaks.measured_peak("float32", size=128)[0] == 8.4e10
+
+
+def test_an_unreadable_cache_is_measured_again_not_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSCALE_CACHE_DIR", str(tmp_path))
+    (tmp_path / "peak_flops.json").write_text('{"half a fi')
+    _measurements(monkeypatch, 4e10)
+    assert peaks.measured_peak("float32", size=128)[0] == 4e10
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the measured roofline is the CPU's peak")

@@ -87,3 +87,30 @@ def test_a_device_is_named_after_its_planning_target_or_its_kind():
     assert targets.device_slug("TPU v5 lite") == "tpu-v5-lite"
     assert targets.target_for_device_kind("NVIDIA H200").name == "h200"
     assert targets.target_for_device_kind("NVIDIA H100 PCIe") is None
+
+
+# GPUs per NVLink domain, from the datasheets: the RTX A5000's bridge joins 2; DGX/HGX A100, H100 and H200
+# baseboards join 8 SXM GPUs through NVSwitch; the L4 and RTX 4090 have no NVLink.
+NVLINK_DOMAINS = {"a5000": 2, "a100-40gb": 8, "a100-80gb": 8, "h100": 8, "h200": 8, "l4": None, "rtx4090": None}
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_each_target_knows_how_many_gpus_its_nvlink_joins_and_cites_it(name):
+    target = targets.TARGETS[name]
+    assert target.nvlink_domain == NVLINK_DOMAINS[name]
+    if target.nvlink_domain is None:
+        assert target.nvlink_bandwidth is None and "no NVLink" in target.interconnect_source
+    else:
+        assert f"NVLink domain of {target.nvlink_domain}" in target.interconnect_source
+
+
+def test_nvlink_bandwidth_without_its_domain_is_rejected():
+    broken = dataclasses.replace(targets.TARGETS["a5000"], nvlink_domain=None)
+    with pytest.raises(ValueError, match="nvlink_bandwidth and nvlink_domain"):
+        broken.validate()
+
+
+def test_no_target_points_at_a_local_file_outside_the_project():
+    """A user's clone has no shared/ workspace: sources cite datasheets and public repositories only."""
+    for target in targets.TARGETS.values():
+        assert "shared/" not in target.source + target.interconnect_source, target.name
