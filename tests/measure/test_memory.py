@@ -190,15 +190,15 @@ def test_llama_gqa_term_equals_the_compiled_plans_difference():
 @pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 def test_small_llama_estimate_and_its_swiglu_term_against_the_a5000_plan():
     """The fast counterpart of the llama3.2-1b test: at a small size the estimate is within the documented
-    15% of XLA's deviceless A5000 plan (Triton GEMMs), and doubling SwiGLU's width adds what the plan adds
-    within 5% (measured: 0.94 and 1.4%)."""
+    8% of XLA's deviceless A5000 plan (Triton GEMMs), and doubling SwiGLU's width adds what the plan adds
+    within 5% (measured: estimate / plan 1.06 and 1.05; the width's cost 1.4% apart)."""
     rows = {}
     for width in (256, 512):
         config = _small_llama(mlp_hidden_size=width)
         plan = gpu_plan.plan_for_target(config, "a5000", gemm="triton", in_process=True)["compiled_peak_bytes"]
         rows[width] = (plan, memory.analytic_memory(config)["analytic_peak_bytes"])
     for width, (plan, analytic) in rows.items():
-        assert analytic == pytest.approx(plan, rel=0.15), width
+        assert analytic == pytest.approx(plan, rel=0.08), width
     added = rows[512][1] - rows[256][1]
     assert added == pytest.approx(rows[512][0] - rows[256][0], rel=0.05)
 
@@ -207,11 +207,11 @@ def test_small_llama_estimate_and_its_swiglu_term_against_the_a5000_plan():
 @pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 @pytest.mark.parametrize("name", ["bf16_remat", "bf16_remat_block"])
 def test_llama_1b_estimate_against_the_a5000_plan(name, tmp_path):
-    """llama3.2-1b at full size (Adafactor, so it fits), 4 x 2048 tokens: the estimate within 15% of XLA's plan
-    (both GEMM modes; ~1 min per compile on 2 shared cores)."""
+    """llama3.2-1b at full size (Adafactor, so it fits), 4 x 2048 tokens: the estimate within the 8% that
+    docs/models.md claims of XLA's plan (both GEMM modes; ~1 min per compile on 2 shared cores)."""
     config = load_config(name, "llama3.2-1b")
     config.data.batch_size = 4
     config.optimizer.name = "adafactor"
     row = run.run(config, tmp_path, name, plan_only=True, progress=False, target="a5000")
     assert row["status"] == "ok", row["error"]
-    assert row["compiled_to_analytic_peak_ratio"] == pytest.approx(1.0, rel=0.15)
+    assert row["compiled_to_analytic_peak_ratio"] == pytest.approx(1.0, rel=0.08)
