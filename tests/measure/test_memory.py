@@ -140,6 +140,7 @@ def test_ratio_column_compares_compiled_with_analytic():
     columns = memory.analytic_columns(config, compiled_peak_bytes=2 * analytic)
     assert columns["compiled_to_analytic_peak_ratio"] == pytest.approx(2.0)
     assert memory.analytic_columns(config, compiled_peak_bytes=None)["compiled_to_analytic_peak_ratio"] is None
+    assert columns["analytic_fitted_terms"] == "logits"  # the one term fitted to plans (docs/measurements.md)
 
 
 @pytest.mark.slow
@@ -162,32 +163,55 @@ def test_adafactor_state_is_factored_and_counted_per_shape():
     assert row["analytic_optimizer_bytes"] < 0.1 * adam  # row and column second moments instead of two full copies
 
 
-def test_llama_activations_know_gqa_swiglu_and_rmsnorm():
-    def per_layer(**changes):
-        config = load_config("bf16_noscan", "cpu-llama")
-        config.model.update(changes)
-        return memory.analytic_memory(config)["analytic_activation_per_layer_bytes"]
+def _small_llama(**changes):
+    """tiny-llama widened to 128 (4 heads of 32, 2 K/V heads, SwiGLU 256), float32, unrolled, no remat,
+    16 x 64 tokens in one minibatch: small enough to compile in seconds, the terms still apart."""
+    config = load_config("bf16_noscan", "tiny-llama")
+    config.model.update(dtype="float32", hidden_size=128, head_dim=32, max_seq_len=64, num_kv_heads=2)
+    config.model.update({"mlp_hidden_size": 256, **changes})
+    config.data.update(seq_len=64, batch_size=16)
+    config.train.num_minibatches = 1
+    return config
 
-    d = memory.Dims.from_config(load_config("bf16_noscan", "cpu-llama"))
-    sbh, sbk = d.s * d.b * d.h, d.s * d.b * d.k
-    assert d.k == d.h // 2  # 2 of 4 heads: K and V half as wide as Q
-    assert per_layer(num_kv_heads=4) - per_layer() == 2 * d.p * (sbh - sbk)  # k and v: GQA keeps less
-    assert per_layer(mlp_hidden_size=1536) - per_layer() == 3 * 2 * d.s * d.b * 768  # gate, up, their product
-    gpt = load_config("bf16_noscan", "cpu")
-    gpt.model.update(mlp_expansion=3, dropout_rate=0.0)
-    llama_attention = sum(memory.llama_attention_residuals(memory.Dims.from_config(gpt), False).values())
-    assert llama_attention < sum(memory.attention_residuals(memory.Dims.from_config(gpt), False).values())  # one stat
+
+def test_llama_gqa_term_equals_the_compiled_plans_difference():
+    """Grouped-query attention's K/V width, against the float32 CPU plan: going from 2 to 4 K/V heads costs
+    the plan exactly what the estimate adds (the k and v activations and their weights' state)."""
+    peaks = {}
+    for kv_heads in (2, 4):
+        config = _small_llama(num_kv_heads=kv_heads)
+        compiled, *_ = run.compile_step(config)
+        peaks[kv_heads] = (memory.compiled_memory(compiled)["compiled_peak_bytes"], memory.analytic_memory(config))
+    (plan_2, analytic_2), (plan_4, analytic_4) = peaks[2], peaks[4]
+    added = analytic_4["analytic_peak_bytes"] - analytic_2["analytic_peak_bytes"]
+    assert added > 0 and plan_4 - plan_2 == added
+
+
+@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+def test_small_llama_estimate_and_its_swiglu_term_against_the_a5000_plan():
+    """The fast counterpart of the llama3.2-1b test: at a small size the estimate is within the documented
+    8% of XLA's deviceless A5000 plan (Triton GEMMs), and doubling SwiGLU's width adds what the plan adds
+    within 5% (measured: estimate / plan 1.06 and 1.05; the width's cost 1.4% apart)."""
+    rows = {}
+    for width in (256, 512):
+        config = _small_llama(mlp_hidden_size=width)
+        plan = gpu_plan.plan_for_target(config, "a5000", gemm="triton", in_process=True)["compiled_peak_bytes"]
+        rows[width] = (plan, memory.analytic_memory(config)["analytic_peak_bytes"])
+    for width, (plan, analytic) in rows.items():
+        assert analytic == pytest.approx(plan, rel=0.08), width
+    added = rows[512][1] - rows[256][1]
+    assert added == pytest.approx(rows[512][0] - rows[256][0], rel=0.05)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 @pytest.mark.parametrize("name", ["bf16_remat", "bf16_remat_block"])
 def test_llama_1b_estimate_against_the_a5000_plan(name, tmp_path):
-    """llama3.2-1b at full size (Adafactor, so it fits), 4 x 2048 tokens: the estimate within 15% of XLA's plan
-    (both GEMM modes; ~1 min per compile on 2 shared cores)."""
+    """llama3.2-1b at full size (Adafactor, so it fits), 4 x 2048 tokens: the estimate within the 8% that
+    docs/models.md claims of XLA's plan (both GEMM modes; ~1 min per compile on 2 shared cores)."""
     config = load_config(name, "llama3.2-1b")
     config.data.batch_size = 4
     config.optimizer.name = "adafactor"
     row = run.run(config, tmp_path, name, plan_only=True, progress=False, target="a5000")
     assert row["status"] == "ok", row["error"]
-    assert row["compiled_to_analytic_peak_ratio"] == pytest.approx(1.0, rel=0.15)
+    assert row["compiled_to_analytic_peak_ratio"] == pytest.approx(1.0, rel=0.08)

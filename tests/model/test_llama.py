@@ -84,6 +84,33 @@ def test_gqa_model_equals_mha_model_with_repeated_kv_weights(attention):
     assert mha_params["transformer"]["block_0"]["attn"]["k"]["kernel"].shape[1] == 4  # really multi-head
 
 
+def _rotate_half_by_hand(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool = False) -> np.ndarray:
+    """RoPE written out element by element (float64): pair (i, i + d/2) turned by pos * theta^(-2i/d); or,
+    `interleaved`, pair (2i, 2i + 1) (the GPT-NeoX/Meta convention the model does not use, as a foil)."""
+    out = np.zeros_like(x, dtype=np.float64)
+    d = x.shape[-1]
+    for t, pos in enumerate(positions):
+        for i in range(d // 2):
+            angle = pos * theta ** (-2.0 * i / d)
+            c, s = np.cos(angle), np.sin(angle)
+            a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + d // 2)
+            out[:, t, :, a] = x[:, t, :, a] * c - x[:, t, :, b] * s
+            out[:, t, :, b] = x[:, t, :, b] * c + x[:, t, :, a] * s
+    return out
+
+
+def test_rope_equals_the_rotate_half_rotation_computed_by_hand():
+    """Llama 3's theta = 500000 at a few positions: the model's rotation is the hand-computed rotate-half one,
+    and far from what an ignored theta (10000) or interleaved pairs would give, so either defect fails here."""
+    theta, positions = 500000.0, np.array([0, 1, 2, 5, 37, 100])
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (1, len(positions), 2, 8)), np.float64)
+    got = np.asarray(rotary_embedding(jnp.asarray(x, jnp.float32), jnp.asarray(positions), theta), np.float64)
+    np.testing.assert_allclose(got, _rotate_half_by_hand(x, positions, theta), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(got[:, 0], x[:, 0], atol=1e-6)  # position 0 is not rotated
+    for wrong in (_rotate_half_by_hand(x, positions, 10000.0), _rotate_half_by_hand(x, positions, theta, True)):
+        assert np.abs(got - wrong).max() > 0.1
+
+
 @pytest.mark.parametrize("theta", [10000.0, 500000.0])
 def test_rope_scores_depend_only_on_relative_position(theta):
     """The same query and key vectors placed at every position: score(i, j) is a function of i - j alone."""

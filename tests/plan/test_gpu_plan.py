@@ -159,31 +159,41 @@ def test_a_sweep_plans_its_variants_for_a_target_and_a_budget_uses_that_plan(tmp
     assert "XLA's GPU plan for target a5000" in fp32["error"]
 
 
-@pytest.mark.slow
-@needs_extra
-def test_the_reference_table_planned_for_an_a5000_matches_the_notebook(tmp_path):
-    """Each bf16 variant's plan comes within 10% of the notebook's peak; fp32 needs XLA's auto-remat.
-
-    The reference sweep (experiments/seed_table.py:seed) planned for an A5000, as
-    `python -m jaxscale.sweep --config experiments/seed_table.py:seed --plan --target a5000` does. The
-    notebook's A5000 autotuned its GEMMs (Triton or cuBLAS, per GEMM); here the step is planned with each,
-    and the notebook's peak must lie within 10% of that band [min, max].
-    """
-    outcome = run_sweep(
-        REPO / "experiments" / "seed_table.py", "seed", plan=True, target="a5000", output_root=tmp_path, progress=False
-    )
-    assert outcome.sweep.name == "seed_table_seed_plan_a5000"
-    rows = {row["variant"]: row for row in read_rows(outcome.results_path)}
+def _assert_plans_match_the_notebook_as_documented(rows: dict) -> None:
+    """docs/gpu_planning.md's claims: the plan (the larger GEMM mode) within 5% of the notebook's peak for six
+    of the seven variants; batch 256 (the notebook's rounded "15GB") within 3% in its Triton plan; fp32 does
+    not fit (XLA's auto-remat warning), every bf16 variant does."""
     assert len(rows) == 7
     for name, row in rows.items():
         assert row["status"] == "ok", (name, row["error"])
         assert row["compiled_backend"] == "cuda:a5000" and row["notebook_peak_bytes"] > 0, name
-        if name.startswith("bf16"):
-            band = [row[f"compiled_{m}_peak_bytes"] / row["notebook_peak_bytes"] for m in ("triton", "cublas")]
-            assert min(band) <= 1.10 and max(band) >= 0.90, (name, band)
-            assert row["plan_fits"] is True, name
-    fp32 = rows["fp32_scan"]
-    assert fp32["plan_fits"] is False and fp32["compiled_remat_limit_bytes"] > 0
+        ratio = {m: row[f"compiled_{m}_peak_bytes"] / row["notebook_peak_bytes"] for m in ("triton", "cublas")}
+        if name == "bf16_remat_batch256":
+            assert abs(ratio["triton"] - 1) <= 0.03, (name, ratio)
+        else:
+            assert abs(row["compiled_peak_bytes"] / row["notebook_peak_bytes"] - 1) <= 0.05, (name, ratio)
+        assert row["plan_fits"] is name.startswith("bf16"), name
+    assert rows["fp32_scan"]["compiled_remat_limit_bytes"] > 0
+
+
+def test_the_committed_a5000_rows_match_the_notebook_as_documented():
+    """The rows docs/gpu_planning.md's table cites (committed) hold its claims; the slow test below plans them
+    afresh."""
+    path = REPO / "experiments" / "results" / "seed_table_seed_plan_a5000" / "results.jsonl"
+    _assert_plans_match_the_notebook_as_documented({row["variant"]: row for row in read_rows(path)})
+
+
+@pytest.mark.slow
+@needs_extra
+def test_the_reference_table_planned_for_an_a5000_matches_the_notebook(tmp_path):
+    """The reference sweep (experiments/seed_table.py:seed) planned for an A5000, as
+    `python -m jaxscale.sweep --config experiments/seed_table.py:seed --plan --target a5000` does, holds the
+    documented agreement with the notebook's peaks (both GEMM modes; the notebook's A5000 autotuned them)."""
+    outcome = run_sweep(
+        REPO / "experiments" / "seed_table.py", "seed", plan=True, target="a5000", output_root=tmp_path, progress=False
+    )
+    assert outcome.sweep.name == "seed_table_seed_plan_a5000"
+    _assert_plans_match_the_notebook_as_documented({row["variant"]: row for row in read_rows(outcome.results_path)})
 
 
 def test_xlas_rematerialization_warning_is_parsed_to_bytes():
@@ -229,6 +239,25 @@ def test_a_mesh_is_planned_per_device_on_8_target_gpus(tmp_path):
     # The predictor costs exactly the collectives the row counts: their ring bytes over one host's NVLink.
     link = predict.gpu_roofline(targets.TARGETS["h100"]).link_bytes_per_s
     assert row["predicted_collective_s"] == pytest.approx(row["compiled_collective_ring_bytes"] / link, rel=1e-6)
+
+
+@needs_extra
+def test_fsdp_on_2_target_gpus_splits_the_state_and_compiles_gathers_and_reduce_scatters():
+    """The fast counterpart of the 8-GPU test: FSDP over 2 deviceless H100s at tiny size. One device's
+    arguments are exactly its hand-counted half of the parameters and Adam's moments, plus its half of the
+    batch and a few replicated scalars; the GPU program all-gathers weights and reduce-scatters gradients."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "train"))
+    from test_sharding import hand_count_per_device
+
+    config = _tiny("bf16_remat", **{"mesh.fsdp": 2, "train.num_minibatches": 1})
+    row = gpu_plan.plan_for_target(config, "h100", gemm="triton", devices=2, in_process=True)
+    state = 3 * 4 * hand_count_per_device(config.model, 2, 1)  # params and Adam's two moments, float32
+    tokens = 2 * 4 * config.data.batch_size // 2 * config.data.seq_len  # int32 inputs and labels, half the rows
+    assert 0 < row["compiled_argument_bytes"] - state - tokens <= 64  # step, counters, rng key, metric sums
+    assert row["compiled_collective_all_gather_count"] > 0 and row["compiled_collective_reduce_scatter_count"] > 0
+    assert row["compiled_collective_all_gather_bytes"] > 0 and row["compiled_collective_reduce_scatter_bytes"] > 0
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,32 @@ def test_more_variants_on_a_mesh_equal_one_device(mesh, changes):
     _assert_same_function(mesh, **changes)
 
 
+def _bytes_per_device(tree) -> dict[int, int]:
+    """Bytes each device holds of a tree's arrays (rank >= 1), from the arrays' own addressable shards."""
+    held: dict[int, int] = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if leaf.ndim:
+            for shard in leaf.addressable_shards:
+                held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+    return held
+
+
+@pytest.mark.parametrize("preset,mesh", [("tiny", (1, 2, 4)), ("tiny-llama", (2, 2, 2))])
+def test_each_device_holds_its_hand_counted_share_of_params_and_adam_state(preset, mesh):
+    """The initial state's real shards: every device holds 4 bytes x the hand-counted parameters of its share
+    (each parameter's shape divided by the mesh axes its names map to), and Adam's two moments twice that."""
+    from test_sharding import hand_count_per_device
+
+    config = _config(mesh, preset, **{"model.scan_layers": True})
+    config.optimizer.name = "adam"
+    state = sharding.placement(config).init_state()
+    expected = 4 * hand_count_per_device(config.model, mesh[1], mesh[2])
+    assert _bytes_per_device(state.params) == {device.id: expected for device in jax.devices()}
+    assert _bytes_per_device(state.opt_state) == {device.id: 2 * expected for device in jax.devices()}
+    whole = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state.params))
+    assert expected < 1.1 * whole / (mesh[1] * mesh[2])  # split fsdp x tensor ways (norms, some biases aside)
+
+
 def test_fsdp_init_builds_each_shard_where_it_lives():
     """Under 1x8x1 the jitted init writes its outputs in shards: no device's buffers hold the whole state."""
     config = _config((1, 8, 1), **{"model.scan_layers": True})
