@@ -7,6 +7,7 @@ import pytest
 from conftest import REPO, load_config
 
 from jaxscale import run
+from jaxscale.cli import UsageError
 from jaxscale.config import validate
 from jaxscale.plan import gpu_plan, predict, targets
 from jaxscale.sweep.results import read_rows
@@ -239,6 +240,11 @@ def test_a_mesh_is_planned_per_device_on_8_target_gpus(tmp_path):
             ["--devices=8", "--config.mesh.data=2", "--config.mesh.fsdp=2"],
             "mesh: data x fsdp x tensor = 2x2x1 = 4 devices, but target h100 (--devices) has 8",
         ),
+        (  # a 1x1x1 mesh would plan one GPU under an 8-GPU name: refused, naming the mesh fields
+            ["--devices=8"],
+            "--devices 8: the mesh (data x fsdp x tensor = 1x1x1) uses 1 of the 8 target GPUs and leaves 7 idle; set "
+            "mesh.data, mesh.fsdp or mesh.tensor so that their product is 8 (e.g. --config.mesh.fsdp=8)",
+        ),
     ],
 )
 @needs_extra
@@ -247,6 +253,20 @@ def test_devices_that_the_mesh_does_not_use_are_one_line_errors(args, message, c
             "h100", *args]  # fmt: skip
     assert run.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_plan_layer_raises_its_own_error_which_the_front_doors_print_as_usage(capsys, monkeypatch):
+    """gpu_plan knows no command line: it raises PlanFlagError (not the CLI's UsageError), and jaxscale.run turns
+    it into the same one-line usage error, exit 2."""
+    assert not issubclass(gpu_plan.PlanFlagError, UsageError)
+    with pytest.raises(gpu_plan.PlanFlagError, match="--gemm: unknown 'fast'; allowed: both, triton, cublas"):
+        gpu_plan.check_target_flag(None, plan=True, gemm="fast")
+    with pytest.raises(gpu_plan.PlanFlagError, match="--devices 2: sets how many target GPUs to plan for"):
+        gpu_plan.check_devices_flag(_tiny("bf16"), None, 2)
+    monkeypatch.chdir(REPO)
+    assert run.main(["run", "--config", "configs/bf16.py:tiny", "--gemm", "triton"]) == 2
+    err = capsys.readouterr().err
+    assert err == "jaxscale: error: --gemm triton: picks the GEMMs of a GPU target's plan; add --target (and --plan)\n"
 
 
 def test_topology_of_n_gpus_is_hosts_of_eight():
