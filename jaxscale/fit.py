@@ -228,12 +228,13 @@ def _header(config, settings: dict) -> str:
 
 
 def run_settings(settings: dict) -> str:
-    """What an answer for a GPU target needs to run as printed: JAX's default allocator, or the setting."""
+    """What an answer for a GPU target needs to run as planned: JAX's default allocator, or the setting."""
     reserve = settings.get("fit_context_reserve_bytes")
-    kept = f"; {_gib(reserve)} GiB kept outside it for the CUDA context (assumed, docs/fit.md)" if reserve else ""
+    kept = f"; {_gib(reserve)} GiB outside it assumed enough for the CUDA context, docs/fit.md" if reserve else ""
     if settings.get("fit_run_env"):
-        return f"runs as planned with {settings['fit_run_env']} set (JAX's allocator at that fraction{kept})"
-    return f"runs as planned with JAX's default allocator (75% of the memory{kept})"
+        return f"to run as planned: set {settings['fit_run_env']} (JAX's allocator fraction{kept})"
+    default = f"{budget_lib.DEFAULT_MEM_FRACTION:.0%}"
+    return f"to run as planned: JAX's default allocator settings (it takes {default} of the memory{kept})"
 
 
 def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[list[dict], pathlib.Path]:

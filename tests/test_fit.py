@@ -108,7 +108,7 @@ def test_fit_plans_a_mesh_on_several_target_gpus_per_device(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "x2, mesh 1x2x1 (data x fsdp x tensor); per device" in out and "fastest predicted" in out
     # the answer names the allocator setting it was planned for, in the header and in the recommendation
-    assert "runs as planned with XLA_CLIENT_MEM_FRACTION=0.9 set" in out
+    assert "to run as planned: set XLA_CLIENT_MEM_FRACTION=0.9 (" in out
     assert "run it with XLA_CLIENT_MEM_FRACTION=0.9 set" in out.splitlines()[-2]
     (row,) = _rows(tmp_path, "fit_bf16_remat_tiny_h100_x2")
     assert (row["fit_mem_fraction"], row["fit_context_reserve_bytes"]) == (0.9, 2**30)

@@ -114,7 +114,7 @@ def for_target(
     run_env = None if setter is None else f"{MEM_FRACTION_ENV[0]}={fraction:g}"
     parts = dict(mem_fraction=fraction, mem_fraction_source=source, reserve_bytes=CONTEXT_RESERVE_BYTES)
     if memory is None:
-        return Budget(pool, f"{fraction:.0%} of {where}: JAX's allocator, {source}", run_env=run_env, **parts)
+        return Budget(pool, f"{fraction:.0%} of {where}, JAX's allocator ({source})", run_env=run_env, **parts)
     if memory <= pool:
         return Budget(memory, "--memory", run_env=run_env, **parts)
     needed = math.ceil(100 * memory / device_bytes) / 100

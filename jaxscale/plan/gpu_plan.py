@@ -326,12 +326,28 @@ def plan_for_target(
     return {**row, "plan_wall_s": time.perf_counter() - start}
 
 
+def _allocator_note(peak: int, memory: int) -> str:
+    """What a fitting plan needs of JAX's allocator on the GPU: nothing within its default pool, else the
+    fraction to set (jaxscale.plan.budget), or that no fraction leaves room for the CUDA context."""
+    from jaxscale.plan import budget  # budget imports this module's PlanFlagError
+
+    if peak <= budget.DEFAULT_MEM_FRACTION * memory:
+        return f" (within JAX's default allocator, {budget.DEFAULT_MEM_FRACTION:.0%} of the memory)"
+    needed = math.ceil(100 * peak / memory) / 100
+    if needed > budget.largest_fraction(memory):
+        return (f" in the device's memory, but not in what JAX's allocator can have beside the "
+                f"{budget.CONTEXT_RESERVE_BYTES / 2**30:g} GiB assumed for the CUDA context (docs/fit.md)")  # fmt: skip
+    return f" only with {budget.MEM_FRACTION_ENV[0]}={needed:g} set (JAX's allocator takes 75% by default)"
+
+
 def summary_line(row: dict[str, Any]) -> str:
     """One line for the run summary: fits or not on the target, and the GEMM band."""
     gib = 2**30
     band = [row.get(f"compiled_{m}_peak_bytes") for m in GEMM_MODES]
     band_text = " / ".join("-" if b is None else f"{b / gib:.3f}" for b in band)
     verdict = "fits" if row["plan_fits"] else f"does NOT fit: {row['plan_fits_reason']}"
+    if row["plan_fits"]:
+        verdict += _allocator_note(row["compiled_peak_bytes"], row["plan_target_memory_bytes"])
     devices = row.get("plan_devices") or 1
     each = f" x {devices} (topology {row.get('plan_topology')}; plan per device)" if devices > 1 else ""
     return (

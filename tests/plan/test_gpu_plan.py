@@ -273,3 +273,18 @@ def test_topology_of_n_gpus_is_hosts_of_eight():
     assert [targets.topology(n) for n in (1, 4, 8, 16, 64)] == ["1x1x1", "1x1x4", "1x1x8", "1x2x8", "1x8x8"]
     with pytest.raises(ValueError, match="--devices 12"):
         targets.topology(12)
+
+
+def test_a_plan_that_fits_says_what_jaxs_allocator_needs_to_run_it():
+    """The run's summary: a plan within the card but above JAX's default 75% pool names the fraction to set
+    (rounded up to hundredths), and one above what any fraction leaves beside the 1 GiB context reserve says so."""
+    gib = 2**30
+    row = {"plan_target": "h100", "plan_target_device_kind": "H100", "plan_target_memory_bytes": 100 * gib,
+           "plan_fits": True, "plan_fits_reason": None}  # fmt: skip
+    assert "fits (within JAX's default allocator, 75% of the memory)" in gpu_plan.summary_line(
+        {**row, "compiled_peak_bytes": 75 * gib}
+    )
+    assert "fits only with XLA_CLIENT_MEM_FRACTION=0.81 set" in gpu_plan.summary_line(
+        {**row, "compiled_peak_bytes": int(80.5 * gib)}
+    )
+    assert "not in what JAX's allocator can have" in gpu_plan.summary_line({**row, "compiled_peak_bytes": 99 * gib + 1})
