@@ -108,6 +108,12 @@ def budget(target: str | None, memory: str | None, mem_fraction: float | None = 
     return budget_lib.Budget(int(stats["bytes_limit"]), f"bytes_limit of local {jax.devices()[0].device_kind}")
 
 
+def _plain(value: Any) -> Any:
+    """A JSON value for what json cannot write: a NumPy scalar as its number (a byte count stays a number),
+    anything else as its text."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else str(value)
+
+
 def _question(config: ml_collections.ConfigDict, settings: dict[str, Any]) -> str:
     """What a row answers, as stable text: the base config and the fit settings (a changed one reruns)."""
     base = {k: v for k, v in flatten(config).items() if k not in ("config.name", "config.preset_source")}
@@ -142,7 +148,7 @@ class ProbeCache:
         row, error, seconds = fit_search.plan_row(plan, config, choice, minibatch)
         entry = {"variant": key, "status": "error" if error else "ok", "error": error, "plan": row}
         entry.update(seconds=seconds, fit_plan_question=self.question)
-        entry = json.loads(json.dumps(entry, default=str))
+        entry = json.loads(json.dumps(entry, default=_plain))
         self.store.record(entry)
         self.known[key] = entry
         return fit_search.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable, respect_xla_limit)
@@ -305,7 +311,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
                 continue
             row = fit_choice(config, choice, plan, cache, settings, limits)
             row.update(sweep=name, variant=choice, baseline=fv.remat[0], fit_question=question, plan_only=True)
-            store.record(json.loads(json.dumps(row, default=str)))
+            store.record(json.loads(json.dumps(row, default=_plain)))
             if not fv.quiet:
                 print(f"  {choice}: largest minibatch {row['fit_largest_minibatch']} ({row['fit_compiles']} compiles, "
                       f"{row['fit_wall_s']:.0f} s)", flush=True)  # fmt: skip

@@ -140,3 +140,14 @@ def test_a_partial_plan_is_reused_only_to_say_it_does_not_fit(tmp_path):
     assert cache.measure(planner(200), config, "block", 200, 2).fits and compiled == [True, False]  # recompiled
     assert cache.measure(planner(200), config, "block", 200, 2).fits and compiled == [True, False]  # whole: reused
     assert cache.reused == 2
+
+
+def test_numpy_numbers_in_a_row_are_recorded_as_numbers_and_tabulated():
+    """A count computed with NumPy integers (Adafactor's sharded state) once reached the row as text and the
+    table's GiB column raised TypeError; it is recorded as the number."""
+    import numpy as np
+
+    row = json.loads(json.dumps({"analytic_peak_bytes": np.int64(3 * 2**30)}, default=fit_cli._plain))
+    assert row["analytic_peak_bytes"] == 3 * 2**30
+    table = fit_cli.format_table([{**row, "fit_remat": "Block", "fit_largest_minibatch": None, "status": "oom"}])
+    assert "none (oom)" in table and " 3 " in table
