@@ -1,7 +1,7 @@
 """The fit planner: `python -m jaxscale.fit --config <file>:<preset> [--target h100] [--memory 20GiB]`.
 
 For each remat choice, the largest per-device minibatch whose compiled plan fits, found by compilation alone
-(jaxscale.plan.fit); a table, a recommendation, and rows in experiments/results/<fit name>/results.jsonl with
+(jaxscale.plan.fit_search); a table, a recommendation, and rows in experiments/results/<fit name>/results.jsonl with
 the sweep's conventions (resumable, failures as rows, read by `load_results` and `python -m jaxscale.report`).
 Each probe's plan is kept in probes/results.jsonl beside it, so a killed or repeated fit reuses them.
 `--measure` then runs each fitting choice at its largest minibatch on this machine's device (in its own
@@ -35,7 +35,8 @@ from jaxscale.cli import (
 )
 from jaxscale.config import flatten, mesh_shape, mesh_text
 from jaxscale.measure import params
-from jaxscale.plan import fit, gpu_plan, targets
+from jaxscale.plan import budget as budget_lib
+from jaxscale.plan import fit_recommend, fit_search, gpu_plan, targets
 from jaxscale.sweep import runner
 from jaxscale.sweep.results import ResultsFile
 from jaxscale.sweep.sweep_file import Sweep, Variant
@@ -62,17 +63,24 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         "tokens per step; the default without). --measure ranks by measured tokens/s.", flag_values=fv,
     )  # fmt: skip
     flags.DEFINE_string(
-        "memory", None, "Memory budget per device (20GiB); default: the target's memory.", flag_values=fv
-    )
+        "memory", None, "Memory budget per device for the program's buffers (20GiB); default: with --target, "
+        "what JAX's allocator gets of the target's memory (--mem_fraction), else the local device's limit.",
+        flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_float(
+        "mem_fraction", None, "With --target: the fraction of the GPU's memory JAX's allocator takes (what "
+        "XLA_CLIENT_MEM_FRACTION sets on the GPU; default: that variable here, else JAX's 0.75). The answer prints "
+        "the setting it needs.", flag_values=fv,
+    )  # fmt: skip
     flags.DEFINE_float("headroom", 0.0, "Fraction of the budget kept free (0.1 = plan within 90%).", flag_values=fv)
-    flags.DEFINE_list("remat", list(fit.REMAT_CHOICES), "Remat choices to compare.", flag_values=fv)
+    flags.DEFINE_list("remat", list(fit_search.REMAT_CHOICES), "Remat choices to compare.", flag_values=fv)
     flags.DEFINE_enum("gemm", "both", gpu_plan.GEMM_CHOICES, "With --target: GEMM modes planned.", flag_values=fv)
     flags.DEFINE_enum(
         "xla_limit", "respect", ("respect", "ignore"), "respect: a plan with XLA's 'Can't reduce memory use "
         "below' warning does not fit (conservative); ignore: the plan's peak alone decides.", flag_values=fv,
     )  # fmt: skip
-    flags.DEFINE_integer("max_minibatch", fit.DEFAULT_LIMIT, "Largest minibatch tried.", flag_values=fv)
-    flags.DEFINE_integer("max_compiles", fit.DEFAULT_MAX_COMPILES, "Compiles per remat choice.", flag_values=fv)
+    flags.DEFINE_integer("max_minibatch", fit_search.DEFAULT_LIMIT, "Largest minibatch tried.", flag_values=fv)
+    flags.DEFINE_integer("max_compiles", fit_search.DEFAULT_MAX_COMPILES, "Compiles per remat choice.", flag_values=fv)
     flags.DEFINE_bool(
         "measure", False, "Run each fitting choice at its largest minibatch here, time it.", flag_values=fv
     )
@@ -83,24 +91,36 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     return fv
 
 
-def budget(target: str | None, memory: str | None) -> tuple[int, str]:
-    """(budget bytes per device, where it comes from): --memory, else the target's or the local device's memory.
+def budget(target: str | None, memory: str | None, mem_fraction: float | None = None) -> budget_lib.Budget:
+    """The budget per device and its parts: with a target, what its runtime gives the program's buffers
+    (jaxscale.plan.budget); else --memory or the local device's bytes_limit (JAX's pool there).
 
     Raises:
-      UsageError: no budget can be known (the CPU backend without --memory).
+      UsageError: no budget can be known (the CPU backend without --memory), or --mem_fraction without a target.
+      gpu_plan.PlanFlagError: a fraction or --memory the target cannot give.
     """
-    if memory is not None:
-        return parse_bytes(memory, "--memory"), "--memory"
+    size = None if memory is None else parse_bytes(memory, "--memory")
     if target is not None:
         spec = targets.get_target(target)
-        return spec.device_memory_size, f"memory of target {spec.name}"
+        return budget_lib.for_target(spec.name, spec.device_memory_size, mem_fraction, size)
+    if mem_fraction is not None:
+        raise UsageError("--mem_fraction: sets the share of a --target's memory JAX's allocator takes; add --target, "
+                         "or give the budget with --memory")  # fmt: skip
+    if size is not None:
+        return budget_lib.Budget(size, "--memory")
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         raise UsageError(
             f"--memory: required without --target on the {jax.default_backend()} backend, which has no device "
             "memory to fit (e.g. --memory 24GiB), or plan for a GPU with --target a5000"
         )
-    return int(stats["bytes_limit"]), f"bytes_limit of local {jax.devices()[0].device_kind}"
+    return budget_lib.Budget(int(stats["bytes_limit"]), f"bytes_limit of local {jax.devices()[0].device_kind}")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value for what json cannot write: a NumPy scalar as its number (a byte count stays a number),
+    anything else as its text."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else str(value)
 
 
 def _question(config: ml_collections.ConfigDict, settings: dict[str, Any]) -> str:
@@ -122,27 +142,28 @@ class ProbeCache:
         self.known = {r["variant"]: r for r in store.rows() if r.get("fit_plan_question") == question}
 
     def measure(
-        self, plan: fit.Planner, config, choice: str, usable: int, minibatch: int, respect_xla_limit: bool = True
-    ) -> fit.Probe:
+        self, plan: fit_search.Planner, config, choice: str, usable: int, minibatch: int, respect_xla_limit: bool = True
+    ) -> fit_search.Probe:
         key = f"{choice}@{minibatch}"
         entry = self.known.get(key)
         if entry is not None and not (entry["status"] == "error" and self.retry_failed):
-            kept = fit.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable, respect_xla_limit)
+            kept_plan = (entry["plan"], entry["error"], entry["seconds"])
+            kept = fit_search.judge(minibatch, *kept_plan, usable, respect_xla_limit)
             # A partial plan (Triton skipped: the cuBLAS plan did not fit the budget it was made for) decides
             # only "does not fit"; where this budget would let it fit, both GEMM modes are compiled.
             if not (entry["plan"] or {}).get("plan_gemm_partial") or not kept.fits:
                 self.reused += 1
                 return kept
-        row, error, seconds = fit.plan_row(plan, config, choice, minibatch)
+        row, error, seconds = fit_search.plan_row(plan, config, choice, minibatch)
         entry = {"variant": key, "status": "error" if error else "ok", "error": error, "plan": row}
         entry.update(seconds=seconds, fit_plan_question=self.question)
-        entry = json.loads(json.dumps(entry, default=str))
+        entry = json.loads(json.dumps(entry, default=_plain))
         self.store.record(entry)
         self.known[key] = entry
-        return fit.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable, respect_xla_limit)
+        return fit_search.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable, respect_xla_limit)
 
 
-def fit_choice(config, choice: str, plan: fit.Planner, cache: ProbeCache, settings: dict, limits: dict) -> dict:
+def fit_choice(config, choice: str, plan: fit_search.Planner, cache: ProbeCache, settings: dict, limits: dict) -> dict:
     """Searches one remat choice (starting at the analytic model's answer) and returns its row."""
     start_time, reused_before = time.perf_counter(), cache.reused
     usable = settings["fit_usable_bytes"]
@@ -150,16 +171,16 @@ def fit_choice(config, choice: str, plan: fit.Planner, cache: ProbeCache, settin
     # GPU compiler's base limit): aim the analytic start there; the row keeps the analytic answer for `usable`.
     xla = settings["fit_target"] is not None and settings["fit_xla_limit"] == "respect"
     aim = min(usable, int(0.8 * settings["fit_target_memory_bytes"])) if xla else usable
-    start = max(1, fit.analytic_largest_minibatch(config, choice, aim, limits["limit"]))
+    start = max(1, fit_search.analytic_largest_minibatch(config, choice, aim, limits["limit"]))
     respect = settings["fit_xla_limit"] == "respect"
-    search = fit.search_largest(
+    search = fit_search.search_largest(
         lambda m: cache.measure(plan, config, choice, usable, m, respect),
         usable,
         start,
         limits["limit"],
         limits["max_compiles"],
     )
-    row = fit.fit_row(config, choice, search, settings)
+    row = fit_search.fit_row(config, choice, search, settings)
     row.update(fit_probes_reused=cache.reused - reused_before, fit_wall_s=time.perf_counter() - start_time)
     return row
 
@@ -171,7 +192,7 @@ def measure_rows(rows: list[dict], fv: flags.FlagValues, name: str, output_root:
     for row in rows:
         if row.get("status") != "ok" or row.get("tokens_per_s") is not None:
             continue
-        _, remat, policy = fit.REMAT_CHOICES[row["fit_choice"]]
+        _, remat, policy = fit_search.REMAT_CHOICES[row["fit_choice"]]
         changes = {**overrides, "model.remat": remat, "model.remat_policy": policy}
         changes["data.batch_size"] = row["config.data.batch_size"]
         variant = Variant(row["fit_choice"], changes, ml_collections.ConfigDict())
@@ -215,17 +236,27 @@ def _header(config, settings: dict) -> str:
         f"usable {_gib(settings['fit_usable_bytes'])} GiB (headroom {settings['fit_headroom']:.0%})"
     )
     if settings["fit_target"] is not None:
-        text += f"; XLA's own limit: {settings['fit_xla_limit']}"
+        text += f"; XLA's own limit: {settings['fit_xla_limit']}\n  {run_settings(settings)}"
     if settings["fit_target"] is None and jax.default_backend() == "cpu":
         text += "\n  note: a CPU plan is only a proxy for a GPU's (1.3-3x off in bf16); use --target to plan for a GPU"
     return "\n".join([text, *(f"  shape warning: {w}" for w in params.shape_warnings(config.model))])
 
 
+def run_settings(settings: dict) -> str:
+    """What an answer for a GPU target needs to run as planned: JAX's default allocator, or the setting."""
+    reserve = settings.get("fit_context_reserve_bytes")
+    kept = f"; {_gib(reserve)} GiB outside it assumed enough for the CUDA context, docs/fit.md" if reserve else ""
+    if settings.get("fit_run_env"):
+        return f"to run as planned: set {settings['fit_run_env']} (JAX's allocator fraction{kept})"
+    default = f"{budget_lib.DEFAULT_MEM_FRACTION:.0%}"
+    return f"to run as planned: JAX's default allocator settings (it takes {default} of the memory{kept})"
+
+
 def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[list[dict], pathlib.Path]:
     """Searches every selected remat choice that has no current row; returns all rows and the results path."""
-    unknown = [c for c in fv.remat if c not in fit.REMAT_CHOICES]
+    unknown = [c for c in fv.remat if c not in fit_search.REMAT_CHOICES]
     if unknown:
-        raise UsageError(f"--remat: unknown {', '.join(unknown)}; allowed: {', '.join(fit.REMAT_CHOICES)}")
+        raise UsageError(f"--remat: unknown {', '.join(unknown)}; allowed: {', '.join(fit_search.REMAT_CHOICES)}")
     if not 0 <= fv.headroom < 1:
         raise UsageError(f"--headroom: must be in [0, 1), got {fv.headroom:g}")
     if fv.max_minibatch < 1 or fv.max_compiles < 1:
@@ -237,22 +268,23 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
                 f"--devices / mesh {mesh_text(config)}: the fit planner plans a mesh for a GPU target only; add "
                 "--target (e.g. --target h100 --devices 8), or use a 1x1x1 mesh for this machine's compiler"
             )
-        gpu_plan.check_devices_flag(config, fv.target, fv.devices)
         if math.prod(mesh_shape(config)) != (fv.devices or 1):  # a 1x1x1 mesh would plan one of the N GPUs
             raise UsageError(
                 f"mesh: data x fsdp x tensor = {mesh_text(config)} plans {math.prod(mesh_shape(config))} GPU(s), "
                 f"but --devices is {fv.devices or 1}; choose sizes whose product is {fv.devices or 1} "
                 f"(e.g. --config.mesh.fsdp={fv.devices or 1})"
             )
+        gpu_plan.check_devices_flag(config, fv.target, fv.devices)
     if fv.rank == "predicted" and fv.target is None:
         raise UsageError("--rank predicted: needs --target (step times are predicted for a GPU); or --rank tokens")
     devices = fv.devices or 1
-    total, source = budget(fv.target, fv.memory)
+    given = budget(fv.target, fv.memory, fv.mem_fraction)
+    total = given.bytes
     spec = targets.get_target(fv.target) if fv.target else None
     settings = {
         "fit_target": spec.name if spec else None, "fit_gemm": fv.gemm if spec else None,
         "fit_target_memory_bytes": spec.device_memory_size if spec else None,
-        "fit_budget_bytes": total, "fit_budget_source": source, "fit_headroom": fv.headroom,
+        **given.columns(), "fit_headroom": fv.headroom,
         "fit_xla_limit": fv.xla_limit, "fit_devices": devices, "fit_mesh": mesh_text(config),
         "fit_rank": fv.rank or ("predicted" if spec else "tokens"),
         "fit_usable_bytes": int(total * (1 - fv.headroom)),
@@ -275,7 +307,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     plan_question = _question(config, {k: settings[k] for k in plan_keys})
     respect = fv.xla_limit == "respect"
     usable = settings["fit_usable_bytes"]
-    plan = fit.target_planner(spec.name, fv.gemm, usable, respect, devices) if spec else fit.local_planner
+    plan = fit_search.target_planner(spec.name, fv.gemm, usable, respect, devices) if spec else fit_search.local_planner
     if not fv.quiet:
         print(_header(config, settings))
     with store.locked():
@@ -288,7 +320,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
                 continue
             row = fit_choice(config, choice, plan, cache, settings, limits)
             row.update(sweep=name, variant=choice, baseline=fv.remat[0], fit_question=question, plan_only=True)
-            store.record(json.loads(json.dumps(row, default=str)))
+            store.record(json.loads(json.dumps(row, default=_plain)))
             if not fv.quiet:
                 print(f"  {choice}: largest minibatch {row['fit_largest_minibatch']} ({row['fit_compiles']} compiles, "
                       f"{row['fit_wall_s']:.0f} s)", flush=True)  # fmt: skip
@@ -344,17 +376,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config_flags(fv, argv)
         rows, path = run_fit(fv, config)
-    except UsageError as error:
+    except (UsageError, gpu_plan.PlanFlagError) as error:
         return fail(str(error))
     except KeyboardInterrupt:
         print("jaxscale: interrupted; finished rows and probes are kept, run the same command to resume")
         return 130
     print(format_table(rows))
-    best, why = fit.recommend(rows, measured=fv.measure, rank=fv.rank or ("predicted" if fv.target else "tokens"))
+    rank = fv.rank or ("predicted" if fv.target else "tokens")
+    best, why = fit_recommend.recommend(rows, measured=fv.measure, rank=rank)
     if best is None:
         print(f"recommendation: none: {why}; see the rows' error (the smallest plan) for what it needs")
     else:
-        print(f"recommendation: {best['fit_remat']} at minibatch {best['fit_largest_minibatch']}: {why}")
+        run_env = f"; run it with {best['fit_run_env']} set" if best.get("fit_run_env") else ""
+        print(f"recommendation: {best['fit_remat']} at minibatch {best['fit_largest_minibatch']}: {why}{run_env}")
     print(f"results: {path} (probes in {path.parent / 'probes'})")
     return 0
 

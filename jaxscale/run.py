@@ -443,10 +443,14 @@ def check_devices(config: ml_collections.ConfigDict, target: str | None, devices
     """The mesh against the devices it runs on: this run's (all processes') or --devices of a target.
 
     Raises:
-      UsageError: one line naming mesh or --devices and what would work.
+      UsageError: one line naming mesh or --devices and what would work (a 1x1x1 mesh with --devices N > 1
+        included: it would plan one of the N GPUs).
     """
     if target is not None or devices is not None:
-        gpu_plan.check_devices_flag(config, target, devices)
+        try:
+            gpu_plan.check_devices_flag(config, target, devices)
+        except gpu_plan.PlanFlagError as error:
+            raise UsageError(str(error)) from None
         return
     count, platform = jax.device_count(), jax.default_backend()
     hint = f"; simulate CPU devices with --host_devices={math.prod(mesh_shape(config))}" if platform == "cpu" else ""
@@ -474,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         compile_cache.set_enabled(fv.compilation_cache)
         gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm)
-    except UsageError as error:  # bad input ends this process before it joins the others
+    except (UsageError, gpu_plan.PlanFlagError) as error:  # bad input ends this process before it joins the others
         return fail(str(error))
     try:
         hosts.initialize(early)

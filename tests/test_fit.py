@@ -76,6 +76,7 @@ def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_pat
         (["--memory", "4MiB", "--devices", "8"], "--devices / mesh 1x1x1: the fit planner plans a mesh for a GPU"),
         (["--memory", "4MiB", "--config.mesh.fsdp=2"], "add --target (e.g. --target h100 --devices 8)"),
         (["--memory", "4MiB", "--rank", "predicted"], "--rank predicted: needs --target"),
+        (["--memory", "4MiB", "--mem_fraction", "0.9"], "--mem_fraction: sets the share of a --target's memory"),
     ],
 )
 def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):
@@ -90,6 +91,8 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):
     [
         (["--target", "a5000", "--measure"], "--measure: runs on this machine's device"),
         (["--target", "h100", "--devices", "8"], "1x1x1 plans 1 GPU(s), but --devices is 8"),
+        (["--target", "a5000", "--mem_fraction", "0.99"], "--mem_fraction: 0.99 of target a5000's 23.99 GiB leaves"),
+        (["--target", "a5000", "--memory", "23GiB"], "--memory 23 GiB: more than JAX's allocator can have"),
     ],
 )
 def test_bad_target_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):
@@ -101,10 +104,14 @@ def test_fit_plans_a_mesh_on_several_target_gpus_per_device(tmp_path, capsys):
     """--target h100 --devices 2 with FSDP over 2: the minibatch, plan and budget are per device, the batch is
     the minibatch times the devices, and the recommendation ranks by predicted tokens/s (labelled)."""
     args = ["--target", "h100", "--devices", "2", "--config.mesh.fsdp=2", "--memory", "12MiB", "--gemm", "cublas"]
-    assert _fit(tmp_path, *args, "--max_minibatch", "2") == 0
+    assert _fit(tmp_path, *args, "--max_minibatch", "2", "--mem_fraction", "0.9") == 0
     out = capsys.readouterr().out
     assert "x2, mesh 1x2x1 (data x fsdp x tensor); per device" in out and "fastest predicted" in out
+    # the answer names the allocator setting it was planned for, in the header and in the recommendation
+    assert "to run as planned: set XLA_CLIENT_MEM_FRACTION=0.9 (" in out
+    assert "run it with XLA_CLIENT_MEM_FRACTION=0.9 set" in out.splitlines()[-2]
     (row,) = _rows(tmp_path, "fit_bf16_remat_tiny_h100_x2")
+    assert (row["fit_mem_fraction"], row["fit_context_reserve_bytes"]) == (0.9, 2**30)
     assert row["status"] == "ok" and row["fit_devices"] == 2 and row["plan_devices"] == 2
     assert row["config.data.batch_size"] == 2 * 2 * row["fit_largest_minibatch"]  # 2 minibatches x 2 devices
     assert row["compiled_peak_bytes"] <= 12 * 2**20 and row["predicted_tokens_per_s"] > 0
@@ -133,3 +140,14 @@ def test_a_partial_plan_is_reused_only_to_say_it_does_not_fit(tmp_path):
     assert cache.measure(planner(200), config, "block", 200, 2).fits and compiled == [True, False]  # recompiled
     assert cache.measure(planner(200), config, "block", 200, 2).fits and compiled == [True, False]  # whole: reused
     assert cache.reused == 2
+
+
+def test_numpy_numbers_in_a_row_are_recorded_as_numbers_and_tabulated():
+    """A count computed with NumPy integers (Adafactor's sharded state) once reached the row as text and the
+    table's GiB column raised TypeError; it is recorded as the number."""
+    import numpy as np
+
+    row = json.loads(json.dumps({"analytic_peak_bytes": np.int64(3 * 2**30)}, default=fit_cli._plain))
+    assert row["analytic_peak_bytes"] == 3 * 2**30
+    table = fit_cli.format_table([{**row, "fit_remat": "Block", "fit_largest_minibatch": None, "status": "oom"}])
+    assert "none (oom)" in table and " 3 " in table

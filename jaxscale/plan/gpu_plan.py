@@ -20,7 +20,7 @@ and returns result-row fields:
 Both ways run the same compile function (so the same cache, topology, collectives and kernels): the child is
 what run and sweep use, because a malformed target config can kill the compiling process with a signal
 (SIGFPE); in process (the GEMM mode is a compile option either way, XLA's warning read from this process's
-own file descriptor 2) is what the fit planner (jaxscale.plan.fit) uses for its many compiles.
+own file descriptor 2) is what the fit planner (jaxscale.plan.fit_search) uses for its many compiles.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import jax
 import ml_collections
 
 from jaxscale import _env
-from jaxscale.cli import UsageError
 from jaxscale.config import ConfigError, check_mesh_devices, mesh_shape
 from jaxscale.measure import kernels
 from jaxscale.plan import predict, target_compile, targets
@@ -73,6 +72,14 @@ class PlanError(RuntimeError):
     """The target compile failed (a crash, a signal or an XLA error); the message is one line."""
 
 
+class PlanFlagError(ValueError):
+    """A planning option that cannot be planned: --target, --gemm, --devices, or the mesh fields they need.
+
+    The message is one line naming the flag or field and what is allowed; the front doors (jaxscale.run,
+    jaxscale.sweep, jaxscale.fit) print it as their usage error (exit 2).
+    """
+
+
 def missing_extra() -> str | None:
     """None when the gpu-plan extra is installed, else a one-line message naming it."""
     missing = []
@@ -92,34 +99,34 @@ def check_target_flag(target: str | None, plan: bool, gemm: str = "both") -> Non
     """Checks `--target` (and `--gemm`) before any work: known target, used with --plan, extra installed.
 
     Raises:
-      UsageError: one line naming what is wrong (the known targets, or the extra to install).
+      PlanFlagError: one line naming what is wrong (the known targets, or the extra to install).
     """
     if gemm not in GEMM_CHOICES:
-        raise UsageError(f"--gemm: unknown {gemm!r}; allowed: {', '.join(GEMM_CHOICES)}")
+        raise PlanFlagError(f"--gemm: unknown {gemm!r}; allowed: {', '.join(GEMM_CHOICES)}")
     if target is None:
         if gemm != "both":
-            raise UsageError(f"--gemm {gemm}: picks the GEMMs of a GPU target's plan; add --target (and --plan)")
+            raise PlanFlagError(f"--gemm {gemm}: picks the GEMMs of a GPU target's plan; add --target (and --plan)")
         return
     try:
         targets.get_target(target)
     except ValueError as error:  # UnknownTargetError included
-        raise UsageError(str(error)) from None
+        raise PlanFlagError(str(error)) from None
     if not plan:
-        raise UsageError(f"--target {target}: only plans (the GPU is not here); add --plan")
+        raise PlanFlagError(f"--target {target}: only plans (the GPU is not here); add --plan")
     missing = missing_extra()
     if missing:
-        raise UsageError(missing)
+        raise PlanFlagError(missing)
 
 
 def check_devices_flag(config: ml_collections.ConfigDict, target: str | None, devices: int | None) -> None:
     """Checks `--devices` (the target GPUs to plan on): with --target, a count XLA's CUDA topology takes, and
-    the config's mesh uses them all.
+    the config's mesh uses them all (a 1x1x1 mesh with --devices N > 1 is refused: it would plan one GPU).
 
     Raises:
-      UsageError: one line naming --devices or mesh and what would work.
+      PlanFlagError: one line naming --devices or mesh and what would work.
     """
     if target is None:
-        raise UsageError(
+        raise PlanFlagError(
             f"--devices {devices}: sets how many target GPUs to plan for; add --plan --target (a run uses the "
             "devices it has; simulate CPU devices with --host_devices)"
         )
@@ -127,7 +134,13 @@ def check_devices_flag(config: ml_collections.ConfigDict, target: str | None, de
         targets.topology(devices or 1)
         check_mesh_devices(config, devices or 1, f"target {target} (--devices)", "; --devices sets the target's count")
     except (ConfigError, ValueError) as error:
-        raise UsageError(str(error)) from None
+        raise PlanFlagError(str(error)) from None
+    if (devices or 1) > 1 and math.prod(mesh_shape(config)) == 1:  # a 1x1x1 mesh plans one of them
+        raise PlanFlagError(
+            f"--devices {devices}: the mesh (data x fsdp x tensor = 1x1x1) uses 1 of the {devices} target GPUs and "
+            f"leaves {devices - 1} idle; set mesh.data, mesh.fsdp or mesh.tensor so that their product is {devices} "
+            f"(e.g. --config.mesh.fsdp={devices}), or drop --devices to plan one GPU"
+        )
 
 
 def parse_remat_warning(stderr: str) -> dict[str, int] | None:
@@ -313,12 +326,28 @@ def plan_for_target(
     return {**row, "plan_wall_s": time.perf_counter() - start}
 
 
+def _allocator_note(peak: int, memory: int) -> str:
+    """What a fitting plan needs of JAX's allocator on the GPU: nothing within its default pool, else the
+    fraction to set (jaxscale.plan.budget), or that no fraction leaves room for the CUDA context."""
+    from jaxscale.plan import budget  # budget imports this module's PlanFlagError
+
+    if peak <= budget.DEFAULT_MEM_FRACTION * memory:
+        return f" (within JAX's default allocator, {budget.DEFAULT_MEM_FRACTION:.0%} of the memory)"
+    needed = math.ceil(100 * peak / memory) / 100
+    if needed > budget.largest_fraction(memory):
+        return (f" in the device's memory, but not in what JAX's allocator can have beside the "
+                f"{budget.CONTEXT_RESERVE_BYTES / 2**30:g} GiB assumed for the CUDA context (docs/fit.md)")  # fmt: skip
+    return f" only with {budget.MEM_FRACTION_ENV[0]}={needed:g} set (JAX's allocator takes 75% by default)"
+
+
 def summary_line(row: dict[str, Any]) -> str:
     """One line for the run summary: fits or not on the target, and the GEMM band."""
     gib = 2**30
     band = [row.get(f"compiled_{m}_peak_bytes") for m in GEMM_MODES]
     band_text = " / ".join("-" if b is None else f"{b / gib:.3f}" for b in band)
     verdict = "fits" if row["plan_fits"] else f"does NOT fit: {row['plan_fits_reason']}"
+    if row["plan_fits"]:
+        verdict += _allocator_note(row["compiled_peak_bytes"], row["plan_target_memory_bytes"])
     devices = row.get("plan_devices") or 1
     each = f" x {devices} (topology {row.get('plan_topology')}; plan per device)" if devices > 1 else ""
     return (

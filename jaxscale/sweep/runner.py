@@ -6,7 +6,8 @@ process, so its peak memory is its own and a crash ends only it. Rows go to
 <output_root>/experiments/results/<sweep>/results.jsonl, traces to <output_root>/traces/<sweep>/.
 `--plan [--target a5000]` compiles only (for that GPU, no GPU needed; see docs/gpu_planning.md), and the
 sweep's name says so (seed_table_seed_plan_a5000), so a plan's rows never mix with a run's; `--devices 8`
-plans the variants' meshes on 8 target GPUs (seed_table_seed_plan_a5000_x8). `--host_devices N` and the
+plans the variants' meshes on 8 target GPUs (seed_table_seed_plan_a5000_x8; a 1x1x1 variant is planned on one
+GPU, its row says so). `--host_devices N` and the
 multi-process flags (jaxscale.hosts) are passed to every variant's run; with several processes only process 0
 records rows (docs/mesh.md).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -36,7 +38,7 @@ from jaxscale.cli import (
     print_help,
     wants_help,
 )
-from jaxscale.config import describe, flatten
+from jaxscale.config import describe, flatten, mesh_shape
 from jaxscale.plan import gpu_plan, targets
 from jaxscale.run import write_row
 from jaxscale.sweep import variant_process
@@ -115,7 +117,10 @@ def _run_args(
             raise UsageError(f"--run_arg: {arg!r} is set by the sweep{hint}")
         if flag in _SWEEP_RUN_FLAGS:
             raise UsageError(f"--run_arg: {arg!r}: use the sweep's own {flag.replace('--no', '--')} flag")
-    gpu_plan.check_target_flag(target, plan, gemm)
+    try:
+        gpu_plan.check_target_flag(target, plan, gemm)
+    except gpu_plan.PlanFlagError as error:
+        raise UsageError(str(error)) from None
     if devices is not None and target is None:
         raise UsageError(f"--devices {devices}: sets how many target GPUs to plan for; add --plan --target")
     args = ["--plan"] if plan else []
@@ -152,6 +157,18 @@ def _process_id(run_args: Sequence[str]) -> int | None:
     return int(found[-1]) if found else None
 
 
+def _one_gpu_args(variant: Variant, run_args: list[str]) -> tuple[list[str], str | None]:
+    """(the run flags of one variant, a note): a sweep's --devices N plans the variants whose mesh uses the N
+    GPUs; a 1x1x1 variant (the usual baseline) is planned on one GPU without --devices (the run refuses N GPUs
+    that its mesh would leave idle), and its row's `plan_devices_note` says so."""
+    given = [arg for arg in run_args if arg.startswith("--devices=")]
+    if not given or math.prod(mesh_shape(variant.config)) > 1:
+        return run_args, None
+    count = given[-1].split("=", 1)[1]
+    note = f"planned on one GPU: the mesh is 1x1x1 (the sweep's --devices {count} plans the meshes that use them)"
+    return [arg for arg in run_args if not arg.startswith("--devices=")], note
+
+
 def run_variant(
     sweep: Sweep, variant: Variant, output_root: pathlib.Path, run_args: list[str], timeout_s: float | None
 ) -> dict | None:
@@ -164,10 +181,11 @@ def run_variant(
     elif process == 0:  # other processes may be writing their traces inside it
         (run_dir / "result.json").unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
+    variant_args, devices_note = _one_gpu_args(variant, run_args)
     command = [
         "-m", "jaxscale.run", f"--config={sweep.path}:{sweep.preset}",
         *(f"--config.{field}={cli_value(value, field)}" for field, value in variant.overrides.items()),
-        f"--config.name={variant.name}", f"--run_dir={run_dir}", "--quiet", *run_args,
+        f"--config.name={variant.name}", f"--run_dir={run_dir}", "--quiet", *variant_args,
     ]  # fmt: skip
     log = run_dir / ("run.log" if not process else f"run_process_{process}.log")
     finished = variant_process.launch(command, log, timeout_s)
@@ -188,6 +206,8 @@ def run_variant(
         notebook = row["notebook_step_s"] = sweep.notebook_step_s[variant.name]
         predicted = row.get("predicted_step_s")
         row["predicted_over_notebook"] = None if predicted is None else predicted / notebook
+    if devices_note is not None:
+        row["plan_devices_note"] = devices_note
     row.update(
         sweep=sweep.name,
         variant=variant.name,
@@ -231,6 +251,7 @@ def _for_process_0(run_args: list[str]) -> list[str]:
 
 def _one_line(row: dict) -> str:
     text = f"{row['variant']}: {row['status']}"
+    text += " (1x1x1: planned on one GPU)" if row.get("plan_devices_note") else ""
     if row.get("step_s_median") is not None:
         text += f", {row['step_s_median']:.4f} s/step median"
     return text + (f" ({row['error']})" if row.get("error") else "")

@@ -1,4 +1,4 @@
-"""jaxscale.plan.fit: the grow-then-bisect search finds the exact edge within its bound, rows and recommendation,
+"""jaxscale.plan.fit_search: the grow-then-bisect search finds the exact edge within its bound, rows and recommendation,
 and the in-process target plan equals the child process's."""
 
 from __future__ import annotations
@@ -8,40 +8,76 @@ import math
 import pytest
 
 from jaxscale.config import base_config
-from jaxscale.plan import fit, gpu_plan
+from jaxscale.plan import fit_recommend, fit_search, gpu_plan
 
 
 def _linear(base: int, per_sequence: int, usable: int, calls: list[int]):
     """A fake compile: peak = base + per_sequence x minibatch; it fits when the peak is within `usable`."""
 
-    def measure(minibatch: int) -> fit.Probe:
+    def measure(minibatch: int) -> fit_search.Probe:
         calls.append(minibatch)
         peak = base + per_sequence * minibatch
-        return fit.Probe(minibatch, peak <= usable, peak, None if peak <= usable else "too big", {}, 0.0)
+        return fit_search.Probe(minibatch, peak <= usable, peak, None if peak <= usable else "too big", {}, 0.0)
 
     return measure
+
+
+BOUND = 2 * math.ceil(math.log2(8192)) + 2  # compiles: grow by doubling, then bisect, from any start in [1, 8192]
+UNCAPPED = 10**6  # max_compiles far above BOUND, so the search's own steps, not the cap, decide when it stops
+
+
+def _check_search(search_largest, answer: int, start_error: float) -> None:
+    """The exact edge, no minibatch compiled twice, and at most BOUND compiles, for a search function."""
+    base, per_sequence = 1000, 37
+    usable = base + per_sequence * answer + per_sequence // 2  # answer fits, answer + 1 does not
+    calls: list[int] = []
+    start = max(1, round(answer * start_error))
+    search = search_largest(_linear(base, per_sequence, usable, calls), usable, start, 8192, UNCAPPED)
+    assert search.largest.minibatch == answer
+    assert search.too_large.minibatch == answer + 1
+    assert len(calls) == len(set(calls)) == search.compiles  # no minibatch compiled twice
+    assert search.compiles <= BOUND
 
 
 @pytest.mark.parametrize("answer", [1, 2, 3, 7, 64, 100, 333, 4095])
 @pytest.mark.parametrize("start_error", [0.25, 0.8, 1.0, 1.3, 4.0])
 def test_search_finds_the_exact_largest_minibatch_within_its_bound(answer, start_error):
-    """Whatever the start (a wrong analytic guess included), the edge is exact and compiles stay logarithmic."""
-    base, per_sequence = 1000, 37
-    usable = base + per_sequence * answer + per_sequence // 2  # answer fits, answer + 1 does not
-    calls: list[int] = []
-    start = max(1, round(answer * start_error))
-    search = fit.search_largest(_linear(base, per_sequence, usable, calls), usable, start, limit=8192)
-    assert search.largest.minibatch == answer
-    assert search.too_large.minibatch == answer + 1
-    assert len(calls) == len(set(calls)) == search.compiles  # no minibatch compiled twice
-    assert search.compiles <= 2 * math.ceil(math.log2(8192)) + 2
+    """Whatever the start (a wrong analytic guess included), the edge is exact and compiles stay logarithmic:
+    with the cap lifted, the bound is what a search that crept would break."""
+    _check_search(fit_search.search_largest, answer, start_error)
+
+
+def _linear_scan(measure, usable, start, limit, max_compiles):
+    """A search that steps one minibatch at a time from `start` (what the bound must rule out)."""
+    probes = fit_search._Probes(measure, usable, max_compiles)
+    minibatch, low, high = start, None, None
+    while not probes.spent():
+        current = probes.at(minibatch)
+        if current.fits:
+            low = current
+            if minibatch == limit or high is not None:
+                break
+            minibatch += 1
+        else:
+            high = current
+            if low is not None or minibatch == 1:
+                break
+            minibatch -= 1
+    return fit_search.Search(list(probes.seen.values()), low, high, limit)
+
+
+def test_the_bound_fails_a_linear_scan():
+    """The same check on a one-step-at-a-time search: exact, but over the bound (the cap no longer hides it)."""
+    _check_search(_linear_scan, 7, 1.0)  # a scan is right where it starts next to the edge
+    with pytest.raises(AssertionError, match="assert 252 <= 28"):
+        _check_search(_linear_scan, 333, 0.25)  # 83, 84, ..., 334: 252 compiles
 
 
 def test_a_good_start_needs_few_compiles():
     """Plans linear in the minibatch: from the analytic start the interpolation lands on the edge at once."""
     calls: list[int] = []
     usable = 10_000 + 250 * 120 + 100
-    search = fit.search_largest(_linear(10_000, 250, usable, calls), usable, start=110)
+    search = fit_search.search_largest(_linear(10_000, 250, usable, calls), usable, start=110)
     assert search.largest.minibatch == 120 and search.compiles <= 4
 
 
@@ -50,89 +86,117 @@ def test_a_plateau_at_xla_s_limit_is_bisected_not_crept_through():
     the peaks do not show: the search bisects there instead of stepping one minibatch at a time."""
     limit_bytes, edge = 18_000, 348
 
-    def measure(minibatch: int) -> fit.Probe:
+    def measure(minibatch: int) -> fit_search.Probe:
         peak = min(60 * minibatch, limit_bytes - 10) if minibatch <= edge else 60 * minibatch  # flat from 300
         fits = minibatch <= edge
         if fits:
-            return fit.Probe(minibatch, True, peak, None, {}, 0.0)
-        return fit.Probe(minibatch, False, peak, "XLA's warning", {}, 0.0, limit_bytes=limit_bytes)
+            return fit_search.Probe(minibatch, True, peak, None, {}, 0.0)
+        return fit_search.Probe(minibatch, False, peak, "XLA's warning", {}, 0.0, limit_bytes=limit_bytes)
 
-    search = fit.search_largest(measure, 24_000, start=336, limit=4096)
+    search = fit_search.search_largest(measure, 24_000, start=336, limit=4096)
     assert search.largest.minibatch == edge and search.too_large.minibatch == edge + 1
     assert search.compiles <= 11  # the bracket [336, 672] bisected: 9 steps, plus the first two
 
 
 def test_search_stops_at_the_limit_and_reports_when_nothing_fits():
     calls: list[int] = []
-    search = fit.search_largest(_linear(0, 1, 10**9, calls), 10**9, start=3, limit=40)
+    search = fit_search.search_largest(_linear(0, 1, 10**9, calls), 10**9, start=3, limit=40)
     assert search.largest.minibatch == 40 and search.too_large is None
     calls.clear()
-    search = fit.search_largest(_linear(5000, 10, 100, calls), 100, start=16)
+    search = fit_search.search_largest(_linear(5000, 10, 100, calls), 100, start=16)
     assert search.largest is None and search.too_large.minibatch == 1 and calls[-1] == 1
 
 
 def test_search_respects_max_compiles_and_stops_on_a_failed_compile():
     calls: list[int] = []
-    search = fit.search_largest(_linear(0, 1, 10**6, calls), 10**6, start=1, limit=10**6, max_compiles=5)
+    search = fit_search.search_largest(_linear(0, 1, 10**6, calls), 10**6, start=1, limit=10**6, max_compiles=5)
     assert search.compiles == 5 and search.largest.minibatch < 10**6
     assert not search.complete  # the answer is only a lower bound, and the row says so
     config = base_config("tiny", "fit")
-    row = fit.fit_row(config, "block", search, {"fit_usable_bytes": 10**6})
+    row = fit_search.fit_row(config, "block", search, {"fit_usable_bytes": 10**6})
     assert row["status"] == "ok" and row["fit_search_complete"] is False
     assert f"minibatch {search.largest.minibatch} fits" in row["fit_search_note"]
-    exact = fit.search_largest(_linear(0, 1, 100, []), 100, start=1, limit=4096)
+    exact = fit_search.search_largest(_linear(0, 1, 100, []), 100, start=1, limit=4096)
     assert exact.complete and exact.largest.minibatch == 100 and exact.too_large.minibatch == 101
-    assert fit.search_largest(_linear(0, 1, 10**6, []), 10**6, start=64, limit=64).complete  # the limit fits
+    assert fit_search.search_largest(_linear(0, 1, 10**6, []), 10**6, start=64, limit=64).complete  # the limit fits
 
-    def broken(minibatch: int) -> fit.Probe:
-        return fit.Probe(minibatch, False, None, "XlaRuntimeError: boom", {}, 0.0, failed=True)
+    def broken(minibatch: int) -> fit_search.Probe:
+        return fit_search.Probe(minibatch, False, None, "XlaRuntimeError: boom", {}, 0.0, failed=True)
 
-    search = fit.search_largest(broken, 100, start=8)
+    search = fit_search.search_largest(broken, 100, start=8)
     assert search.largest is None and search.compiles == 1
 
 
 def test_minibatch_is_per_device_and_multiplies_the_data_parallel_axes():
     config = base_config("tiny", "fit")
-    planned = fit.with_minibatch(config, "block", 5)
+    planned = fit_search.with_minibatch(config, "block", 5)
     assert planned.data.batch_size == 5 * config.train.num_minibatches and planned.model.remat == ("Block",)
-    assert config.model.remat == () and fit.data_parallel_size(config) == 1  # the input is not changed
+    assert config.model.remat == () and fit_search.data_parallel_size(config) == 1  # the input is not changed
     config.mesh = {"data": 2, "fsdp": 4, "tensor": 2}  # a mesh group as issue 10 adds it: batch over data x fsdp
-    assert fit.data_parallel_size(config) == 8
-    assert fit.with_minibatch(config, "none", 3).data.batch_size == 3 * config.train.num_minibatches * 8
+    assert fit_search.data_parallel_size(config) == 8
+    assert fit_search.with_minibatch(config, "none", 3).data.batch_size == 3 * config.train.num_minibatches * 8
 
 
-def _row(choice, minibatch, status="ok", recompute=0.0, tokens_per_s=None):
+def _row(choice, minibatch, status="ok", recompute=0.0, tokens_per_s=None, peak=1, predicted=None):
     return {"status": status, "fit_choice": choice, "fit_remat": choice, "fit_largest_minibatch": minibatch,
             "tokens_per_step": (minibatch or 0) * 512, "analytic_recompute_flops_per_step": recompute,
-            "compiled_peak_bytes": 1, "tokens_per_s": tokens_per_s}  # fmt: skip
+            "compiled_peak_bytes": peak, "fit_usable_bytes": 20 * 2**30, "tokens_per_s": tokens_per_s,
+            "predicted_tokens_per_s": predicted}  # fmt: skip
 
 
 def test_recommendation_prefers_tokens_per_step_then_less_recompute_or_the_measured_speed():
     rows = [_row("none", 8), _row("mlp_attn", 32, recompute=2.0), _row("block", 32, recompute=3.0)]
-    best, why = fit.recommend(rows)
+    best, why = fit_recommend.recommend(rows)
     assert best["fit_choice"] == "mlp_attn" and "tokens per step" in why
     rows[1]["tokens_per_s"], rows[2]["tokens_per_s"] = 900.0, 1000.0
-    assert fit.recommend(rows, measured=True)[0]["fit_choice"] == "block"
-    assert fit.recommend([_row("none", None, status="oom")])[0] is None
+    assert fit_recommend.recommend(rows, measured=True)[0]["fit_choice"] == "block"
+    assert fit_recommend.recommend([_row("none", None, status="oom")])[0] is None
 
 
 def test_recommendation_by_predicted_tokens_per_second_is_labelled_a_prediction():
     rows = [_row("mlp_attn", 32, recompute=2.0), _row("block", 40, recompute=3.0)]
-    rows[0]["predicted_tokens_per_s"], rows[1]["predicted_tokens_per_s"] = 5000.0, 4000.0
-    best, why = fit.recommend(rows, rank="predicted")
+    rows[0]["predicted_tokens_per_s"], rows[1]["predicted_tokens_per_s"] = 5000.0, 3000.0  # 1.67x: no tie
+    best, why = fit_recommend.recommend(rows, rank="predicted")
     assert best["fit_choice"] == "mlp_attn" and "fastest predicted: 5,000 tokens/s" in why and "prediction" in why
-    assert fit.recommend(rows, rank="tokens")[0]["fit_choice"] == "block"  # more tokens per step
+    assert fit_recommend.recommend(rows, rank="tokens")[0]["fit_choice"] == "block"  # more tokens per step
     for row in rows:
         row["predicted_tokens_per_s"] = None  # no prediction (a target without a datasheet peak): tokens decide
-    assert fit.recommend(rows, rank="predicted")[0]["fit_choice"] == "block"
+    assert fit_recommend.recommend(rows, rank="predicted")[0]["fit_choice"] == "block"
+
+
+def test_the_tie_band_is_the_spread_of_the_predictors_stated_error():
+    """docs/predict.md: predicted step 0.82 to 1.04 of the measured one, so two predictions may swap order when
+    within 1.04 / 0.82 = 1.2683 of each other."""
+    assert fit_recommend.PREDICTED_OVER_MEASURED == (0.82, 1.04)
+    assert fit_recommend.TIE_RATIO == pytest.approx(1.2683, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "second, tied",
+    [(99_500.0, True), (78_900.0, True), (78_800.0, False), (50_000.0, False)],  # 100,000 / 78,900 = 1.2674
+)
+def test_choices_within_the_predictors_error_are_a_tie_broken_by_memory_headroom(second, tied):
+    """The faster prediction wins only beyond the band; inside it the plan with the most free memory wins, and
+    the recommendation says it is a tie and why."""
+    gib = 2**30
+    rows = [
+        _row("block", 40, peak=19 * gib, predicted=100_000.0),
+        _row("mlp_attn", 32, peak=17 * gib, predicted=second),
+    ]
+    best, why = fit_recommend.recommend(rows, rank="predicted")
+    if tied:
+        assert best["fit_choice"] == "mlp_attn" and why.startswith("a tie on predicted tokens/s")
+        assert "broken by memory headroom: 3.00 GiB of the usable budget left free" in why  # 20 - 17 GiB
+    else:
+        assert best["fit_choice"] == "block" and why.startswith("fastest predicted: 100,000 tokens/s")
 
 
 def test_fit_row_of_a_budget_no_minibatch_meets_names_the_smallest_plan():
     config = base_config("tiny", "fit")
-    probes = [fit.Probe(m, False, 10_000 + m, f"planned peak {10_000 + m} bytes > usable 100 bytes", {}, 0.1)
+    probes = [fit_search.Probe(m, False, 10_000 + m, f"planned peak {10_000 + m} bytes > usable 100 bytes", {}, 0.1)
               for m in (4, 2, 1)]  # fmt: skip
     settings = {"fit_usable_bytes": 100, "fit_budget_bytes": 100}
-    row = fit.fit_row(config, "block", fit.Search(probes, None, probes[-1]), settings)
+    row = fit_search.fit_row(config, "block", fit_search.Search(probes, None, probes[-1]), settings)
     assert row["status"] == "oom" and row["fit_largest_minibatch"] is None
     assert "smallest plan (minibatch 1)" in row["error"] and "10001 bytes" in row["error"]
     assert row["config.data.batch_size"] == config.train.num_minibatches  # the row is the minibatch-1 plan
@@ -141,19 +205,19 @@ def test_fit_row_of_a_budget_no_minibatch_meets_names_the_smallest_plan():
 
 def test_local_planner_row_and_analytic_prediction_on_tiny():
     config = base_config("tiny", "fit")
-    probe = fit.probe(fit.local_planner, config, "block", 2, usable=10**9)
+    probe = fit_search.probe(fit_search.local_planner, config, "block", 2, usable=10**9)
     assert probe.fits and probe.peak_bytes == probe.row["compiled_peak_bytes"] > 0
     assert probe.row["compiled_backend"] == "cpu" and probe.row["plan_fits"] is True
-    assert not fit.probe(fit.local_planner, config, "block", 2, usable=1000).fits
-    assert fit.analytic_largest_minibatch(config, "block", 10**12, limit=77) == 77
-    assert fit.analytic_largest_minibatch(config, "block", 1000) == 0
+    assert not fit_search.probe(fit_search.local_planner, config, "block", 2, usable=1000).fits
+    assert fit_search.analytic_largest_minibatch(config, "block", 10**12, limit=77) == 77
+    assert fit_search.analytic_largest_minibatch(config, "block", 1000) == 0
 
 
 @pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 def test_in_process_target_plan_equals_the_child_process_plan():
     """The fit compiles in its own process (GEMM mode as a compile option); the plan is the child's, byte for byte."""
-    config = fit.with_minibatch(base_config("tiny-llama", "fit"), "mlp_attn", 2)
-    in_process = fit.target_planner("a5000", gemm="cublas")(config)
+    config = fit_search.with_minibatch(base_config("tiny-llama", "fit"), "mlp_attn", 2)
+    in_process = fit_search.target_planner("a5000", gemm="cublas")(config)
     child = gpu_plan.plan_for_target(config, "a5000", gemm="cublas")
     for column in ("compiled_peak_bytes", "compiled_temp_bytes", "compiled_argument_bytes", "plan_fits"):
         assert in_process[column] == child[column], column
@@ -164,11 +228,11 @@ def test_xla_s_warning_decides_only_when_respected():
     """XLA's warning compares its own pre-fusion estimate with its limit; the buffer plan can be well below."""
     warned = {"compiled_peak_bytes": 14 * 2**30, "plan_fits": False, "plan_fits_reason": "XLA could not ...",
               "compiled_remat_limit_bytes": 18 * 2**30}  # fmt: skip
-    respected = fit.judge(42, warned, None, 1.0, usable=24 * 2**30)
+    respected = fit_search.judge(42, warned, None, 1.0, usable=24 * 2**30)
     assert not respected.fits and respected.reason == "XLA could not ..." and respected.limit_bytes == 18 * 2**30
-    ignored = fit.judge(42, warned, None, 1.0, usable=24 * 2**30, respect_xla_limit=False)
+    ignored = fit_search.judge(42, warned, None, 1.0, usable=24 * 2**30, respect_xla_limit=False)
     assert ignored.fits and ignored.limit_bytes is None
-    assert not fit.judge(
+    assert not fit_search.judge(
         42, warned, None, 1.0, usable=10 * 2**30, respect_xla_limit=False
     ).fits  # the peak still counts
 

@@ -7,6 +7,7 @@ import pytest
 from conftest import REPO, load_config
 
 from jaxscale import run
+from jaxscale.cli import UsageError
 from jaxscale.config import validate
 from jaxscale.plan import gpu_plan, predict, targets
 from jaxscale.sweep.results import read_rows
@@ -268,6 +269,11 @@ def test_fsdp_on_2_target_gpus_splits_the_state_and_compiles_gathers_and_reduce_
             ["--devices=8", "--config.mesh.data=2", "--config.mesh.fsdp=2"],
             "mesh: data x fsdp x tensor = 2x2x1 = 4 devices, but target h100 (--devices) has 8",
         ),
+        (  # a 1x1x1 mesh would plan one GPU under an 8-GPU name: refused, naming the mesh fields
+            ["--devices=8"],
+            "--devices 8: the mesh (data x fsdp x tensor = 1x1x1) uses 1 of the 8 target GPUs and leaves 7 idle; set "
+            "mesh.data, mesh.fsdp or mesh.tensor so that their product is 8 (e.g. --config.mesh.fsdp=8)",
+        ),
     ],
 )
 @needs_extra
@@ -278,7 +284,36 @@ def test_devices_that_the_mesh_does_not_use_are_one_line_errors(args, message, c
     assert message in capsys.readouterr().err
 
 
+def test_the_plan_layer_raises_its_own_error_which_the_front_doors_print_as_usage(capsys, monkeypatch):
+    """gpu_plan knows no command line: it raises PlanFlagError (not the CLI's UsageError), and jaxscale.run turns
+    it into the same one-line usage error, exit 2."""
+    assert not issubclass(gpu_plan.PlanFlagError, UsageError)
+    with pytest.raises(gpu_plan.PlanFlagError, match="--gemm: unknown 'fast'; allowed: both, triton, cublas"):
+        gpu_plan.check_target_flag(None, plan=True, gemm="fast")
+    with pytest.raises(gpu_plan.PlanFlagError, match="--devices 2: sets how many target GPUs to plan for"):
+        gpu_plan.check_devices_flag(_tiny("bf16"), None, 2)
+    monkeypatch.chdir(REPO)
+    assert run.main(["run", "--config", "configs/bf16.py:tiny", "--gemm", "triton"]) == 2
+    err = capsys.readouterr().err
+    assert err == "jaxscale: error: --gemm triton: picks the GEMMs of a GPU target's plan; add --target (and --plan)\n"
+
+
 def test_topology_of_n_gpus_is_hosts_of_eight():
     assert [targets.topology(n) for n in (1, 4, 8, 16, 64)] == ["1x1x1", "1x1x4", "1x1x8", "1x2x8", "1x8x8"]
     with pytest.raises(ValueError, match="--devices 12"):
         targets.topology(12)
+
+
+def test_a_plan_that_fits_says_what_jaxs_allocator_needs_to_run_it():
+    """The run's summary: a plan within the card but above JAX's default 75% pool names the fraction to set
+    (rounded up to hundredths), and one above what any fraction leaves beside the 1 GiB context reserve says so."""
+    gib = 2**30
+    row = {"plan_target": "h100", "plan_target_device_kind": "H100", "plan_target_memory_bytes": 100 * gib,
+           "plan_fits": True, "plan_fits_reason": None}  # fmt: skip
+    assert "fits (within JAX's default allocator, 75% of the memory)" in gpu_plan.summary_line(
+        {**row, "compiled_peak_bytes": 75 * gib}
+    )
+    assert "fits only with XLA_CLIENT_MEM_FRACTION=0.81 set" in gpu_plan.summary_line(
+        {**row, "compiled_peak_bytes": int(80.5 * gib)}
+    )
+    assert "not in what JAX's allocator can have" in gpu_plan.summary_line({**row, "compiled_peak_bytes": 99 * gib + 1})

@@ -15,12 +15,12 @@ import pandas as pd
 import pytest
 
 from jaxscale.cli import UsageError, parse_bytes
-from jaxscale.config import validate
+from jaxscale.config import base_config, validate
 from jaxscale.run import RunError, check_memory_budget
 from jaxscale.sweep.results import COLUMNS, ResultsFile, best_peak, format_table, load_results, read_rows
-from jaxscale.sweep.runner import _on_device, load_sweep, run_sweep, select_variants
+from jaxscale.sweep.runner import _on_device, _one_gpu_args, load_sweep, run_sweep, select_variants
 from jaxscale.sweep.runner import main as sweep_main
-from jaxscale.sweep.sweep_file import plan_suffix
+from jaxscale.sweep.sweep_file import Variant, plan_suffix
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -274,6 +274,20 @@ def test_the_notebooks_step_times_join_only_rows_for_its_gpu():
     assert _on_device({"device_kind": "NVIDIA RTX A5000", "plan_target": None}, "a5000")  # a run on one
     assert not _on_device({"plan_target": "h100"}, "a5000")  # an H100 plan is not the notebook's GPU
     assert not _on_device({"device_kind": "cpu"}, "a5000") and not _on_device({"plan_target": "a5000"}, None)
+
+
+def test_a_sweeps_1x1x1_baseline_is_planned_on_one_gpu_and_labelled_so():
+    """With --devices 8 the run refuses a 1x1x1 mesh (it would plan one GPU under an 8-GPU name); a sweep's
+    1x1x1 variant (its baseline, usually) is planned on one GPU instead, and its row says so."""
+    args = ["--plan", "--target=h100", "--devices=8", "--quiet"]
+    one = base_config("tiny", name="mini")
+    meshed = base_config("tiny", name="mini")
+    meshed.mesh.fsdp = 8
+    assert _one_gpu_args(Variant("meshed", {"mesh.fsdp": 8}, meshed), args) == (args, None)
+    kept, note = _one_gpu_args(Variant("baseline", {}, one), args)
+    assert kept == ["--plan", "--target=h100", "--quiet"]
+    assert note.startswith("planned on one GPU: the mesh is 1x1x1 (the sweep's --devices 8")
+    assert _one_gpu_args(Variant("baseline", {}, one), ["--plan"]) == (["--plan"], None)  # no --devices: as is
 
 
 def test_the_sweep_name_says_plan_and_target():

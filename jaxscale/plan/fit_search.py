@@ -353,39 +353,3 @@ def fit_row(config: ml_collections.ConfigDict, choice: str, search: Search, sett
         **settings,
     )
     return row
-
-
-def recommend(rows: list[dict], measured: bool = False, rank: str = "tokens") -> tuple[dict | None, str]:
-    """The recommended row and why, among the choices that fit.
-
-    rank "tokens": the most tokens per step (ties: the least recomputation, then the smaller plan);
-    rank "predicted": the most predicted tokens/s of the target's compiled program (jaxscale.plan.predict; a
-    prediction, said so), falling back to tokens per step where no row has a prediction; with `measured`,
-    the fastest measured tokens/s instead of either.
-    """
-    ok = [r for r in rows if r.get("status") == "ok" and r.get("fit_largest_minibatch")]
-    if measured:
-        timed = [r for r in ok if r.get("tokens_per_s")]
-        if timed:
-            best = max(timed, key=lambda r: r["tokens_per_s"])
-            return best, f"fastest measured: {best['tokens_per_s']:,.0f} tokens/s at its largest minibatch"
-    if not ok:
-        return None, "no remat choice fits the budget at minibatch 1"
-    if rank == "predicted":
-        predicted = [r for r in ok if r.get("predicted_tokens_per_s")]
-        if predicted:
-            best = max(predicted, key=lambda r: r["predicted_tokens_per_s"])
-            return best, (
-                f"fastest predicted: {best['predicted_tokens_per_s']:,.0f} tokens/s at its largest minibatch "
-                f"(a prediction from the target's compiled program, docs/predict.md; --rank tokens for most tokens "
-                "per step)"
-            )
-    best = max(
-        ok,
-        key=lambda r: (
-            r["tokens_per_step"],
-            -(r.get("analytic_recompute_flops_per_step") or 0),
-            -(r.get("compiled_peak_bytes") or 0),
-        ),
-    )
-    return best, f"most tokens per step ({best['tokens_per_step']:,}) among the choices that fit (by plan only)"
