@@ -85,6 +85,17 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):
     assert code == 2 and err.startswith("jaxscale: error: ") and message in err and err.count("\n") == 1
 
 
+def test_an_unknown_remat_choice_lists_every_choice_with_the_named_policies(tmp_path, capsys):
+    """The planner searches the named policies too: an unknown --remat names all of them, in the table's order."""
+    code = fit_cli.main(["fit", "--config", TINY, "--output_root", str(tmp_path), "--remat", "block,everything"])
+    err = capsys.readouterr().err
+    expected = ["none", "mlp_attn", "block", "block_qkv_proj_offloaded", "block_save_out_proj",
+                "block_save_qkv_proj", "block_selective_op", "block_save_dot_with_context_except_mlp",
+                "block_dots_no_batch", "block_minimal_flash", "block_dots"]  # fmt: skip
+    assert code == 2 and err.count("\n") == 1
+    assert err.strip().endswith("--remat: unknown everything; allowed: " + ", ".join(expected))
+
+
 @needs_extra
 @pytest.mark.parametrize(
     "args, message",

@@ -44,7 +44,18 @@ PRESETS: dict[str, dict[str, dict[str, object]]] = {
 FAMILIES = ("gpt", "llama")
 DTYPES = ("bfloat16", "float32", "float16")
 REMAT_TARGETS = ("MLP", "Attn", "Block")
-REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj")
+# What each keeps, with its source: jaxscale.model.stack.REMAT_POLICIES (and docs/fit.md).
+REMAT_POLICIES = (
+    "nothing_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "save_qkv_proj",
+    "save_out_proj",
+    "save_dot_with_context_except_mlp",
+    "minimal_flash",
+    "selective_op",
+    "qkv_proj_offloaded",
+)
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")

@@ -20,19 +20,38 @@ from jaxscale.measure import hlo, params, peaks
 # projection of MLP only feed a dropout and a residual add, whose gradients do not need them, so remat
 # of Attn or MLP alone never recomputes them; remat of the whole Block must recompute the attention
 # output (the MLP's LayerNorm reads it). The same holds for llama, whose "qkv" is its q, k and v projections
-# and "up" its gate and up projections. Checked against the compiled HLO in tests/measure/test_flops.py.
+# and "up" its gate and up projections ("k" alone and "up_only", llama's up without its gate, are parts of
+# those). Derived from what each policy saves (jaxscale.model.stack.REMAT_POLICIES): the backward pass of the
+# reference attention reads q, k, v and the T x T softmax (so "logits" comes back unless every dot is saved),
+# and the out projection's weight gradient reads the attention output ("values" comes back unless `context`
+# is saved). Checked against the compiled HLO in tests/measure/test_flops.py.
+_ATTN, _BLOCK = ("qkv", "logits", "values"), ("qkv", "logits", "values", "out", "up")
 RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
-    "nothing_saveable": {
-        "Attn": ("qkv", "logits", "values"),
-        "MLP": ("up",),
-        "Block": ("qkv", "logits", "values", "out", "up"),
-    },
+    "nothing_saveable": {"Attn": _ATTN, "MLP": ("up",), "Block": _BLOCK},
     "dots_saveable": {"Attn": (), "MLP": (), "Block": ()},
     # Saves dots without batch dimensions (the four projections); the two attention einsums have batch
     # dims (batch, heads), so they are recomputed.
     "dots_with_no_batch_dims_saveable": {"Attn": ("logits", "values"), "MLP": (), "Block": ("logits", "values")},
     "save_qkv_proj": {"Attn": ("logits", "values"), "MLP": ("up",), "Block": ("logits", "values", "out", "up")},
+    # The out projection's output is read by nothing in Attn's backward, and by the MLP's norm in Block's.
+    "save_out_proj": {"Attn": _ATTN, "MLP": ("up",), "Block": ("qkv", "logits", "values", "up")},
+    "save_dot_with_context_except_mlp": {"Attn": ("logits",), "MLP": ("up",), "Block": ("logits", "up")},
+    "minimal_flash": {"Attn": ("logits",), "MLP": (), "Block": ("logits",)},
+    # gpt keeps its qkv and up projections' outputs and the attention output (see FAMILY_RECOMPUTED for llama).
+    "selective_op": {"Attn": ("logits",), "MLP": (), "Block": ("logits", "out")},
+    "qkv_proj_offloaded": {"Attn": ("logits", "values"), "MLP": ("up",), "Block": ("logits", "values", "out", "up")},
 }
+# Where a family recomputes otherwise: llama's selective_op keeps q, v, gate, down and the attention output.
+FAMILY_RECOMPUTED: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
+    "llama": {
+        "selective_op": {"Attn": ("k", "logits"), "MLP": ("up_only",), "Block": ("k", "logits", "out", "up_only")}
+    },
+}
+
+
+def recomputed(policy: str, family: str) -> dict[str, tuple[str, ...]]:
+    """The forward matmuls each remat target recomputes under `policy` in `family` (RECOMPUTED)."""
+    return FAMILY_RECOMPUTED.get(family, {}).get(policy, RECOMPUTED[policy])
 
 
 def param_count(model: ml_collections.ConfigDict) -> int:
@@ -102,7 +121,9 @@ def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
     """
     m = config.model
     per_token = forward_matmul_flops_per_token(config)
-    policy = RECOMPUTED[m.remat_policy]
+    sizes = ModelConfig.from_config(m)
+    per_token.update(k=2 * sizes.hidden_size * sizes.kv_width, up_only=2 * sizes.hidden_size * sizes.mlp_width)
+    policy = recomputed(m.remat_policy, m.family)
     layer = sum(per_token[name] for target in m.remat for name in policy[target])
     return float(config.data.batch_size * config.data.seq_len * m.num_layers * layer)
 

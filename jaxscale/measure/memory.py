@@ -229,20 +229,33 @@ def residual_functions(family: str) -> tuple:
 
 # Outputs of dots that each remat policy keeps besides the checkpointed module's input. Tensor parallelism
 # splits the q/k/v and up (and gate) projections' outputs and the attention's; the out and down projections'
-# are whole.
+# are whole. A named tensor the unit's backward pass does not read is not kept: the out projection's output
+# only under Block (the MLP's norm reads it), the down projection's never (it only feeds the residual add).
+# qkv_proj_offloaded keeps q, k and v in host memory, so none of them on the device.
 def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
     sbh, sbk, sbf, as2b = d.s * d.b * d.h, d.s * d.b * d.k, d.s * d.b * d.f, d.a * d.s * d.s * d.b
-    up = d.p * (2 * sbf if d.family == "llama" else sbf) // d.t  # llama: gate and up
+    llama = d.family == "llama"
+    up = d.p * (2 * sbf if llama else sbf) // d.t  # llama: gate and up
     qkv = d.p * (sbh + 2 * sbk) // d.t  # q, k, v (gpt: one fused qkv, k = h)
     projections = {"Attn": qkv + d.p * sbh, "MLP": up + d.p * sbh}  # qkv + out; up (+ gate) + down
     attention = (d.q * as2b + d.p * sbh) // d.t  # the logits and the AV output
-    saved = {
-        "nothing_saveable": {"Attn": 0, "MLP": 0},
-        "dots_saveable": {"Attn": projections["Attn"] + attention, "MLP": projections["MLP"]},
-        "dots_with_no_batch_dims_saveable": projections,
-        "save_qkv_proj": {"Attn": qkv, "MLP": 0},
+    lse = _FLOAT32 * d.a * d.s * d.b // d.t if d.attention in ("chunked", "flash") else 0  # [b, a, s] float32
+    context = d.p * sbh // d.t + lse  # the attention output (and the kernels' log-sum-exp)
+    out = d.p * sbh  # the out projection's output: kept under Block only
+    if policy == "selective_op":  # gpt: qkv, up; llama: q, v, gate, down (never read)
+        attn = (d.p * (sbh + sbk) // d.t if llama else qkv) + context
+        return {"Attn": attn, "MLP": d.p * sbf // d.t, "Block": attn + d.p * sbf // d.t}
+    saved, block_extra = {
+        "nothing_saveable": ({"Attn": 0, "MLP": 0}, 0),
+        "dots_saveable": ({"Attn": projections["Attn"] + attention, "MLP": projections["MLP"]}, 0),
+        "dots_with_no_batch_dims_saveable": (projections, 0),
+        "save_qkv_proj": ({"Attn": qkv, "MLP": 0}, 0),
+        "qkv_proj_offloaded": ({"Attn": 0, "MLP": 0}, 0),
+        "save_out_proj": ({"Attn": 0, "MLP": 0}, out),
+        "save_dot_with_context_except_mlp": ({"Attn": qkv + context, "MLP": 0}, out),
+        "minimal_flash": ({"Attn": qkv + context, "MLP": up}, out),
     }[policy]
-    return {**saved, "Block": saved["Attn"] + saved["MLP"]}
+    return {**saved, "Block": saved["Attn"] + saved["MLP"] + block_extra}
 
 
 # Terms of the analytic model that are fitted to compiled plans rather than counted (the row's

@@ -2,8 +2,10 @@
 
 bf16 compute, fp32 params and softmax; remat, scan, the attention kernels and the logical axis names (on
 every parameter, and constraints on the activations between sharded matmuls) come from jaxscale.model.stack,
-.attention and .axes, shared with the other families. `tie_embeddings` gives GPT-2's output head: the token
-embedding transposed, with no output bias.
+.attention and .axes, shared with the other families. The remat policies' `checkpoint_name` tags: `qkv_proj`
+(the fused projection), `context` (the attention output), `out_proj`, `mlp_up` (before GELU), `mlp_hidden`
+(after), `mlp_down`. `tie_embeddings` gives GPT-2's output head: the token embedding transposed, with no
+output bias.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ class AttnBlock(nn.Module):
             qkv = dense((cfg.num_heads, 3 * cfg.head_dim), ("embed", "heads", "qkv"), cfg, "qkv")(h)
             qkv = constrain(checkpoint_name(qkv, "qkv_proj"), ("batch", "seq", "heads", "qkv"))  # [B, T, nh, 3*hd]
             q, k, v = jnp.split(qkv, 3, axis=-1)  # each [B, T, nh, hd]
-            h = constrain(attention(q, k, v, cfg), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
+            h = checkpoint_name(attention(q, k, v, cfg), "context")
+            h = constrain(h, ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
             h = dense(cfg.hidden_size, ("heads", "head_dim", "embed"), cfg, "out", axis=(-2, -1))(h)
-            return branch_output(cfg, h, self.train)  # [B, T, H]
+            return branch_output(cfg, checkpoint_name(h, "out_proj"), self.train)  # [B, T, H]
 
 
 class MLPBlock(nn.Module):
@@ -60,10 +63,10 @@ class MLPBlock(nn.Module):
         cfg = self.config
         with jax.named_scope("mlp"):
             h = layer_norm(cfg, "pre_norm")(x)  # [B, T, H]
-            h = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up")(h)  # [B, T, F], F = 4H by default
-            h = constrain(checkpoint_name(nn.gelu(h), "mlp_hidden"), ("batch", "seq", "mlp"))  # [B, T, F]
+            h = checkpoint_name(dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up")(h), "mlp_up")  # [B, T, F]
+            h = constrain(checkpoint_name(nn.gelu(h), "mlp_hidden"), ("batch", "seq", "mlp"))  # F = 4H by default
             h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down")(h)
-            return branch_output(cfg, h, self.train)  # [B, T, H]
+            return branch_output(cfg, checkpoint_name(h, "mlp_down"), self.train)  # [B, T, H]
 
 
 class Block(ResidualBlock):

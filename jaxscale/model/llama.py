@@ -2,7 +2,8 @@
 
 No biases and no position table. bf16 compute with fp32 params; the reference attention keeps fp32 logits and
 softmax; the rotation runs in float32. Remat targets (MLP, Attn, Block), their policies and the
-`checkpoint_name` tags (`qkv_proj` on q, k and v; `mlp_hidden` on the down projection's input), the layer
+`checkpoint_name` tags (`query_proj`, `key_proj`, `value_proj`; `context` on the attention output, `out_proj`;
+`mlp_gate`, `mlp_up`, `mlp_hidden` on the down projection's input, `mlp_down`), the layer
 scan, the attention kernels and the logical axis names with their activation constraints are those of the
 GPT (jaxscale.model.stack, .attention, .axes), so the mesh rules split both families alike.
 """
@@ -66,15 +67,16 @@ class LlamaAttention(nn.Module):
             q = dense((heads, head_dim), ("embed", "heads", "head_dim"), cfg, "q", use_bias=False)(h)
             k = dense((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg, "k", use_bias=False)(h)
             v = dense((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg, "v", use_bias=False)(h)
-            q = constrain(checkpoint_name(q, "qkv_proj"), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
-            k = constrain(checkpoint_name(k, "qkv_proj"), ("batch", "seq", "kv_heads", "head_dim"))  # [B, T, nkv, hd]
-            v = constrain(checkpoint_name(v, "qkv_proj"), ("batch", "seq", "kv_heads", "head_dim"))
+            q = constrain(checkpoint_name(q, "query_proj"), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
+            k = constrain(checkpoint_name(k, "key_proj"), ("batch", "seq", "kv_heads", "head_dim"))  # [B, T, nkv, hd]
+            v = constrain(checkpoint_name(v, "value_proj"), ("batch", "seq", "kv_heads", "head_dim"))
             positions = jnp.arange(x.shape[1])  # [T]
             q = rotary_embedding(q, positions, cfg.rope_theta)
             k = rotary_embedding(k, positions, cfg.rope_theta)
-            h = constrain(attention(q, k, v, cfg), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
+            h = checkpoint_name(attention(q, k, v, cfg), "context")
+            h = constrain(h, ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
             h = dense(cfg.hidden_size, ("heads", "head_dim", "embed"), cfg, "out", axis=(-2, -1), use_bias=False)(h)
-            return branch_output(cfg, h, self.train)  # [B, T, H]
+            return branch_output(cfg, checkpoint_name(h, "out_proj"), self.train)  # [B, T, H]
 
 
 class SwiGLU(nn.Module):
@@ -90,9 +92,10 @@ class SwiGLU(nn.Module):
             h = rms_norm(cfg, "pre_norm")(x)  # [B, T, H]
             gate = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "gate", use_bias=False)(h)  # [B, T, F]
             up = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up", use_bias=False)(h)  # [B, T, F]
+            gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
             h = constrain(checkpoint_name(nn.silu(gate) * up, "mlp_hidden"), ("batch", "seq", "mlp"))  # [B, T, F]
             h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down", use_bias=False)(h)
-            return branch_output(cfg, h, self.train)  # [B, T, H]
+            return branch_output(cfg, checkpoint_name(h, "mlp_down"), self.train)  # [B, T, H]
 
 
 class LlamaBlock(ResidualBlock):

@@ -31,14 +31,24 @@ from jaxscale.measure import flops, memory
 from jaxscale.plan import gpu_plan
 from jaxscale.train import abstract_inputs, make_train_step
 
-# Remat choices the planner compares: (label, model.remat, model.remat_policy). The named policies apply to
-# the whole block (what they keep is per block, MaxText's usage).
+# Remat choices the planner compares: (label, model.remat, model.remat_policy), roughly from least kept to most.
+# The named policies apply to the whole block (what they keep is per block, MaxText's usage); what each keeps,
+# with its source: jaxscale.model.stack.REMAT_POLICIES and docs/fit.md.
 REMAT_CHOICES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "none": ("no remat", (), "nothing_saveable"),
     "mlp_attn": ("MLP+Attn", ("MLP", "Attn"), "nothing_saveable"),
     "block": ("Block", ("Block",), "nothing_saveable"),
+    "block_qkv_proj_offloaded": ("Block, qkv_proj_offloaded", ("Block",), "qkv_proj_offloaded"),
+    "block_save_out_proj": ("Block, save_out_proj", ("Block",), "save_out_proj"),
     "block_save_qkv_proj": ("Block, save_qkv_proj", ("Block",), "save_qkv_proj"),
+    "block_selective_op": ("Block, selective_op", ("Block",), "selective_op"),
+    "block_save_dot_with_context_except_mlp": (
+        "Block, save_dot_with_context_except_mlp",
+        ("Block",),
+        "save_dot_with_context_except_mlp",
+    ),
     "block_dots_no_batch": ("Block, dots_with_no_batch_dims_saveable", ("Block",), "dots_with_no_batch_dims_saveable"),
+    "block_minimal_flash": ("Block, minimal_flash", ("Block",), "minimal_flash"),
     "block_dots": ("Block, dots_saveable", ("Block",), "dots_saveable"),
 }
 DEFAULT_LIMIT = 4096  # largest minibatch tried

@@ -215,3 +215,52 @@ def test_llama_1b_estimate_against_the_a5000_plan(name, tmp_path):
     row = run.run(config, tmp_path, name, plan_only=True, progress=False, target="a5000")
     assert row["status"] == "ok", row["error"]
     assert row["compiled_to_analytic_peak_ratio"] == pytest.approx(1.0, rel=0.08)
+
+
+def _tiny_dims(family: str, attention: str = "reference") -> memory.Dims:
+    """b=2 sequences of s=4 tokens, h=8 (2 heads), f=32, bf16 activations: s·b·h = 64 elements, s·b·f = 256;
+    gpt's K/V width 8, llama's 4 (s·b·k = 32)."""
+    k = 8 if family == "gpt" else 4
+    return memory.Dims(b=2, s=4, h=8, a=2, k=k, f=32, v=16, p=2, q=4, mask=0, kernel_casts=False,
+                       attention=attention, family=family)  # fmt: skip
+
+
+# Bytes each named policy keeps per layer (Attn, MLP, Block), counted by hand from the tensors it saves:
+# gpt qkv 2·(64 + 2·64) = 384, llama q, k, v 2·(64 + 2·32) = 256, q and v 2·(64 + 32) = 192; the attention
+# output 2·64 = 128 (+ flash's float32 log-sum-exp 4·a·s·b = 64); the out projection's 128 under Block only;
+# gpt's up 2·256 = 512, llama's gate and up 1024, one of them 512; nothing for what goes to host memory.
+NAMED_POLICY_BYTES = [
+    ("gpt", "reference", "save_out_proj", (0, 0, 128)),
+    ("gpt", "reference", "save_dot_with_context_except_mlp", (384 + 128, 0, 384 + 128 + 128)),
+    ("gpt", "reference", "minimal_flash", (384 + 128, 512, 384 + 128 + 512 + 128)),
+    ("gpt", "reference", "selective_op", (384 + 128, 512, 384 + 128 + 512)),
+    ("gpt", "reference", "qkv_proj_offloaded", (0, 0, 0)),
+    ("llama", "flash", "minimal_flash", (256 + 128 + 64, 1024, 256 + 128 + 64 + 1024 + 128)),
+    ("llama", "reference", "selective_op", (192 + 128, 512, 192 + 128 + 512)),
+    ("llama", "reference", "save_dot_with_context_except_mlp", (256 + 128, 0, 256 + 128 + 128)),
+]
+
+
+@pytest.mark.parametrize("family, attention, policy, expected", NAMED_POLICY_BYTES)
+def test_named_policies_keep_the_bytes_of_the_tensors_they_save(family, attention, policy, expected):
+    saved = memory._policy_saved(_tiny_dims(family, attention), policy)
+    assert (saved["Attn"], saved["MLP"], saved["Block"]) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["save_qkv_proj", "save_dot_with_context_except_mlp"])
+def test_policy_bytes_against_the_compiled_plan(policy):
+    """gpt, float32, scanned Block remat on this machine's compiler: the plan's peak grows over nothing_saveable's
+    by exactly the analytic estimate's growth for the policies keeping the attention's tensors (measured equal;
+    for the policies that keep MLP tensors the CPU plan's peak moves elsewhere and the two differ)."""
+    peaks = {}
+    for name in ("nothing_saveable", policy):
+        config = load_config("bf16_remat_block")
+        config.model.update(dtype="float32", hidden_size=128, head_dim=32, max_seq_len=64, remat_policy=name)
+        config.model.dropout_rate = 0.0
+        config.data.update(seq_len=64, batch_size=16)
+        compiled, *_ = run.compile_step(config)
+        compiled_peak = memory.compiled_memory(compiled)["compiled_peak_bytes"]
+        peaks[name] = (compiled_peak, memory.analytic_memory(config)["analytic_peak_bytes"])
+    (compiled_0, analytic_0), (compiled_1, analytic_1) = peaks["nothing_saveable"], peaks[policy]
+    assert compiled_1 - compiled_0 == analytic_1 - analytic_0 > 0

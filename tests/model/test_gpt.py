@@ -12,9 +12,11 @@ import pytest
 from conftest import assert_trees_close, load_config, loss_and_grads, stack_layers
 
 from jaxscale import train
-from jaxscale.config import base_config
+from jaxscale.config import REMAT_POLICIES, base_config
 from jaxscale.measure import flops
-from jaxscale.model import count_params, unstack_scanned_params
+from jaxscale.model import count_params, stack, unstack_scanned_params
+from jaxscale.model.chunked_attention import chunked_attention
+from jaxscale.model.stack import remat_policy
 
 REFERENCE_PARAMS = 155_877_376
 
@@ -85,6 +87,49 @@ def test_variant_matches_plain_model(dtype, rtol, atol, overrides):
         variant_grads = unstack_scanned_params(variant_grads, num_layers)
     np.testing.assert_allclose(variant_loss, loss, rtol=rtol)
     assert_trees_close(variant_grads, grads, rtol=rtol, atol=atol)
+
+
+# The named policies beyond JAX's own (jaxscale.model.stack.REMAT_POLICIES), each once under a scanned Block in
+# float32 (the policies that name the attention output with the chunked kernel, whose residuals they keep);
+# the remaining policy x kernel pairs under -m slow.
+NAMED_POLICIES = ["save_out_proj", "save_dot_with_context_except_mlp", "minimal_flash", "selective_op",
+                  "qkv_proj_offloaded"]  # fmt: skip
+_FAST_POLICY_CASES = {("selective_op", "reference"), ("minimal_flash", "chunked"), ("save_out_proj", "reference"),
+                      ("qkv_proj_offloaded", "reference")}  # fmt: skip
+POLICY_CASES = [
+    (p, a) if (p, a) in _FAST_POLICY_CASES else pytest.param(p, a, marks=pytest.mark.slow)
+    for p in NAMED_POLICIES
+    for a in ("reference", "chunked")
+]
+
+
+@pytest.mark.parametrize("policy, attention", POLICY_CASES)
+def test_named_remat_policy_matches_plain_model(policy, attention):
+    """Each named policy keeps other tensors for the backward pass, never changes the loss or its gradients."""
+    variant = _variant("float32", scan_layers=True, remat=("Block",), remat_policy=policy, attention=attention)
+    params, batch, loss, grads = _plain_reference("float32")
+    variant_loss, variant_grads = loss_and_grads(variant, stack_layers(params, variant.model.num_layers), batch)
+    np.testing.assert_allclose(variant_loss, loss, rtol=1e-5)
+    assert_trees_close(unstack_scanned_params(variant_grads, variant.model.num_layers), grads, rtol=1e-5, atol=1e-6)
+
+
+def test_every_allowed_policy_name_has_a_policy_and_a_description():
+    assert tuple(stack.REMAT_POLICIES) == REMAT_POLICIES  # config validation's names, in the table's order
+    assert all(description.strip() for description, _ in stack.REMAT_POLICIES.values())
+
+
+@pytest.mark.parametrize("policy", REMAT_POLICIES)
+def test_policies_keeping_the_attention_output_skip_the_chunked_kernels_forward_rerun(policy):
+    """The policies that name `context` name the chunked kernel's `attention_out` and `attention_lse` too, so the
+    backward pass runs the kernel's backward loop only (2 loops in the grad's jaxpr); the others rerun its
+    forward loop first (3), as docs/attention.md says."""
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (1, 32, 4, 16)) for i in range(3))
+    kernel = functools.partial(chunked_attention, causal=True, block_k=16)
+    for family in ("gpt", "llama"):
+        fn = jax.checkpoint(lambda q, k, v: jnp.sum(jnp.sin(kernel(q, k, v))), policy=remat_policy(policy, family))
+        loops = str(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v)).count("scan[")
+        keeps_context = policy in ("save_dot_with_context_except_mlp", "minimal_flash", "selective_op")
+        assert loops == (2 if keeps_context else 3), (family, loops)
 
 
 def test_scanned_init_maps_onto_unrolled_layout():

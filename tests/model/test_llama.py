@@ -175,6 +175,29 @@ def test_variant_matches_plain_llama(overrides):
     assert_trees_close(variant_grads, grads)
 
 
+# The named policies beyond JAX's own, each once under a scanned Block (llama's selective_op keeps q, v, gate and
+# down, not gpt's tensors); the remaining policy x kernel pairs under -m slow.
+NAMED_POLICIES = ["save_out_proj", "save_dot_with_context_except_mlp", "minimal_flash", "selective_op",
+                  "qkv_proj_offloaded"]  # fmt: skip
+_FAST_POLICY_CASES = {("selective_op", "reference"), ("save_dot_with_context_except_mlp", "chunked"),
+                      ("minimal_flash", "reference")}  # fmt: skip
+POLICY_CASES = [
+    (p, a) if (p, a) in _FAST_POLICY_CASES else pytest.param(p, a, marks=pytest.mark.slow)
+    for p in NAMED_POLICIES
+    for a in ("reference", "chunked")
+]
+
+
+@pytest.mark.parametrize("policy, attention", POLICY_CASES)
+def test_named_remat_policy_matches_plain_llama(policy, attention):
+    """Each named policy keeps other tensors for the backward pass, never changes the loss or its gradients."""
+    variant = _llama(scan_layers=True, remat=("Block",), remat_policy=policy, attention=attention)
+    params, batch, loss, grads = _plain_reference()
+    variant_loss, variant_grads = loss_and_grads(variant, stack_layers(params, variant.model.num_layers), batch)
+    np.testing.assert_allclose(variant_loss, loss, rtol=1e-5)
+    assert_trees_close(unstack_scanned_params(variant_grads, variant.model.num_layers), grads)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 def test_tied_embeddings_count_once_and_take_both_gradients(preset):
     """Tied: the output head is the token embedding transposed (no bias), so the count drops by V*H (+V for gpt's
