@@ -135,7 +135,7 @@ def check_devices_flag(config: ml_collections.ConfigDict, target: str | None, de
         check_mesh_devices(config, devices or 1, f"target {target} (--devices)", "; --devices sets the target's count")
     except (ConfigError, ValueError) as error:
         raise PlanFlagError(str(error)) from None
-    if (devices or 1) > 1 and math.prod(mesh_shape(config)) == 1:  # a 1x1x1 mesh plans one of them
+    if (devices or 1) > 1 and mesh_shape(config).devices == 1:  # a 1x1x1 mesh plans one of them
         raise PlanFlagError(
             f"--devices {devices}: the mesh (data x fsdp x tensor = 1x1x1) uses 1 of the {devices} target GPUs and "
             f"leaves {devices - 1} idle; set mesh.data, mesh.fsdp or mesh.tensor so that their product is {devices} "
@@ -257,7 +257,7 @@ def plan_row(
     plan_fits, reason = fits(spec, plan["compiled_peak_bytes"], warning)
     hits = [plans[m].get("compile_cache_hit") for m in modes]
     by_mode = {mode: kernels.from_dicts(plans[mode]["kernels"]) for mode in modes}
-    plan_devices = devices if math.prod(mesh_shape(config)) > 1 else 1
+    plan_devices = devices if mesh_shape(config).devices > 1 else 1
     return {
         "params": plan["params"],
         "compile_s": plan["compile_s"],
