@@ -38,8 +38,9 @@ _EVENT = "/jax/compilation_cache/"
 _CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # What a cached plan holds (jaxscale.plan.target_compile's result); bump it when that changes, so entries
 # written by an older lab are not read as complete (2: the kernel list for the step-time prediction;
-# 3: collective columns and the topology; 4: the kernel list's collectives parsed as the columns' are).
-PLAN_FORMAT = 4
+# 3: collective columns and the topology; 4: the kernel list's collectives parsed as the columns' are;
+# 5: fused attention calls, the Pallas flash and cuDNN fMHA kernels, costed by their shapes).
+PLAN_FORMAT = 5
 
 
 def cache_root() -> pathlib.Path:
