@@ -318,7 +318,7 @@ def run(
     placement = None
     try:
         if target is not None:
-            row.update(gpu_plan.plan_for_target(config, target, gemm=gemm, devices=devices or 1))
+            row.update(gpu_plan.plan_for_target(config, target, gemm=gemm, devices=devices or 1, hlo_dir=run_dir))
         else:
             with compile_cache.watch() as cache:
                 compiled, placement, abstract_state, row["compile_s"] = compile_step(config)
