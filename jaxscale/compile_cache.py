@@ -38,8 +38,9 @@ _EVENT = "/jax/compilation_cache/"
 _CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # What a cached plan holds (jaxscale.plan.target_compile's result); bump it when that changes, so entries
 # written by an older lab are not read as complete (2: the kernel list for the step-time prediction;
-# 3: collective columns and the topology; 4: the kernel list's collectives parsed as the columns' are).
-PLAN_FORMAT = 4
+# 3: collective columns and the topology; 4: the kernel list's collectives parsed as the columns' are;
+# 5: fused attention calls, the Pallas flash and cuDNN fMHA kernels, costed by their shapes).
+PLAN_FORMAT = 6
 
 
 def cache_root() -> pathlib.Path:
@@ -176,6 +177,11 @@ def read_plan(key: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return entry if isinstance(entry, dict) and {"result", "stderr"} <= set(entry) else None
+
+
+def plan_hlo_path(key: str) -> pathlib.Path:
+    """Where the cache keeps the compiled HLO text (gzipped) of the plan under `key`."""
+    return plan_dir() / f"{key}.hlo.txt.gz"
 
 
 def write_plan(key: str, result: dict, stderr: str) -> None:

@@ -11,7 +11,6 @@ process, as a sweep variant) and recommends the fastest measured tokens/s.
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import sys
 import time
@@ -262,15 +261,15 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     if fv.max_minibatch < 1 or fv.max_compiles < 1:
         raise UsageError("--max_minibatch and --max_compiles: must be >= 1")
     gpu_plan.check_target_flag(fv.target, plan=True, gemm=fv.gemm)
-    if fv.devices is not None or math.prod(mesh_shape(config)) > 1:
+    if fv.devices is not None or mesh_shape(config).devices > 1:
         if fv.target is None:
             raise UsageError(
                 f"--devices / mesh {mesh_text(config)}: the fit planner plans a mesh for a GPU target only; add "
                 "--target (e.g. --target h100 --devices 8), or use a 1x1x1 mesh for this machine's compiler"
             )
-        if math.prod(mesh_shape(config)) != (fv.devices or 1):  # a 1x1x1 mesh would plan one of the N GPUs
+        if mesh_shape(config).devices != (fv.devices or 1):  # a 1x1x1 mesh would plan one of the N GPUs
             raise UsageError(
-                f"mesh: data x fsdp x tensor = {mesh_text(config)} plans {math.prod(mesh_shape(config))} GPU(s), "
+                f"mesh: data x fsdp x tensor = {mesh_text(config)} plans {mesh_shape(config).devices} GPU(s), "
                 f"but --devices is {fv.devices or 1}; choose sizes whose product is {fv.devices or 1} "
                 f"(e.g. --config.mesh.fsdp={fv.devices or 1})"
             )

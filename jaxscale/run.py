@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import math
 import pathlib
 import platform
 import sys
@@ -146,7 +145,7 @@ def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path
         "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "tokens_per_step": config.data.batch_size * config.data.seq_len,
         "mesh": mesh_text(config),  # data x fsdp x tensor; every memory column is per device
-        "mesh_devices": math.prod(mesh_shape(config)),
+        "mesh_devices": mesh_shape(config).devices,
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
         "analytic_model_flops_per_step": flops.model_flops_per_step(config),
@@ -319,7 +318,7 @@ def run(
     placement = None
     try:
         if target is not None:
-            row.update(gpu_plan.plan_for_target(config, target, gemm=gemm, devices=devices or 1))
+            row.update(gpu_plan.plan_for_target(config, target, gemm=gemm, devices=devices or 1, hlo_dir=run_dir))
         else:
             with compile_cache.watch() as cache:
                 compiled, placement, abstract_state, row["compile_s"] = compile_step(config)
@@ -453,7 +452,7 @@ def check_devices(config: ml_collections.ConfigDict, target: str | None, devices
             raise UsageError(str(error)) from None
         return
     count, platform = jax.device_count(), jax.default_backend()
-    hint = f"; simulate CPU devices with --host_devices={math.prod(mesh_shape(config))}" if platform == "cpu" else ""
+    hint = f"; simulate CPU devices with --host_devices={mesh_shape(config).devices}" if platform == "cpu" else ""
     try:
         check_mesh_devices(config, count, f"this run ({platform})", hint)
     except ConfigError as error:

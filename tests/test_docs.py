@@ -49,6 +49,8 @@ def user_facing_files() -> list[pathlib.Path]:
     files = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
     files += sorted((REPO / "experiments").glob("*.md")) + sorted((REPO / "experiments").glob("*.ipynb"))
     files += sorted((REPO / "jaxscale").rglob("*.py")) + sorted((REPO / "configs").glob("*.py"))
+    files += sorted((REPO / "experiments" / "results").rglob("*.jsonl"))  # curated rows the docs cite
+    files += sorted((REPO / "experiments" / "results").rglob("*.md"))
     return files + sorted((REPO / "experiments").glob("*.py"))
 
 
@@ -67,6 +69,7 @@ def test_the_scan_covers_the_docs_the_code_and_the_notebook():
     names = {str(path.relative_to(REPO)) for path in user_facing_files()}
     assert {"README.md", "docs/architecture.md", "experiments/README.md", "experiments/compare_sweeps.ipynb"} <= names
     assert {"jaxscale/plan/targets.py", "jaxscale/cli.py", "configs/bf16_remat.py"} <= names
+    assert "experiments/results/fit_bf16_remat_seed_a5000/results.jsonl" in names  # committed rows too
 
 
 def test_user_facing_text_points_only_inside_the_repository():

@@ -104,23 +104,28 @@ def test_a_process_that_fails_before_joining_stops_the_other_in_bounded_time(tmp
     assert not (tmp_path / "run" / "result.json").exists()
 
 
-def test_two_processes_of_two_devices_give_the_loss_of_one_device(tmp_path):
-    """The fast counterpart: 2 processes x 2 CPU devices over gloo, data over the processes and FSDP within
-    each (2x2x1), one step of the tiny fp32 model, give the loss one process on one device gets (rel 1e-5, as
-    below); only process 0 writes the row, and its program all-reduces across the processes. (With 1 device
-    per process the run fails: "the input arrays must have one shard each", a bug outside this test.)"""
-    small = [*CONFIG, "--config.mesh.fsdp=2", "--config.train.steps=1", "--config.profile.steps=0"]
+@pytest.mark.parametrize(
+    "devices_per_process", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1_device_each", "2_devices_each"]
+)
+def test_two_processes_give_the_loss_of_one_device(tmp_path, devices_per_process):
+    """The fast counterpart: 2 processes over gloo, data over the processes (and FSDP over each one's devices:
+    2x1x1 with one device per process, 2x2x1 with two), one step of the tiny fp32 model, give the loss one
+    process on one device gets (rel 1e-5, as below); only process 0 writes the row, and its program
+    all-reduces across the processes. One device per process once failed placing the metrics (a local
+    array put on a mesh across processes): the fast case."""
+    fsdp = devices_per_process
+    small = [*CONFIG, f"--config.mesh.fsdp={fsdp}", "--config.train.steps=1", "--config.profile.steps=0"]
     port = _free_port()
     two = [
-        [*small, "--host_devices=2", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-         f"--process_id={i}", f"--run_dir={tmp_path / 'two'}", "--distributed_timeout=60"]
+        [*small, f"--host_devices={devices_per_process}", f"--coordinator_address=127.0.0.1:{port}",
+         "--num_processes=2", f"--process_id={i}", f"--run_dir={tmp_path / 'two'}", "--distributed_timeout=60"]
         for i in range(2)
     ]  # fmt: skip
     one = [*small, "--config.mesh.data=1", "--config.mesh.fsdp=1", f"--run_dir={tmp_path / 'one'}"]
     results = _launch([*two, one], deadline_s=600)
     assert [code for code, _, _ in results] == [0, 0, 0], [out[-2000:] for _, out, _ in results]
     rows = [json.loads((tmp_path / name / "result.json").read_text()) for name in ("two", "one")]
-    assert rows[0]["process_count"] == 2 and rows[0]["device_count"] == 4 and rows[0]["mesh"] == "2x2x1"
+    assert rows[0]["process_count"] == 2 and rows[0]["device_count"] == 2 * fsdp and rows[0]["mesh"] == f"2x{fsdp}x1"
     assert rows[1]["process_count"] == 1 and rows[1]["mesh"] == "1x1x1"
     for key in ("loss_first", "loss", "accuracy"):
         assert rows[0][key] == pytest.approx(rows[1][key], rel=1e-5), key

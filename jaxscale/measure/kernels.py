@@ -2,12 +2,14 @@
 
 `kernels(hlo_text)` walks the program as it executes (jaxscale.measure.hlo.executed: loop bodies with their
 trip counts) and returns one `Kernel` per sequence step that runs on the device: GEMMs (cuBLAS custom
-calls, Triton GEMM fusions, a CPU's dot fusions), cuDNN calls, other fusions (by their kind), copies,
-dynamic-update-slices and collectives. Tuples, bitcasts, parameters, constants and control flow launch
+calls, Triton GEMM fusions, a CPU's dot fusions), fused attention (jaxscale.measure.attention_calls: the Pallas
+flash kernels' Triton calls and cuDNN's fMHA calls), other fusions (by their kind), copies, dynamic-update-slices
+and collectives. Tuples, bitcasts, parameters, constants and control flow launch
 nothing and are left out. For each kernel:
 
-- flops: a GEMM's 2 · output elements · contracted size (the same count as hlo.matmul_flops); for other
-  kernels one FLOP per element per arithmetic op inside (a reduce: per input element);
+- flops: a GEMM's 2 · output elements · contracted size (the same count as hlo.matmul_flops); a fused
+  attention call's matmuls from its shapes (attention_calls); for other kernels one FLOP per element per
+  arithmetic op inside (a reduce: per input element);
 - flop_dtype: which peak the FLOPs run at: "bf16"/"f16" (tensor cores), "tf32" (a float32 dot at DEFAULT
   precision), "f32" (a float32 dot at HIGHEST), "vector" (elementwise work, CUDA cores / SIMD units);
 - bytes_read, bytes_written: at the kernel's boundary. A fusion reads a parameter in full unless it only
@@ -23,7 +25,7 @@ import dataclasses
 import math
 import re
 
-from jaxscale.measure import collectives, hlo
+from jaxscale.measure import attention_calls, collectives, hlo
 
 # Launch nothing: structure, aliasing and control flow (the bodies' kernels are listed themselves), and the
 # -done/-update ops of async pairs (the -start or async-start is the kernel: collectives.launched).
@@ -42,7 +44,7 @@ _FUSION_KIND = re.compile(r'"kind":"([^"]+)"')
 _LEGACY_KIND = re.compile(r"\bkind=(k\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _PRECISION = re.compile(r"operand_precision[=:]\{?\[?([^}\]]*)")
-CATEGORIES = ("matmul", "fusion", "copy", "dynamic_update_slice", "collective")
+CATEGORIES = ("matmul", "attention", "fusion", "copy", "dynamic_update_slice", "collective")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,9 @@ class Kernel:
     bytes_written: int
     gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM
     collective: tuple[str, int, int] | None = None  # (kind, devices per group, full buffer bytes): collectives.py
+    # (matmuls, batch, heads, q_len, kv_len, head_dim, causal) of a fused attention call (attention_calls.Call);
+    # causal None: the HLO does not say (resolve_causal)
+    attention: tuple | None = None
 
     @property
     def bytes(self) -> int:
@@ -206,6 +211,10 @@ def _custom_call(instruction: hlo.Instruction, computation: dict, **fields) -> K
     read = hlo.operand_bytes(instruction, computation)
     if hlo.is_matmul(instruction):
         return _gemm_kernel(instruction, computation, detail=target, bytes_read=read, bytes_written=written, **fields)
+    call = attention_calls.parse(instruction, computation)
+    if call is not None:
+        return Kernel(category="attention", detail=call.kernel, flops=call.flops, flop_dtype=call.dtype,
+                      bytes_read=read, bytes_written=written, attention=call.as_tuple(), **fields)  # fmt: skip
     return Kernel(category="fusion", detail=target, flops=0.0, flop_dtype="vector", bytes_read=read,
                   bytes_written=written, **fields)  # fmt: skip
 
@@ -276,6 +285,18 @@ def kernels(hlo_text: str) -> list[Kernel]:
     return found
 
 
+def resolve_causal(found: list[Kernel], causal: bool) -> list[Kernel]:
+    """The kernels with every attention call whose causality the HLO does not say (the Pallas kernels' Triton
+    calls) taken as `causal` (the run's model.causal), and its FLOPs counted accordingly."""
+    resolved = []
+    for k in found:
+        if k.attention is not None and k.attention[-1] is None:
+            call = attention_calls.Call.from_tuple(k.attention, k.detail, k.flop_dtype, causal=causal)
+            k = dataclasses.replace(k, flops=call.flops, attention=call.as_tuple())
+        resolved.append(k)
+    return resolved
+
+
 def summary(found: list[Kernel]) -> dict[str, dict[str, float]]:
     """Per category: launches, FLOPs and bytes per step (each kernel times its launches)."""
     table: dict[str, dict[str, float]] = {c: {"launches": 0, "flops": 0.0, "bytes": 0.0} for c in CATEGORIES}
@@ -305,6 +326,7 @@ def from_dicts(rows: list[dict]) -> list[Kernel]:
                 "trips": tuple(r["trips"]),
                 "gemm": maybe_tuple(r["gemm"]),
                 "collective": maybe_tuple(r["collective"]),
+                "attention": maybe_tuple(r.get("attention")),
             }
         )
         for r in rows

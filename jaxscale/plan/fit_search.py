@@ -96,18 +96,12 @@ class Search:
         return self.too_large.minibatch == self.largest.minibatch + 1
 
 
-def data_parallel_size(config: ml_collections.ConfigDict) -> int:
-    """Devices the batch is split over: the product of the mesh's data and fsdp axes."""
-    data, fsdp, _ = mesh_shape(config)
-    return data * fsdp
-
-
 def with_minibatch(config: ml_collections.ConfigDict, choice: str, minibatch: int) -> ml_collections.ConfigDict:
     """A validated copy of `config` with the remat choice and `minibatch` sequences per device and minibatch."""
     _, remat, policy = REMAT_CHOICES[choice]
     config = copy.deepcopy(config)
     config.model.remat, config.model.remat_policy = remat, policy
-    config.data.batch_size = minibatch * config.train.num_minibatches * data_parallel_size(config)
+    config.data.batch_size = minibatch * config.train.num_minibatches * mesh_shape(config).batch_split
     validate(config)
     return config
 

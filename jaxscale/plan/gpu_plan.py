@@ -135,7 +135,7 @@ def check_devices_flag(config: ml_collections.ConfigDict, target: str | None, de
         check_mesh_devices(config, devices or 1, f"target {target} (--devices)", "; --devices sets the target's count")
     except (ConfigError, ValueError) as error:
         raise PlanFlagError(str(error)) from None
-    if (devices or 1) > 1 and math.prod(mesh_shape(config)) == 1:  # a 1x1x1 mesh plans one of them
+    if (devices or 1) > 1 and mesh_shape(config).devices == 1:  # a 1x1x1 mesh plans one of them
         raise PlanFlagError(
             f"--devices {devices}: the mesh (data x fsdp x tensor = 1x1x1) uses 1 of the {devices} target GPUs and "
             f"leaves {devices - 1} idle; set mesh.data, mesh.fsdp or mesh.tensor so that their product is {devices} "
@@ -172,14 +172,16 @@ def compile_in_subprocess(
     gemm: str,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     devices: int = 1,
+    hlo_path: pathlib.Path | None = None,
 ) -> tuple[dict[str, Any], str]:
     """Runs `jaxscale.plan.target_compile` for one GEMM mode on `devices` target GPUs in a child process;
-    returns (its result, its stderr).
+    returns (its result, its stderr). `hlo_path`: where the child keeps the compiled HLO (gzipped).
 
     Raises:
       PlanError: the child crashed, was killed, timed out or raised.
     """
     request = {"config": config, "target_config_text": config_text, "devices": devices, "gemm": gemm}
+    request["hlo_path"] = None if hlo_path is None else str(hlo_path)
     with tempfile.TemporaryDirectory(prefix="jaxscale_plan_") as tmp:
         result_path = pathlib.Path(tmp) / "plan.json"
         command = [sys.executable, "-m", "jaxscale.plan.target_compile", str(result_path)]
@@ -206,6 +208,7 @@ def compile_in_process(
     gemm: str,
     timeout_s: float | None = None,
     devices: int = 1,
+    hlo_path: pathlib.Path | None = None,
 ) -> tuple[dict[str, Any], str]:
     """`target_compile.compile_for_target` in this process for one GEMM mode; (result, its stderr).
 
@@ -218,7 +221,7 @@ def compile_in_process(
     del timeout_s  # a compile in this process cannot be interrupted
     with captured_stderr() as stderr:
         try:
-            result = target_compile.compile_for_target(config, config_text, devices, gemm)
+            result = target_compile.compile_for_target(config, config_text, devices, gemm, hlo_path)
         except Exception as error:  # XLA raises many types; all mean the target compile failed
             raise PlanError(f"target compile failed: {' '.join(str(error).split())[:400]}") from None
     return result, stderr[0]
@@ -257,7 +260,7 @@ def plan_row(
     plan_fits, reason = fits(spec, plan["compiled_peak_bytes"], warning)
     hits = [plans[m].get("compile_cache_hit") for m in modes]
     by_mode = {mode: kernels.from_dicts(plans[mode]["kernels"]) for mode in modes}
-    plan_devices = devices if math.prod(mesh_shape(config)) > 1 else 1
+    plan_devices = devices if mesh_shape(config).devices > 1 else 1
     return {
         "params": plan["params"],
         "compile_s": plan["compile_s"],
@@ -279,6 +282,9 @@ def plan_row(
     }
 
 
+PLAN_HLO_FILE = "plan_{gemm}.hlo.txt.gz"  # a plan's compiled program, beside its row (hlo_dir)
+
+
 def plan_for_target(
     config: ml_collections.ConfigDict,
     target: str,
@@ -287,6 +293,7 @@ def plan_for_target(
     devices: int = 1,
     in_process: bool = False,
     enough: Callable[[dict[str, Any]], bool] | None = None,
+    hlo_dir: pathlib.Path | None = None,
 ) -> dict[str, Any]:
     """XLA's memory plan of the run's train step on a GPU target, as result-row fields.
 
@@ -300,6 +307,8 @@ def plan_for_target(
       in_process: compile in this process (compile_in_process) instead of one child per GEMM mode.
       enough: with gemm="both", compile cuBLAS first and skip Triton when `enough(row of the cuBLAS plan)`
         (the fit planner: a verdict of "does not fit" cannot change); the row then says plan_gemm_partial.
+      hlo_dir: keep each compiled program there as `plan_<gemm>.hlo.txt.gz` (PLAN_HLO_FILE), listed in the
+        row's plan_hlo_files; None keeps none (the fit planner's probes).
     Returns:
       The row fields listed in this module's docstring, plus params, plan_devices, plan_topology, the
       compiled_collective_* columns and plan_wall_s (all compiles, seconds).
@@ -315,7 +324,8 @@ def plan_for_target(
     start = time.perf_counter()
     plans, warnings, partial = {}, {}, False
     for mode in modes:
-        plans[mode], stderr = compile_one(config, text, mode, timeout_s, devices)
+        hlo_path = None if hlo_dir is None else pathlib.Path(hlo_dir) / PLAN_HLO_FILE.format(gemm=mode)
+        plans[mode], stderr = compile_one(config, text, mode, timeout_s, devices, hlo_path)
         warnings[mode] = parse_remat_warning(stderr)
         if enough is not None and len(plans) < len(modes) and enough(plan_row(config, spec, plans, warnings, devices)):
             partial = True
@@ -323,6 +333,9 @@ def plan_for_target(
     row = plan_row(config, spec, plans, warnings, devices)
     if partial:
         row["plan_gemm_partial"] = True
+    if hlo_dir is not None:
+        kept = [PLAN_HLO_FILE.format(gemm=mode) for mode in plans]
+        row["plan_hlo_files"] = [name for name in kept if (pathlib.Path(hlo_dir) / name).exists()]
     return {**row, "plan_wall_s": time.perf_counter() - start}
 
 

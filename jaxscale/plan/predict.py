@@ -1,15 +1,16 @@
 """Predicts a train step's time from the kernels of its compiled program: a roofline per kernel, summed.
 
-Each kernel of the compiled step (jaxscale.measure.kernels: GEMMs, fusions, copies, dynamic-update-slices,
-collectives, each with the trip counts of its loops) takes
+Each kernel of the compiled step (jaxscale.measure.kernels: GEMMs, fused attention, fusions, copies,
+dynamic-update-slices, collectives, each with the trip counts of its loops) takes
 
     time = max(FLOPs / (peak · efficiency), bytes / (bandwidth · MEMORY_EFFICIENCY)) + LAUNCH_S
 
 where the peak is the one its dtype runs at (bf16/fp16 tensor cores, TF32 for a float32 dot at DEFAULT
-precision, float32 CUDA cores for elementwise work), and a collective moves its ring-algorithm bytes over
-the slowest link its group crosses (NVLink within the target's NVLink domain, PCIe beyond it, the network
-across hosts). The step is the sum over kernels times their launches (XLA runs one kernel at
-a time on one stream). `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch
+precision, float32 CUDA cores for elementwise work; a fused attention kernel's matmuls at the tensor peak
+times ATTENTION_EFFICIENCY instead of GEMM_EFFICIENCY, with no tile quantization), and a collective moves its
+ring-algorithm bytes over the slowest link its group crosses (NVLink within the target's NVLink domain, PCIe
+beyond it, the network across hosts). The step is the sum over kernels times their launches (XLA runs one
+kernel at a time on one stream). `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch
 cost: the pure roofline. The constants and their sources:
 
 - GEMM_EFFICIENCY 0.80: the best large-GEMM fraction of the bf16 tensor peak measured with cuBLAS
@@ -28,6 +29,17 @@ cost: the pure roofline. The constants and their sources:
   found; the same fraction is assumed.
 - LAUNCH_S 5.8 µs: the smallest GEMMs of OpenXLA's measured H100 table take 5.9 µs whatever their size
   (67 MFLOP at 11.5 TFLOP/s): a fixed cost per kernel of about 5.8 µs once the work (~0.1 µs) is taken out.
+- ATTENTION_EFFICIENCY, by GPU generation (compute capability major): the fraction of the tensor peak that
+  FlashAttention-2 reaches, its FLOPs counted as its benchmark counts them (causal halved, backward 2.5x the
+  forward: the 5 matmuls it runs), so the fraction is the rate of its matmul work; a kernel's matmuls are
+  counted by jaxscale.measure.attention_calls (JAX's Pallas backward runs 7, 3.5x the forward).
+  Ampere (8.x; also Ada, 8.9, for which no figure was found) 0.50: the low end of "50-73% of the
+  theoretical maximum FLOPs/s on A100" (Dao 2023, FlashAttention-2, arXiv 2307.08691, abstract), the low
+  end because JAX's Triton kernel is a re-implementation, not FlashAttention-2 itself. Hopper (9.x) 0.35:
+  "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3,
+  arXiv 2407.08608, abstract); the Pallas kernel is FlashAttention-2-like (no warp specialization, no TMA
+  pipelining). cuDNN's fused attention gets the same figure (none of its own was found; on Hopper it is
+  probably faster, so its predictions are conservative). Not fitted to any step time.
 - Collective bytes: NCCL's bus-bandwidth factors (nccl-tests doc/PERFORMANCE.md): all-reduce 2(n-1)/n,
   all-gather, reduce-scatter and all-to-all (n-1)/n, collective-permute 1, of the full buffer.
 
@@ -49,12 +61,13 @@ from jaxscale.measure import collectives, flops, kernels, peaks
 from jaxscale.plan import targets
 
 GEMM_EFFICIENCY = 0.80
+ATTENTION_EFFICIENCY = {8: 0.50, 9: 0.35}  # by compute capability major: Ampere/Ada, Hopper (see above)
 GEMM_TILE = 128
 MEMORY_EFFICIENCY = 0.85
 LAUNCH_S = 5.8e-6
-BREAKDOWN = ("matmul", "fusion", "copy_dus", "collective", "launch")  # predicted_<name>_s columns
-_GROUP = {"matmul": "matmul", "fusion": "fusion", "copy": "copy_dus", "dynamic_update_slice": "copy_dus",
-          "collective": "collective"}  # fmt: skip
+BREAKDOWN = ("matmul", "attention", "fusion", "copy_dus", "collective", "launch")  # predicted_<name>_s columns
+_GROUP = {"matmul": "matmul", "attention": "attention", "fusion": "fusion", "copy": "copy_dus",
+          "dynamic_update_slice": "copy_dus", "collective": "collective"}  # fmt: skip
 
 
 def collective_factor(op: str, n: int) -> float:
@@ -78,6 +91,7 @@ class Roofline:
     devices_per_host: int
     cores: int | None  # SMs, for tile and wave quantization (None: none, a CPU)
     gemm_efficiency: float
+    attention_efficiency: float  # fused attention kernels' share of the tensor peak
     memory_efficiency: float
     launch_s: float
     source: str
@@ -92,11 +106,17 @@ def gpu_roofline(
     (or any group of a GPU without NVLink) over PCIe; a group that spans hosts over the network.
 
     Raises:
-      ValueError: the peak table has no entry for the target's device_kind.
+      ValueError: the peak table has no entry for the target's device_kind, or ATTENTION_EFFICIENCY none for its
+        generation.
     """
     peak = peaks.find_peak(target.device_kind)
     if peak is None or peak.bfloat16 is None or peak.float32 is None:
         raise ValueError(f"no datasheet peak for {target.device_kind!r} (add it to jaxscale/measure/peaks.py)")
+    generation = target.compute_capability[0]
+    if generation not in ATTENTION_EFFICIENCY:
+        known = ", ".join(f"{g}.x" for g in ATTENTION_EFFICIENCY)
+        raise ValueError(f"no flash-attention efficiency for compute capability {generation}.x (known: {known})")
+    attention = ATTENTION_EFFICIENCY[generation]
     full_fp32 = (precision or "").lower() in ("highest", "float32", "fp32")
     nvlink = target.nvlink_bandwidth is not None and target.nvlink_domain is not None
     return Roofline(
@@ -116,10 +136,12 @@ def gpu_roofline(
         devices_per_host=devices_per_host,
         cores=target.core_count,
         gemm_efficiency=GEMM_EFFICIENCY,
+        attention_efficiency=attention,
         memory_efficiency=MEMORY_EFFICIENCY,
         launch_s=LAUNCH_S,
         source=f"{peak.source}; {target.source}; links: {target.interconnect_source}; efficiencies: GEMM "
-        f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, memory "
+        f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, fused attention "
+        f"{attention:.0%} (published FlashAttention-2 figure for compute capability {generation}.x), memory "
         f"{MEMORY_EFFICIENCY:.0%}, launch {LAUNCH_S * 1e6:.1f} us per kernel (jaxscale/plan/predict.py)",
     )
 
@@ -141,6 +163,7 @@ def cpu_roofline() -> Roofline:
         devices_per_host=1,
         cores=None,
         gemm_efficiency=1.0,
+        attention_efficiency=1.0,
         memory_efficiency=1.0,
         launch_s=0.0,
         source=f"{f32_source}; {bandwidth_source}; no efficiency factors, no launch cost",
@@ -174,6 +197,9 @@ def kernel_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, float
     if kernel.category == "matmul":
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])
         efficiency = roof.gemm_efficiency * quantization(kernel.gemm, roof.cores)
+    elif kernel.category == "attention":
+        peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])
+        efficiency = roof.attention_efficiency
     else:
         peak, efficiency = roof.vector_flops_per_s, 1.0
     compute = kernel.flops / peak
@@ -211,10 +237,13 @@ def step_columns(
       roof: the device's roofline.
       peak: the peak FLOP/s that MFU divides by (the same as the row's `mfu` uses), or None.
     Returns:
-      predicted_step_s and its breakdown (see predict), predicted_tokens_per_s, predicted_mfu,
+      predicted_step_s and its breakdown (see predict), predicted_tokens_per_s, predicted_mfu (the analytic
+      model FLOPs, flops.model_flops_per_step, the numerator of the row's `mfu`: attention over the full T x T
+      square, whatever the kernels compute),
       predicted_unknown_trip_count_kernels (kernels in a loop of unknown trip count, counted once)
       and predicted_roofline_source.
     """
+    found = kernels.resolve_causal(found, bool(config.model.causal))  # the Pallas calls' HLO does not say
     columns: dict[str, object] = dict(predict(found, roof))
     step = columns["predicted_step_s"]
     tokens = config.data.batch_size * config.data.seq_len

@@ -18,9 +18,12 @@ For several GPUs (the config's mesh on `devices` of them) the CUDA topology "<sl
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
+import pathlib
 import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -126,7 +129,11 @@ def _emit(stderr: str) -> None:
 
 
 def compile_for_target(
-    config: ml_collections.ConfigDict, target_config_text: str, devices: int = 1, gemm: str | None = None
+    config: ml_collections.ConfigDict,
+    target_config_text: str,
+    devices: int = 1,
+    gemm: str | None = None,
+    hlo_path: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Lowers and compiles the run's train step (same accumulation, remat, scan, mesh) for the target, or reads
     the plan from the plan cache; the one compile of GPU planning, in a child process or in the caller's.
@@ -140,6 +147,8 @@ def compile_for_target(
       devices: target GPUs; the config's mesh must use them all (a 1x1x1 mesh compiles for one).
       gemm: "triton" or "cublas" (GEMM_OPTIONS, as compile options of this compile), or None for XLA's
         default (XLA_FLAGS decides).
+      hlo_path: where to keep the compiled program's HLO text, gzipped (what XLA will run on the GPU, the
+        dtype of every collective included); None keeps none. The plan cache keeps it too, for a hit.
     Returns:
       compiled_{argument,output,temp,alias,peak}_bytes of XLA's GPU plan (one device's), the
       compiled_collective_* columns of its HLO, compile_s (lower + compile, or lower + cache read on a hit,
@@ -164,6 +173,12 @@ def compile_for_target(
         lowered.as_text(), target_config_text, os.environ.get("XLA_FLAGS", ""), targets.topology(devices), options
     )
     cached = compile_cache.read_plan(key)
+    if cached is not None and hlo_path is not None:
+        try:
+            pathlib.Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(compile_cache.plan_hlo_path(key), hlo_path)
+        except OSError:  # an entry kept without its program: compile again
+            cached = None
     if cached is not None:
         _emit(cached["stderr"])
         seconds = time.perf_counter() - start
@@ -183,9 +198,22 @@ def compile_for_target(
         "plan_key": key,
         "kernels": kernels.as_dicts(kernels.kernels(text)),
     }
+    if hlo_path is not None:
+        _write_gzipped(text, pathlib.Path(hlo_path))
+    if compile_cache.enabled():
+        _write_gzipped(text, compile_cache.plan_hlo_path(key))
     compile_cache.write_plan(key, result, stderr[0])  # the plan and XLA's warnings, for the next compile
     _emit(stderr[0])
     return {**result, "compile_cache_hit": False if compile_cache.enabled() else None, "compile_cache_saved_s": None}
+
+
+def _write_gzipped(text: str, path: pathlib.Path) -> None:
+    """The text gzipped at `path`, written whole or not at all (a temporary file renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    with gzip.open(partial, "wt") as handle:
+        handle.write(text)
+    os.replace(partial, path)
 
 
 def main(argv: list[str]) -> int:
@@ -201,7 +229,11 @@ def main(argv: list[str]) -> int:
     # JAX's own cache cannot load a deviceless executable back (see jaxscale.compile_cache): not used here.
     jax.config.update("jax_enable_compilation_cache", False)
     result = compile_for_target(
-        request["config"], request["target_config_text"], request.get("devices", 1), request.get("gemm")
+        request["config"],
+        request["target_config_text"],
+        request.get("devices", 1),
+        request.get("gemm"),
+        request.get("hlo_path"),
     )
     with open(argv[1], "w") as handle:
         json.dump(result, handle)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -162,7 +161,7 @@ def _one_gpu_args(variant: Variant, run_args: list[str]) -> tuple[list[str], str
     GPUs; a 1x1x1 variant (the usual baseline) is planned on one GPU without --devices (the run refuses N GPUs
     that its mesh would leave idle), and its row's `plan_devices_note` says so."""
     given = [arg for arg in run_args if arg.startswith("--devices=")]
-    if not given or math.prod(mesh_shape(variant.config)) > 1:
+    if not given or mesh_shape(variant.config).devices > 1:
         return run_args, None
     count = given[-1].split("=", 1)[1]
     note = f"planned on one GPU: the mesh is 1x1x1 (the sweep's --devices {count} plans the meshes that use them)"

@@ -221,8 +221,18 @@ def init_state(init_fn: Callable[[], TrainState], layout: Layout) -> TrainState:
 
 
 def place_metrics(metrics: Any, layout: Layout) -> Any:
-    """The running metric sums, replicated on every device of the mesh."""
-    return jax.device_put(metrics, layout.metrics)
+    """The running metric sums, replicated on every device of the mesh.
+
+    Each global array is built from this process's values for its own devices (make_array_from_callback):
+    `jax.device_put` of a process-local array onto a mesh whose processes hold one device each makes an
+    array whose local shard holds two (found with 2 processes x 1 CPU device).
+    """
+
+    def place(value: Any, sharding: NamedSharding) -> jax.Array:
+        local = np.asarray(value)
+        return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
+
+    return jax.tree_util.tree_map(place, metrics, layout.metrics)
 
 
 def process_rows(sharding: NamedSharding, batch_size: int) -> slice:

@@ -178,3 +178,62 @@ ENTRY %main (p: f32[16,128]) -> (f32[16,128], f32[32,128], f32[64,128]) {
     assert found["listed"].collective == ("all-reduce", 2, 4 * 16 * 128)
     assert found["meshed"].collective == ("all-gather", 2, 4 * 32 * 128)  # the gathered result is the buffer
     assert found["everyone"].collective == ("all-gather", 4, 4 * 64 * 128)
+
+
+def _fmha_config(dims: str, mask: str) -> str:
+    """cuDNN's fused-attention backend config as XLA prints it (shortened; the dot dimension numbers left out)."""
+    return (
+        '{"operation_queue_id":"0","wait_on_operation_queues":[],"cudnn_fmha_backend_config":{"algorithm":'
+        '{"algo_id":"0","math_type":"TENSOR_OP_MATH","tuning_knobs":{"17":"1","24":"0"},"is_cudnn_frontend":true,'
+        '"workspace_size":"0"},"fmha_scale":0.125,"dropout_rate":0,"intermediate_tensor_shape":{"element_type":"BF16",'
+        f'"dimensions":[{dims}],"tuple_shapes":[],"layout":{{"minor_to_major":["3","2","1","0"],"tiles":[]}}}},'
+        f'"is_flash_attention":true,"mask_type":"{mask}"}}}}'
+    )
+
+
+# cuDNN's fused attention as jax.nn.dot_product_attention(implementation="cudnn") lowers it (forms copied from
+# XLA's printed HLO, BTNH layout): llama3.2-1b's shapes, 4 sequences of 4096, 32 heads of 64; a causal forward
+# and backward, and a forward without a mask with the spaced JSON some XLA versions print.
+_CAUSAL = _fmha_config('"4","32","4096","4096"', "CAUSAL")
+_FULL = _fmha_config('"4","32","4096","4096"', "NO_MASK").replace('":', '": ').replace('",', '", ')
+CUDNN_MODULE = f"""HloModule cudnn, is_scheduled=true
+
+ENTRY %main (q: bf16[4,4096,32,64], k: bf16[4,4096,32,64], v: bf16[4,4096,32,64], d: bf16[4,4096,32,64]) -> bf16[4,4096,32,64] {{
+  %q = bf16[4,4096,32,64]{{3,2,1,0}} parameter(0)
+  %k = bf16[4,4096,32,64]{{3,2,1,0}} parameter(1)
+  %v = bf16[4,4096,32,64]{{3,2,1,0}} parameter(2)
+  %d = bf16[4,4096,32,64]{{3,2,1,0}} parameter(3)
+  %fwd = (bf16[4,4096,32,64]{{3,2,1,0}}, f32[4,32,4096]{{2,1,0}}, u8[0]{{0}}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={{bf16[4,4096,32,64]{{3,2,1,0}}, bf16[4,4096,32,64]{{3,2,1,0}}, bf16[4,4096,32,64]{{3,2,1,0}}}}, api_version=API_VERSION_STATUS_RETURNING, backend_config={_CAUSAL}
+  %o = bf16[4,4096,32,64]{{3,2,1,0}} get-tuple-element(%fwd), index=0
+  %lse = f32[4,32,4096]{{2,1,0}} get-tuple-element(%fwd), index=1
+  %bwd = (bf16[4,4096,32,64]{{3,2,1,0}}, bf16[4,4096,32,64]{{3,2,1,0}}, bf16[4,4096,32,64]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%q, %k, %v, %lse, %d, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward", api_version=API_VERSION_STATUS_RETURNING, backend_config={_CAUSAL}
+  %full = (bf16[4,4096,32,64]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", api_version=API_VERSION_STATUS_RETURNING, backend_config={_FULL}
+  ROOT %dq = bf16[4,4096,32,64]{{3,2,1,0}} get-tuple-element(%bwd), index=0
+}}
+"""  # noqa: E501
+
+
+def test_cudnn_fused_attention_calls_count_their_matmuls_from_their_shapes():
+    """B=4, H=32, T=S=4096, D=64, counted by hand: the forward's two matmuls (QK^T, PV) are
+    2 · 2·4·32·4096·4096·64 = 549,755,813,888 FLOPs over the full square, half of it causal; the backward's
+    five (FlashAttention-2's count) 2.5x the forward."""
+    found = _by_name(kernels.kernels(CUDNN_MODULE))
+    fwd, bwd, full = found["fwd"], found["bwd"], found["full"]
+    assert fwd.category == bwd.category == full.category == "attention"
+    assert (fwd.detail, bwd.detail) == ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+    assert fwd.flop_dtype == bwd.flop_dtype == "bf16"
+    assert fwd.attention == (2, 4, 32, 4096, 4096, 64, True)
+    assert full.attention == (2, 4, 32, 4096, 4096, 64, False)
+    assert full.flops == 549_755_813_888
+    assert fwd.flops == 274_877_906_944
+    assert bwd.flops == 687_194_767_360
+    # Bytes at the boundary: q, k, v in (3 x 67,108,864 B); out and the float32 log-sum-exp (2,097,152 B) out.
+    assert (fwd.bytes_read, fwd.bytes_written) == (201_326_592, 69_206_016)
+    # The causality the backend config gives stands whatever the run's config says.
+    assert kernels.resolve_causal([fwd, full], causal=False) == [fwd, full]
+
+
+def test_a_custom_call_that_is_not_attention_stays_memory_traffic():
+    module = CUDNN_MODULE.replace("__cudnn$fmhaSoftmaxBackward", "__my$kernel")
+    found = _by_name(kernels.kernels(module))
+    assert found["bwd"].category == "fusion" and found["bwd"].flops == 0 and found["bwd"].attention is None

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from jaxscale.config import base_config
+from jaxscale.config import base_config, mesh_shape
 from jaxscale.plan import fit_recommend, fit_search, gpu_plan
 
 
@@ -131,9 +131,9 @@ def test_minibatch_is_per_device_and_multiplies_the_data_parallel_axes():
     config = base_config("tiny", "fit")
     planned = fit_search.with_minibatch(config, "block", 5)
     assert planned.data.batch_size == 5 * config.train.num_minibatches and planned.model.remat == ("Block",)
-    assert config.model.remat == () and fit_search.data_parallel_size(config) == 1  # the input is not changed
+    assert config.model.remat == () and mesh_shape(config).batch_split == 1  # the input is not changed
     config.mesh = {"data": 2, "fsdp": 4, "tensor": 2}  # a mesh group as issue 10 adds it: batch over data x fsdp
-    assert fit_search.data_parallel_size(config) == 8
+    assert mesh_shape(config).batch_split == 8
     assert fit_search.with_minibatch(config, "none", 3).data.batch_size == 3 * config.train.num_minibatches * 8
 
 

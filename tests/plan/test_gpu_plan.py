@@ -1,12 +1,13 @@
 """Planning GPU memory for a target on a CPU-only machine: the plan, remat's effect, not fitting, bad input."""
 
+import gzip
 import json
 import pathlib
 
 import pytest
 from conftest import REPO, load_config
 
-from jaxscale import run
+from jaxscale import compile_cache, run
 from jaxscale.cli import UsageError
 from jaxscale.config import validate
 from jaxscale.plan import gpu_plan, predict, targets
@@ -317,3 +318,21 @@ def test_a_plan_that_fits_says_what_jaxs_allocator_needs_to_run_it():
         {**row, "compiled_peak_bytes": int(80.5 * gib)}
     )
     assert "not in what JAX's allocator can have" in gpu_plan.summary_line({**row, "compiled_peak_bytes": 99 * gib + 1})
+
+
+@needs_extra
+def test_a_plan_keeps_the_targets_compiled_program_beside_its_row(tmp_path, monkeypatch):
+    """The kept HLO is the GPU program (cuBLASLt matmul calls, which no CPU program has), gzipped; a second plan
+    served from the plan cache writes it again."""
+    monkeypatch.setenv("JAXSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    compile_cache.set_enabled(True)
+    try:
+        config = load_config("bf16_remat")
+        for run in ("first", "again"):
+            row = gpu_plan.plan_for_target(config, "h100", gemm="cublas", in_process=True, hlo_dir=tmp_path / run)
+            assert row["plan_hlo_files"] == ["plan_cublas.hlo.txt.gz"]
+            text = gzip.decompress((tmp_path / run / "plan_cublas.hlo.txt.gz").read_bytes()).decode()
+            assert text.startswith("HloModule ") and 'custom_call_target="__cublas$lt$matmul"' in text
+        assert row["compile_cache_hit"] is True
+    finally:
+        compile_cache.set_enabled(False)

@@ -107,6 +107,73 @@ def test_a_tiny_compiled_program_is_predicted_as_counted_by_hand():
     assert columns["predicted_kernel_launches"] == 2
 
 
+H100 = targets.TARGETS["h100"]
+
+
+def test_a_compute_bound_attention_kernel_runs_at_the_published_flash_attention_fraction_of_the_tensor_peak():
+    """llama3.2-1b's causal forward over 4 x 4096 tokens (32 heads of 64): 274,877,906,944 FLOPs (counted by hand
+    in tests/measure/test_kernels.py), 270,532,608 bytes. On an H100, 35% of 989.4 TFLOP/s (FlashAttention-2 on
+    the H100, FlashAttention-3 paper): 274,877,906,944 / 346.29e12 = 793.78 us; its bytes would take
+    270,532,608 / (3352.32 GB/s x 0.85) = 94.94 us, less. On an A100 (Ampere), 50% of 312 TFLOP/s: 1762.04 us."""
+    kernel = _kernel("attention", flops=274_877_906_944.0, flop_dtype="bf16", bytes_read=201_326_592,
+                     bytes_written=69_206_016, attention=(2, 4, 32, 4096, 4096, 64, True))  # fmt: skip
+    assert predict.kernel_seconds(kernel, predict.gpu_roofline(H100))[0] == pytest.approx(793.78e-6, rel=1e-5)
+    a100 = predict.gpu_roofline(targets.TARGETS["a100-80gb"])
+    assert predict.kernel_seconds(kernel, a100)[0] == pytest.approx(1762.04e-6, rel=1e-5)
+    # The pure roofline: the work at the whole peak, 274,877,906,944 / 989.4e12 = 277.823 us.
+    assert predict.kernel_seconds(kernel, predict.gpu_roofline(H100))[1] == pytest.approx(277.823e-6, rel=1e-5)
+    columns = predict.predict([kernel], predict.gpu_roofline(H100))
+    assert columns["predicted_attention_s"] == pytest.approx(793.78e-6, rel=1e-5)
+    assert columns["predicted_matmul_s"] == columns["predicted_fusion_s"] == 0.0
+    line = predict.summary_line({"plan_target": "h100", **columns})
+    assert "attention 0.000794" in line
+
+
+def test_an_attention_call_of_unknown_causality_takes_the_runs_mask():
+    """The Pallas kernels' HLO does not say whether they are causal, so kernels() counts the full square and
+    the run's model.causal decides: llama3.2-1b's forward (4 x 4096 tokens, 32 heads of 64) is 549,755,813,888
+    FLOPs over the square, 1587.56 us at 346.29 TFLOP/s on an H100, and half that when causal."""
+    config = load_config("bf16", "tiny")
+    pallas = _kernel("attention", detail="mha_forward", flops=549_755_813_888.0, flop_dtype="bf16",
+                     attention=(2, 4, 32, 4096, 4096, 64, None))  # fmt: skip
+    causal = predict.step_columns(config, [pallas], predict.gpu_roofline(H100), None)
+    config.model.causal = False
+    full = predict.step_columns(config, [pallas], predict.gpu_roofline(H100), None)
+    assert full["predicted_attention_s"] == pytest.approx(1587.56e-6, rel=1e-5)
+    assert causal["predicted_attention_s"] == pytest.approx(793.78e-6, rel=1e-5)
+
+
+@needs_extra
+def test_a_tiny_flash_compile_for_an_h100_prices_its_pallas_kernels_by_their_shapes():
+    """bf16_remat at :tiny with attention=flash, compiled for an H100: 2 layers x 2 minibatches, each of 4
+    sequences of 32 with 4 causal heads of 16. Per layer and minibatch, the Pallas kernels' Triton calls: the
+    forward, the forward again (remat of Attn), the backward's preprocess and the backward. Counted by hand:
+    B·H·T·S·D = 4·4·32·32·16 = 262,144; forward 2 matmuls x 2 x 262,144 / 2 (causal) = 524,288 FLOPs; backward
+    7 matmuls: 1,835,008; preprocess none. Per step 4 x (2 x 524,288 + 1,835,008) = 11,534,336 FLOPs.
+    Bytes: forward q, k, v in (3 x 16,384), out and the float32 log-sum-exp (2,048) out; backward q, k, v,
+    out, dO (5 x 16,384) and lse, delta (2 x 2,048) in, dq, dk, dv out; preprocess out, dO in, delta out.
+    At this size every one is memory-bound on the H100: bytes / (3352.32 GB/s x 0.85)."""
+    config = load_config("bf16_remat", "tiny")
+    config.model.attention = "flash"
+    assert (config.data.batch_size // config.train.num_minibatches, config.data.seq_len) == (4, 32)
+    assert (config.model.num_layers, config.model.hidden_size // config.model.head_dim) == (2, 4)
+    result, _ = gpu_plan.compile_in_process(config, targets.target_config_text(H100), "cublas")
+    found = kernels.resolve_causal(kernels.from_dicts(result["kernels"]), config.model.causal)
+    attention = sorted((k.detail, k.times, k.flops, k.bytes_read, k.bytes_written, k.attention)
+                       for k in found if k.category == "attention")  # fmt: skip
+    forward = ("mha_forward", 4, 524_288.0, 49_152, 18_432, (2, 4, 4, 32, 32, 16, True))
+    assert attention == [
+        ("mha_backward", 4, 1_835_008.0, 86_016, 49_152, (7, 4, 4, 32, 32, 16, True)),
+        forward,
+        forward,
+        ("mha_preprocess_backward", 4, 0.0, 32_768, 2_048, (0, 4, 4, 32, 32, 16, True)),
+    ]
+    assert sum(k.times * k.flops for k in found if k.category == "attention") == 11_534_336
+    columns = predict.step_columns(config, kernels.from_dicts(result["kernels"]), predict.gpu_roofline(H100), None)
+    bytes_per_step = 4 * (2 * (49_152 + 18_432) + (86_016 + 49_152) + (32_768 + 2_048))
+    assert columns["predicted_attention_s"] == pytest.approx(bytes_per_step / (3352.32e9 * 0.85), rel=1e-9)
+
+
 def test_a_target_without_a_datasheet_peak_gets_no_prediction_and_says_why():
     mystery = dataclasses.replace(A5000, name="mystery", device_kind="Mystery GPU 9000")
     columns = predict.target_columns(load_config("bf16", "tiny"), mystery, {"triton": []})
