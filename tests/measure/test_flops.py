@@ -66,11 +66,13 @@ def test_unrolled_step_xla_count_agrees_with_analytic():
 
 
 _FIRST_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj")
-_FAST_CELLS = {("Block", "minimal_flash"), ("Block", "selective_op")}  # ~13 s a cell on 2 shared cores
-# The later named policies check two Block cells in the default suite, every other cell under -m slow.
+_FAST_CELLS = {("Block", "minimal_flash"), ("Block", "selective_op"), ("Attn", "save_qkv_proj"),
+               ("MLP", "nothing_saveable")}  # fmt: skip
+# The default suite checks the Block cell of each of the first policies and four more cells (one per remat
+# target at least, ~13 s a cell on 2 shared cores); every cell runs under -m slow.
 _POLICY_CELLS = [
     (target, policy)
-    if policy in _FIRST_POLICIES or (target, policy) in _FAST_CELLS
+    if (policy in _FIRST_POLICIES and target == "Block") or (target, policy) in _FAST_CELLS
     else pytest.param(target, policy, marks=SLOW)
     for policy in REMAT_POLICIES
     for target in ("Attn", "MLP", "Block")
@@ -109,11 +111,11 @@ def test_mfu_divides_model_flops_per_second_by_the_peak(monkeypatch):
     "remat, policy, scan_layers, tie",
     [
         ((), "nothing_saveable", True, True),
-        (("MLP", "Attn"), "nothing_saveable", True, False),
-        (("Block",), "nothing_saveable", True, True),
+        pytest.param(("MLP", "Attn"), "nothing_saveable", True, False, marks=SLOW),
+        pytest.param(("Block",), "nothing_saveable", True, True, marks=SLOW),
         (("MLP", "Attn"), "save_qkv_proj", True, True),
-        (("Block",), "dots_with_no_batch_dims_saveable", True, False),
-        (("Block",), "save_qkv_proj", False, True),
+        pytest.param(("Block",), "dots_with_no_batch_dims_saveable", True, False, marks=SLOW),
+        pytest.param(("Block",), "save_qkv_proj", False, True, marks=SLOW),
         # torchtitan's every-second matmul: llama recomputes k alone and up without its gate (FAMILY_RECOMPUTED)
         (("Block",), "selective_op", True, True),
         pytest.param(("Attn",), "selective_op", True, True, marks=SLOW),

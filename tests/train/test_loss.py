@@ -26,7 +26,7 @@ def _loss_and_grads(config, state, batch, rng):
 
 # tiny: GPT, untied head with a bias, dropout 0.1; tiny-llama: tied head (the embedding transposed), no bias.
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
-@pytest.mark.parametrize("chunk_len", [4, 16])
+@pytest.mark.parametrize("chunk_len", [4, pytest.param(16, marks=pytest.mark.slow)])
 def test_chunked_loss_equals_the_whole_logits_loss(preset, chunk_len):
     config = load_config("fp32", preset)  # float32: the two sums differ only by rounding order
     config.model.dropout_rate = 0.1  # the same dropout masks: the model runs the same modules with the same key
