@@ -96,16 +96,18 @@ def init_metrics() -> Metrics:
     return {name: jnp.zeros((), jnp.float32) for name in ("loss_sum", "correct", "tokens")}
 
 
+def _scored(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token cross-entropy [...] of float32 logits [..., V] against integer labels [...], and the summed
+    correct predictions: what both losses (whole and chunked) compute from their logits."""
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return loss, (jnp.argmax(logits, axis=-1) == labels).sum().astype(jnp.float32)
+
+
 def next_token_loss(params: Any, apply_fn: Callable, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Metrics]:
     """Mean cross-entropy of predicting batch.labels, and the summed metrics of this minibatch."""
     logits = apply_fn({"params": params}, batch.inputs, rngs={"dropout": rng})  # [B, T, V] float32
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch.labels)  # [B, T]
-    correct = jnp.argmax(logits, axis=-1) == batch.labels  # [B, T]
-    metrics = {
-        "loss_sum": loss.sum(),
-        "correct": correct.sum().astype(jnp.float32),
-        "tokens": jnp.asarray(loss.size, jnp.float32),
-    }
+    loss, correct = _scored(logits, batch.labels)  # [B, T], a scalar
+    metrics = {"loss_sum": loss.sum(), "correct": correct, "tokens": jnp.asarray(loss.size, jnp.float32)}
     return loss.mean(), metrics
 
 
@@ -134,10 +136,8 @@ def chunked_next_token_loss(
 
     @jax.checkpoint  # keep nothing of a chunk: the backward pass recomputes its logits
     def chunk_sums(params: Any, x: jax.Array, chunk_labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = head_fn(params, x)  # [B, C, V] float32
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, chunk_labels)  # [B, C]
-        correct = jnp.argmax(logits, axis=-1) == chunk_labels  # [B, C]
-        return loss.sum(), correct.sum().astype(jnp.float32)
+        loss, correct = _scored(head_fn(params, x), chunk_labels)  # [B, C] from [B, C, V] float32 logits
+        return loss.sum(), correct
 
     def body(carry, chunk):
         loss_sum, correct = chunk_sums(params, *chunk)
