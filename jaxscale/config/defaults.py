@@ -43,6 +43,7 @@ PRESETS: dict[str, dict[str, dict[str, object]]] = {
 
 FAMILIES = ("gpt", "llama")
 DTYPES = ("bfloat16", "float32", "float16")
+REDUCE_DTYPES = ("float32", "compute")  # model.reduce_dtype
 REMAT_TARGETS = ("MLP", "Attn", "Block")
 # What each keeps, with its source: jaxscale.model.stack.REMAT_POLICIES (and docs/fit.md).
 REMAT_POLICIES = (
@@ -111,6 +112,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.max_seq_len = 512  # rows of the learned positional embedding
     c.model.dropout_rate = 0.1  # dropout after embeddings, attention output and MLP output
     c.model.dtype = "bfloat16"  # compute dtype of activations and matmuls; params are always float32
+    c.model.reduce_dtype = "float32"  # weight gradients (and their sum over devices) in float32 or the compute dtype
     c.model.softmax_dtype = "float32"  # dtype of attention logits and softmax (cast back afterwards)
     c.model.causal = True  # causal attention mask (next-token prediction needs it)
     c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")

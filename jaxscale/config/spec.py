@@ -35,6 +35,7 @@ class ModelConfig:
     dropout_rate: float = 0.1
     dtype: str = "bfloat16"
     softmax_dtype: str = "float32"
+    reduce_dtype: str = "float32"
     causal: bool = True
     remat: tuple[str, ...] = ()
     remat_policy: str = "nothing_saveable"

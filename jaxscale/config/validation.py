@@ -15,6 +15,7 @@ from jaxscale.config.defaults import (
     DTYPES,
     FAMILIES,
     OPTIMIZERS,
+    REDUCE_DTYPES,
     REMAT_POLICIES,
     REMAT_TARGETS,
     ConfigError,
@@ -132,6 +133,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_family(m)
     _one_of(m.dtype, DTYPES, "model.dtype")
     _one_of(m.softmax_dtype, DTYPES, "model.softmax_dtype")
+    _one_of(m.reduce_dtype, REDUCE_DTYPES, "model.reduce_dtype")
     _check(isinstance(m.remat, tuple), "model.remat", f"must be a tuple of names from {REMAT_TARGETS}")
     for target in m.remat:
         _one_of(target, REMAT_TARGETS, "model.remat")

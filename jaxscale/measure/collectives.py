@@ -12,7 +12,9 @@ Per kind (all_reduce, all_gather, reduce_scatter, all_to_all, collective_permute
   loop counts once per layer and minibatch);
 - `compiled_collective_<kind>_bytes`: the sum over those executions of the buffer each works on, per device:
   an all-reduce's operand (= result), an all-gather's gathered result, a reduce-scatter's operand, an
-  all-to-all's or collective-permute's operand (see Collective). It is a size, not the wire traffic.
+  all-to-all's or collective-permute's operand (see Collective). It is a size, not the wire traffic;
+- `compiled_collective_<kind>_f32_bytes`: the float32 part of those bytes (mixed precision on a mesh: FSDP's
+  all-gathers move bf16 weights and gradients are summed in float32, jaxscale.model.precision).
 
 Totals: `compiled_collective_count`, `compiled_collective_bytes`, and `compiled_collective_ring_bytes`: what
 each device sends if every collective runs as a ring over its replica group of n devices, 2(n-1)/n · bytes
@@ -60,10 +62,17 @@ class Collective:
     operand_bytes: int
     result_bytes: int
     group_size: int | None  # devices per replica group (None for collective-permute's pairs)
+    operand_f32_bytes: int = 0  # the float32 arrays' part of operand_bytes
+    result_f32_bytes: int = 0  # ... and of result_bytes
 
     @property
     def bytes(self) -> int:
         return max(self.operand_bytes, self.result_bytes)
+
+    @property
+    def f32_bytes(self) -> int:
+        """The float32 part of `bytes` (of the side `bytes` measures)."""
+        return self.operand_f32_bytes if self.operand_bytes >= self.result_bytes else self.result_f32_bytes
 
     @property
     def ring_bytes(self) -> float:
@@ -151,15 +160,18 @@ def launched(step: hlo.Executed, module: hlo.Module) -> Collective | None:
     base = opcode.removesuffix("-start")
     if base not in _KIND_OF:
         return None
-    operands = hlo.operand_bytes(instruction, computation)
-    result = hlo.shape_bytes(instruction.shape)
+    operands, operands_f32 = (hlo.operand_bytes(instruction, computation, only) for only in (None, "f32"))
+    result, result_f32 = (hlo.shape_bytes(instruction.shape, only) for only in (None, "f32"))
     if opcode.endswith("-start"):  # the -done's shape is the result; the -start's tuple also holds the operands
         done = next((i for i in computation.values() if i.opcode == f"{base}-done" and instruction.name in i.operands),
                     None)  # fmt: skip
-        result = hlo.shape_bytes(done.shape) if done is not None else max(result - operands, 0)
+        if done is not None:
+            result, result_f32 = (hlo.shape_bytes(done.shape, only) for only in (None, "f32"))
+        else:
+            result, result_f32 = max(result - operands, 0), max(result_f32 - operands_f32, 0)
     kind = _KIND_OF[base]
     group = None if kind == "collective-permute" else group_size(instruction.attributes, module.num_partitions)
-    return Collective(step.instruction.name, kind, step.times, operands, result, group)
+    return Collective(step.instruction.name, kind, step.times, operands, result, group, operands_f32, result_f32)
 
 
 def count_collectives(module: hlo.Module) -> list[Collective]:
@@ -175,15 +187,19 @@ def count_collectives(module: hlo.Module) -> list[Collective]:
 
 
 def summarize(collectives: Iterable[Collective]) -> dict[str, dict[str, float]]:
-    """Per kind (and "other"): {"count", "bytes", "ring_bytes"} per step, each collective times its executions.
+    """Per kind (and "other"): {"count", "bytes", "f32_bytes", "ring_bytes"} per step, each collective times
+    its executions.
 
     This is the reusable part: a step-time model can cost each kind with its own bandwidth.
     """
-    totals = {kind: {"count": 0, "bytes": 0, "ring_bytes": 0.0} for kind in (*COLLECTIVE_KINDS, "other")}
+    totals = {
+        kind: {"count": 0, "bytes": 0, "f32_bytes": 0, "ring_bytes": 0.0} for kind in (*COLLECTIVE_KINDS, "other")
+    }
     for collective in collectives:
         entry = totals[collective.kind]
         entry["count"] += collective.executions
         entry["bytes"] += collective.executions * collective.bytes
+        entry["f32_bytes"] += collective.executions * collective.f32_bytes
         entry["ring_bytes"] += collective.executions * collective.ring_bytes
     return totals
 
@@ -195,6 +211,7 @@ def collective_columns(hlo_text: str) -> dict[str, int | float]:
     for kind, column in KIND_COLUMNS.items():
         row[f"compiled_collective_{column}_count"] = totals[kind]["count"]
         row[f"compiled_collective_{column}_bytes"] = totals[kind]["bytes"]
+        row[f"compiled_collective_{column}_f32_bytes"] = totals[kind]["f32_bytes"]
     row["compiled_collective_count"] = sum(t["count"] for t in totals.values())
     row["compiled_collective_bytes"] = sum(t["bytes"] for t in totals.values())
     row["compiled_collective_ring_bytes"] = round(sum(t["ring_bytes"] for t in totals.values()))
@@ -207,6 +224,7 @@ def summary_line(row: dict) -> str | None:
         return None
     parts = [
         f"{row[f'compiled_collective_{c}_count']} {kind} {row[f'compiled_collective_{c}_bytes'] / 2**20:.2f} MiB"
+        f" ({row.get(f'compiled_collective_{c}_f32_bytes', 0) / max(row[f'compiled_collective_{c}_bytes'], 1):.0%} f32)"
         for kind, c in KIND_COLUMNS.items()
         if row.get(f"compiled_collective_{c}_count")
     ]

@@ -150,14 +150,15 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def shape_bytes(shape: str) -> int:
-    """Bytes of every array in a shape (a tuple's elements summed)."""
-    return sum(DTYPE_BYTES[dtype] * math.prod(d) for dtype, d in arrays(shape))
+def shape_bytes(shape: str, only: str | None = None) -> int:
+    """Bytes of every array in a shape (a tuple's elements summed); of its `only` arrays (e.g. "f32") if given."""
+    return sum(DTYPE_BYTES[dtype] * math.prod(d) for dtype, d in arrays(shape) if only in (None, dtype))
 
 
-def operand_bytes(instruction: Instruction, computation: dict[str, Instruction]) -> int:
-    """Bytes of an instruction's operands that its computation defines (each operand's whole shape)."""
-    return sum(shape_bytes(computation[o].shape) for o in instruction.operands if o in computation)
+def operand_bytes(instruction: Instruction, computation: dict[str, Instruction], only: str | None = None) -> int:
+    """Bytes of an instruction's operands that its computation defines (each operand's whole shape; see
+    shape_bytes for `only`)."""
+    return sum(shape_bytes(computation[o].shape, only) for o in instruction.operands if o in computation)
 
 
 def element_type(shape: str) -> str:

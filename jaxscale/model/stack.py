@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.config.spec import ModelConfig
+from jaxscale.model import precision
 from jaxscale.model.axes import Initializer, constrain, partitioned
 
 # Named remat policies: name -> (what it keeps and its source, the names of the tags it saves per family, or a
@@ -171,7 +172,8 @@ def dense(
     axis: int | tuple[int, ...] = -1,
     use_bias: bool = True,
 ) -> nn.DenseGeneral:
-    """A projection in the compute dtype with float32 params: kernel named `kernel_axes`, bias its output axes.
+    """A projection in the compute dtype with float32 params: kernel named `kernel_axes`, bias its output axes;
+    the kernel gathered and its gradient summed in the dtypes jaxscale.model.precision says.
 
     Args:
       features: output width, or a tuple of output dims (e.g. (heads, head_dim)).
@@ -186,23 +188,33 @@ def dense(
         dtype=cfg.dtype,
         kernel_init=partitioned(nn.initializers.lecun_normal(), kernel_axes),
         bias_init=partitioned(nn.initializers.zeros_init(), kernel_axes[-outputs:]),
+        promote_dtype=precision.keep_kernel_dtype(cfg),
+        dot_general=precision.weight_dot_general(cfg, kernel_axes),
         name=name,
     )
 
 
 class Embed(nn.Embed):
-    """nn.Embed whose table is whole along embed at the lookup (the all-gather FSDP does for any weight).
+    """nn.Embed whose table is cast, gathered and differentiated as jaxscale.model.precision says.
 
-    The lookup's output then splits by batch like every activation; with the table split along embed,
-    XLA's partitioner would have to move the looked-up activations between layouts, and replicates them
-    instead ("Involuntary full rematerialization"). Off a mesh this is nn.Embed exactly.
+    At the lookup the table is whole along embed (the all-gather FSDP does for any weight), so the lookup's
+    output splits by batch like every activation; with the table split along embed, XLA's partitioner would
+    have to move the looked-up activations between layouts, and replicates them instead ("Involuntary full
+    rematerialization"). Off a mesh, in float32, this is nn.Embed exactly.
     """
+
+    config: ModelConfig | None = None
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError("Input type must be an integer or unsigned integer.")
-        (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)  # [V, H]
-        return jnp.take(constrain(embedding, ("vocab", None)), inputs, axis=0)  # [B, T, H]
+        return precision.lookup(self.config, self.embedding, inputs)  # [B, T, H]
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """query [..., H] @ embedding.T: [..., V] in the compute dtype (the tied output head)."""
+        dims = (((query.ndim - 1,), (1,)), ((), ()))
+        dot = precision.weight_dot_general(self.config, ("vocab", "embed"))
+        return dot(query.astype(self.config.dtype), self.embedding, dims)
 
 
 def embed(cfg: ModelConfig, init: Initializer) -> Embed:
@@ -212,6 +224,7 @@ def embed(cfg: ModelConfig, init: Initializer) -> Embed:
         cfg.hidden_size,
         dtype=cfg.dtype,
         embedding_init=partitioned(init, ("vocab", "embed")),
+        config=cfg,
         name="embed",
     )
 

@@ -221,6 +221,15 @@ def _collectives_by_kind(row: dict) -> str:
     return " / ".join(_mib(row.get(f"compiled_collective_{kind}_bytes")) for kind in kinds)
 
 
+def _f32_shares(row: dict) -> str:
+    """The float32 share of the all-reduce / all-gather / reduce-scatter bytes ("-" for a kind with none)."""
+    cells = []
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        total, f32 = row.get(f"compiled_collective_{kind}_bytes"), row.get(f"compiled_collective_{kind}_f32_bytes")
+        cells.append("-" if not total or f32 is None or pd.isna(total) or pd.isna(f32) else f"{f32 / total:.0%}")
+    return " / ".join(cells)
+
+
 def mesh_of(row: dict) -> str:
     """The row's mesh as data x fsdp x tensor (from its config where the run left no mesh column)."""
     if row.get("mesh"):
@@ -252,6 +261,7 @@ _TABLE_COLUMNS = (
     ("MFU", lambda r: _cell(r.get("mfu"), ".1%"), "mfu"),
     ("collective MiB", lambda r: _mib(r.get("compiled_collective_bytes")), "collectives"),
     ("AR / AG / RS MiB", _collectives_by_kind, "collectives"),
+    ("AR / AG / RS f32", _f32_shares, "collectives"),
     ("ring MiB", lambda r: _mib(r.get("compiled_collective_ring_bytes")), "collectives"),
     ("trace DUS", lambda r: _cell(r.get("trace_dus_share"), ".1%"), "trace_dus_share"),
     ("triton / cublas GiB", _band, "plan_target"),

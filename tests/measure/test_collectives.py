@@ -83,6 +83,12 @@ def test_collective_columns_sum_executions_times_bytes():
     assert row["compiled_collective_all_gather_count"] == 3
     assert row["compiled_collective_all_gather_bytes"] == 3 * 1024
     assert row["compiled_collective_reduce_scatter_bytes"] == 3 * 2048
+    # The float32 part, by hand from the dtypes above: the gathered f32[16,16], none of the bf16 reduce-scatter,
+    # the f32[100] of the combined (f32, bf16) all-reduce, the f32[2,16] permuted.
+    assert row["compiled_collective_all_gather_f32_bytes"] == 3 * 16 * 16 * 4
+    assert row["compiled_collective_reduce_scatter_f32_bytes"] == 0
+    assert row["compiled_collective_all_reduce_f32_bytes"] == 100 * 4
+    assert row["compiled_collective_collective_permute_f32_bytes"] == 2 * 16 * 4
     assert row["compiled_collective_all_to_all_count"] == 0
     assert row["compiled_collective_count"] == 3 + 3 + 1 + 1
     assert row["compiled_collective_bytes"] == 3 * 1024 + 3 * 2048 + 420 + 128
