@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import xla_flags_with
 from test_hlo import MODULE  # a single-device module: no collectives
 
 from jaxscale.measure import collectives, hlo, kernels
@@ -183,7 +184,7 @@ print(jax.jit(mapped).lower(array, array).compile().as_text())
 @functools.cache
 def simulated_collectives_hlo() -> str:
     """The optimized HLO of _SIMULATED: one all-reduce over groups of 2, one all-gather over all 4 devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with("--xla_force_host_platform_device_count=4"), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", _SIMULATED], capture_output=True, text=True, env=env, check=True,
                           timeout=300)  # fmt: skip
     return done.stdout

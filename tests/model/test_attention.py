@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, assert_trees_close, loss_and_grads, run_cli
+from conftest import REPO, assert_trees_close, loss_and_grads, run_cli, xla_flags_with
 
 from jaxscale import train
 from jaxscale.config import ConfigError, base_config, validate
@@ -264,7 +264,7 @@ def test_chunked_default_key_block_divides_the_sequence():
 def test_kernels_split_over_tensor_on_8_simulated_cpu_devices():
     """Runs tests/model/test_attention_devices.py with 8 simulated CPU devices (a flag XLA reads at start).
     Slow: 3.5 min on the shared 2-core machine (flash's interpret mode in shard_map, two 4x1x2 steps)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))  # fmt: skip
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_attention_devices.py")]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -14,7 +14,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import load_config, text_config, write_counting_tokens
+from conftest import load_config, text_config, write_counting_tokens, xla_flags_with
 
 from jaxscale import train
 from jaxscale.config import base_config, validate
@@ -199,7 +199,7 @@ def test_fsdp_restore_reads_each_shard_where_it_lives(tmp_path):
 @pytest.mark.slow  # 35 s on the shared 2 cores; test_the_arrays_are_read_into_the_shardings... is the fast one
 def test_fsdp_restore_on_2_simulated_cpu_devices():
     """Runs the test above in a process with 2 simulated CPU devices (XLA reads the flag at backend start)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with("--xla_force_host_platform_device_count=2"), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))  # fmt: skip
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::"
                "test_fsdp_restore_reads_each_shard_where_it_lives"]  # fmt: skip

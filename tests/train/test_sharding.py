@@ -11,6 +11,7 @@ import sys
 
 import jax
 import pytest
+from conftest import xla_flags_with
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from jaxscale import train
@@ -204,7 +205,7 @@ def test_single_device_placement_is_the_unsharded_step():
 
 
 def _run_device_tests(*pytest_args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))  # fmt: skip
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_sharding_devices.py")]
     return subprocess.run([*command, *pytest_args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
