@@ -303,6 +303,26 @@ def test_a_variant_naming_an_unknown_field_is_refused(tmp_path):
         load_sweep(f"{write_sweep(tmp_path, text)}:tiny")
 
 
+def test_the_seq_len_experiment_measures_two_kernels_on_cpu_and_plans_four_for_a_gpu():
+    """experiments/seq_len.py: reference and chunked from 512 to 4096 tokens at :cpu widths (measured);
+    reference, xla, chunked and flash from 1k to 32k at llama3.2-1b (planned); one sequence per step."""
+    cpu = load_sweep(REPO / "experiments" / "seq_len.py", "cpu")
+    gpu = load_sweep(REPO / "experiments" / "seq_len.py", "llama3.2-1b")
+    for sweep, kernels, seqs in ((cpu, {"reference", "chunked"}, {512, 4096}), (gpu, {"reference", "xla", "chunked",
+                                  "flash"}, {1024, 32768})):  # fmt: skip
+        configs = [v.config for v in sweep.variants]
+        for config in configs:
+            validate(config)
+            assert config.data.batch_size == 1 and config.model.family == "llama" and config.model.remat == ("Block",)
+        assert {c.model.attention for c in configs} == kernels
+        assert {min(c.data.seq_len for c in configs), max(c.data.seq_len for c in configs)} == seqs
+        assert (
+            len(configs) == len(kernels) * len({c.data.seq_len for c in configs})
+            and sweep.baseline in sweep.variant_names
+        )
+    assert gpu.variants[0].config.model.hidden_size == 2048  # the model preset's width, not the CPU's
+
+
 def test_seed_table_defines_the_notebook_rows_at_every_preset():
     for preset in ("tiny", "cpu", "seed"):
         sweep = load_sweep(REPO / "experiments" / "seed_table.py", preset)
