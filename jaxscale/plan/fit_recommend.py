@@ -1,7 +1,8 @@
 """The fit planner's recommendation: which remat choice to run, among those whose plan fits, and why.
 
-By predicted tokens/s with a target (choices within the predictor's error of the fastest are a tie, broken by
-memory headroom), by tokens per step without one, or by measured tokens/s after `--measure`.
+By predicted tokens/s with a target (choices within the predictor's error of the fastest are a tie: the fastest
+prediction is still the recommendation, and the tied choice with the most memory headroom is named beside it),
+by tokens per step without one, or by measured tokens/s after `--measure`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def recommend(rows: list[dict], measured: bool = False, rank: str = "tokens") ->
 
     rank "tokens": the most tokens per step (ties: the least recomputation, then the smaller plan);
     rank "predicted": the most predicted tokens/s of the target's compiled program (jaxscale.plan.predict; a
-    prediction, said so; choices within the predictor's error of it are a tie, broken by memory headroom),
+    prediction, said so; choices within the predictor's error of it are a tie, said so, with the tied choice
+    that leaves the most memory free named as the alternative),
     falling back to tokens per step where no row has a prediction; with `measured`,
     the fastest measured tokens/s instead of either.
     """
@@ -52,8 +54,9 @@ def _headroom(row: dict) -> int:
 
 
 def _fastest_predicted(rows: list[dict]) -> tuple[dict, str]:
-    """The fastest predicted row, unless others are within the predictor's error of it (`TIE_RATIO`): that is a
-    tie, and the tied row with the most memory headroom (usable budget less its plan's peak) is chosen."""
+    """The fastest predicted row. Others within the predictor's error of it (`TIE_RATIO`) make a tie: the order
+    could differ on the GPU, so the reason says so and names the tied row with the most memory headroom (usable
+    budget less its plan's peak) as the alternative; the fastest prediction stays the best estimate."""
     fastest = max(rows, key=lambda r: r["predicted_tokens_per_s"])
     tied = [r for r in rows if r["predicted_tokens_per_s"] * TIE_RATIO >= fastest["predicted_tokens_per_s"]]
     source = "a prediction from the target's compiled program, docs/predict.md; --rank tokens for most tokens per step"
@@ -63,11 +66,19 @@ def _fastest_predicted(rows: list[dict]) -> tuple[dict, str]:
             f"fastest predicted: {fastest['predicted_tokens_per_s']:,.0f} tokens/s at its largest minibatch, "
             f"{alone} ({source})"
         )
-    best = max(tied, key=_headroom)
+    roomiest = max(tied, key=_headroom)
     low, high = PREDICTED_OVER_MEASURED
     names = ", ".join(f"{r['fit_remat']} {r['predicted_tokens_per_s']:,.0f}" for r in tied)
-    return best, (
-        f"a tie on predicted tokens/s ({names}: within the predictor's error, predicted step {low:g}-{high:g}x "
-        f"measured), broken by memory headroom: {_headroom(best) / GIB:.2f} GiB of the usable budget left free, "
-        f"the most of the tied ({source})"
+    if roomiest is fastest:
+        alternative = f"it also leaves the most memory free of the tied ({_headroom(fastest) / GIB:.2f} GiB)"
+    else:
+        alternative = (
+            f"{fastest['fit_remat']} leaves {_headroom(fastest) / GIB:.2f} GiB of the usable budget free; the tied "
+            f"choice leaving the most is {roomiest['fit_remat']} ({_headroom(roomiest) / GIB:.2f} GiB, "
+            f"{roomiest['predicted_tokens_per_s']:,.0f} tokens/s predicted)"
+        )
+    return fastest, (
+        f"fastest predicted: {fastest['predicted_tokens_per_s']:,.0f} tokens/s at its largest minibatch, but a tie "
+        f"({names}: within the predictor's error, predicted step {low:g}-{high:g}x measured, so the order may differ "
+        f"on the GPU); {alternative} ({source})"
     )

@@ -175,20 +175,27 @@ def test_the_tie_band_is_the_spread_of_the_predictors_stated_error():
     "second, tied",
     [(99_500.0, True), (78_900.0, True), (78_800.0, False), (50_000.0, False)],  # 100,000 / 78,900 = 1.2674
 )
-def test_choices_within_the_predictors_error_are_a_tie_broken_by_memory_headroom(second, tied):
-    """The faster prediction wins only beyond the band; inside it the plan with the most free memory wins, and
-    the recommendation says it is a tie and why."""
+def test_choices_within_the_predictors_error_are_a_tie_that_names_the_roomier_alternative(second, tied):
+    """The faster prediction is recommended either way; inside the band the recommendation says it is a tie and
+    names the tied plan with the most free memory, with its GiB."""
     gib = 2**30
     rows = [
         _row("block", 40, peak=19 * gib, predicted=100_000.0),
         _row("mlp_attn", 32, peak=17 * gib, predicted=second),
     ]
     best, why = fit_recommend.recommend(rows, rank="predicted")
+    assert best["fit_choice"] == "block" and why.startswith("fastest predicted: 100,000 tokens/s")
     if tied:
-        assert best["fit_choice"] == "mlp_attn" and why.startswith("a tie on predicted tokens/s")
-        assert "broken by memory headroom: 3.00 GiB of the usable budget left free" in why  # 20 - 17 GiB
+        assert "but a tie" in why and "block leaves 1.00 GiB of the usable budget free" in why  # 20 - 19 GiB
+        assert "the tied choice leaving the most is mlp_attn (3.00 GiB" in why  # 20 - 17 GiB
     else:
-        assert best["fit_choice"] == "block" and why.startswith("fastest predicted: 100,000 tokens/s")
+        assert "more than the predictor's error ahead" in why and "tie" not in why
+    rows[0]["compiled_peak_bytes"] = 16 * gib  # the fastest is also the roomiest
+    if tied:
+        assert (
+            "it also leaves the most memory free of the tied (4.00 GiB)"
+            in fit_recommend.recommend(rows, rank="predicted")[1]
+        )
 
 
 def test_fit_row_of_a_budget_no_minibatch_meets_names_the_smallest_plan():
