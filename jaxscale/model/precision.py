@@ -5,9 +5,9 @@ float32 shard to bf16 *before* all-gathering it and sum gradients over devices i
 `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`; MaxText's float32 weights with bf16 compute).
 
 - Every weight is cast while it is still split (a sharding constraint on the cast pins it to the parameter's
-  own layout), so FSDP all-gathers the compute dtype. XLA's GPU compiler does this by itself (it moves the
-  cast before the gather even when the program gathers float32 first: checked on an H100 target), the CPU
-  compiler does not; the constraint makes both backends gather half the bytes.
+  own layout), so FSDP all-gathers the compute dtype. XLA's GPU compiler does this by itself too (it moves
+  the cast before the gather even when the program gathers float32 first: checked on an H100 target); the
+  CPU compiler converts bf16 collectives to float32 and gathers float32 whatever the order.
 - `model.reduce_dtype`: under XLA's SPMD partitioner the sum of a weight's gradient over the devices that
   split the batch sits on the weight-gradient matmul (its contraction runs over the split batch), in that
   matmul's output dtype, so a bf16 matmul sums gradients in bf16. With "float32" every weight use below
