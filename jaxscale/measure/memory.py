@@ -89,9 +89,16 @@ class Dims:
     q: int  # bytes per attention-logit element (softmax dtype)
     mask: int  # bytes per dropout-mask element: 1, or 0 without dropout
     kernel_casts: bool  # compute dtype differs from the float32 params, so matmuls read cast copies
-    attention: str  # reference | xla | cudnn
+    attention: str  # reference | xla | cudnn | chunked | flash
     family: str  # gpt | llama
     t: int = 1  # tensor-parallel degree (mesh.tensor): heads, K/V heads, MLP width and vocabulary split t ways
+    c: int = 0  # positions per chunk of the output head and loss (train.loss_chunk_len); 0: the whole sequence
+
+    @property
+    def fused_attention(self) -> bool:
+        """A kernel that keeps no T x T matrix (cuDNN's, the Pallas flash kernel, the chunked custom VJP): it
+        keeps q, k, v, its output and a float32 log-sum-exp per row for the backward pass."""
+        return self.attention in ("cudnn", "chunked", "flash")
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> Dims:
@@ -112,6 +119,7 @@ class Dims:
             attention=m.attention,
             family=m.family,
             t=tensor,
+            c=config.train.get("loss_chunk_len", 0),
         )
 
 
@@ -142,7 +150,7 @@ def attention_residuals(d: Dims, scanned: bool) -> dict[str, int]:
     """
     sbh, as2b = d.s * d.b * d.h, d.a * d.s * d.s * d.b
     terms = {"ln_output": d.p * sbh, "attention_output": d.p * sbh, "dropout_mask": d.mask * sbh}
-    if d.attention == "cudnn":  # flash attention keeps q, k, v, the output and the log-sum-exp only
+    if d.fused_attention:  # a flash kernel keeps q, k, v, the output and the log-sum-exp only
         terms.update(qkv=3 * d.p * sbh, logsumexp=_FLOAT32 * d.a * d.s * d.b)
     else:
         terms.update(softmax_exp=d.q * as2b, softmax_weights=d.p * as2b)  # exp(x - max) and its normalized cast
@@ -185,7 +193,7 @@ def llama_attention_residuals(d: Dims, scanned: bool) -> dict[str, int]:
     """
     sbh, sbk, as2b = d.s * d.b * d.h, d.s * d.b * d.k, d.a * d.s * d.s * d.b
     terms = {"norm_output": d.p * sbh, "attention_output": d.p * sbh, "dropout_mask": d.mask * sbh}
-    if d.attention == "cudnn":
+    if d.fused_attention:
         terms.update(qkv=d.p * (sbh + 2 * sbk), logsumexp=_FLOAT32 * d.a * d.s * d.b)
     else:
         terms.update(softmax_exp=d.q * as2b, softmax_weights=d.p * as2b)
@@ -238,9 +246,11 @@ def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
     up = d.p * (2 * sbf if llama else sbf) // d.t  # llama: gate and up
     qkv = d.p * (sbh + 2 * sbk) // d.t  # q, k, v (gpt: one fused qkv, k = h)
     projections = {"Attn": qkv + d.p * sbh, "MLP": up + d.p * sbh}  # qkv + out; up (+ gate) + down
-    attention = (d.q * as2b + d.p * sbh) // d.t  # the logits and the AV output
     lse = _FLOAT32 * d.a * d.s * d.b // d.t if d.attention in ("chunked", "flash") else 0  # [b, a, s] float32
     context = d.p * sbh // d.t + lse  # the attention output (and the kernels' log-sum-exp)
+    # dots_saveable keeps the attention's matmul outputs: the logits and the AV output, or only what a
+    # fused kernel returns (its einsums are inside it).
+    attention = context if d.fused_attention else (d.q * as2b + d.p * sbh) // d.t
     out = d.p * sbh  # the out projection's output: kept under Block only
     if policy == "selective_op":  # gpt: qkv, up; llama: q, v, gate, down (never read)
         attn = (d.p * (sbh + sbk) // d.t if llama else qkv) + context
@@ -274,8 +284,10 @@ def head_residuals(d: Dims, causal_mask: bool) -> dict[str, int]:
     once, p + 4 bytes per logit, then casts that gradient to p bytes into the logits' slot; at :seed with
     batch 256 the head's buffers share their slots with the layers' backward, so no one count of the head
     sets the peak, and the fitted value stays (FITTED_TERMS, the row's analytic_fitted_terms).
+    With train.loss_chunk_len = C the head and loss run one [b, C, v] chunk at a time under remat
+    (jaxscale.train.step.chunked_next_token_loss), so the term counts C positions instead of s.
     `causal_mask`: the [b, a, s, s] boolean mask that a scan hoists out of the loop and keeps once."""
-    sbh, bsv = d.s * d.b * d.h, d.b * d.s * d.v
+    sbh, bsv = d.s * d.b * d.h, d.b * (d.c or d.s) * d.v  # with a chunked loss, one chunk's logits live
     return {
         "tokens": 2 * 4 * d.b * d.s,  # int32 inputs and labels
         "embedding_dropout_mask": d.mask * sbh,

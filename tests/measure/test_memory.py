@@ -3,6 +3,7 @@ of variants against XLA's compiled plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -245,6 +246,32 @@ NAMED_POLICY_BYTES = [
 def test_named_policies_keep_the_bytes_of_the_tensors_they_save(family, attention, policy, expected):
     saved = memory._policy_saved(_tiny_dims(family, attention), policy)
     assert (saved["Attn"], saved["MLP"], saved["Block"]) == expected
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_fused_kernels_keep_no_attention_matrix_and_a_chunked_loss_one_chunk_of_logits(family):
+    """Hand counts at the tiny dims above (a=2 heads, s=4, b=2: as²b = 64 logits; s·b·h = 64): the reference
+    keeps float32 exp and bf16 weights of the T x T matrices (4·64 + 2·64 = 384 bytes); chunked and flash keep
+    none of them and a float32 log-sum-exp per row and head (4·a·s·b = 64) plus q, k, v like cuDNN's;
+    dots_saveable keeps the kernels' output and log-sum-exp (128 + 64) where the reference keeps its logits
+    and AV output (4·64 + 128). A chunked loss of C=2 positions keeps 2p·b·C·v = 2·2·2·2·16 = 256 bytes of
+    logits instead of 2p·b·s·v = 512."""
+    attn = memory.residual_functions(family)[0]
+    reference = attn(_tiny_dims(family), False)
+    assert reference["softmax_exp"] + reference["softmax_weights"] == 4 * 64 + 2 * 64
+    for kernel in ("chunked", "flash"):
+        kept = attn(_tiny_dims(family, kernel), False)
+        assert "softmax_exp" not in kept and kept["logsumexp"] == 4 * 2 * 4 * 2
+        assert kept == attn(_tiny_dims(family, "cudnn"), False)
+        saved = memory._policy_saved(_tiny_dims(family, kernel), "dots_saveable")
+        projections = memory._policy_saved(_tiny_dims(family, kernel), "dots_with_no_batch_dims_saveable")
+        assert saved["Attn"] - projections["Attn"] == 128 + 64
+    saved = memory._policy_saved(_tiny_dims(family), "dots_saveable")
+    projections = memory._policy_saved(_tiny_dims(family), "dots_with_no_batch_dims_saveable")
+    assert saved["Attn"] - projections["Attn"] == 4 * 64 + 128
+    whole = memory.head_residuals(_tiny_dims(family), causal_mask=False)["logits"]
+    chunked = memory.head_residuals(dataclasses.replace(_tiny_dims(family), c=2), causal_mask=False)["logits"]
+    assert (whole, chunked) == (512, 256)
 
 
 @pytest.mark.slow
