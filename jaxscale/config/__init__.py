@@ -24,7 +24,15 @@ from jaxscale.config.defaults import (
     import_file,
     load_config_file,
 )
-from jaxscale.config.spec import MESH_AXES, MeshShape, ModelConfig, mesh_shape, mesh_text, minibatch_per_device
+from jaxscale.config.spec import (
+    MESH_AXES,
+    MeshShape,
+    ModelConfig,
+    mesh_shape,
+    mesh_text,
+    minibatch_per_device,
+    step_model,
+)
 from jaxscale.config.validation import check_mesh_devices, validate
 
 __all__ = [
@@ -53,5 +61,6 @@ __all__ = [
     "mesh_shape",
     "mesh_text",
     "minibatch_per_device",
+    "step_model",
     "validate",
 ]

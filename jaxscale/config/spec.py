@@ -107,6 +107,17 @@ def mesh_text(config: ml_collections.ConfigDict) -> str:
     return mesh_shape(config).text
 
 
+def step_model(config: ml_collections.ConfigDict) -> ModelConfig:
+    """The model as the train step builds it: `model.reduce_dtype` is the dtype weight gradients are summed over
+    devices in, so it applies where the batch is split over devices (mesh data x fsdp > 1); on one device (or
+    tensor parallelism alone) nothing is summed over devices and the step is Flax's default program ("compute"),
+    the one the notebook's table was measured with."""
+    model = ModelConfig.from_config(config.model)
+    if mesh_shape(config).batch_split == 1:
+        model = dataclasses.replace(model, reduce_dtype="compute")
+    return model
+
+
 def minibatch_per_device(config: ml_collections.ConfigDict) -> int:
     """Sequences one device holds per minibatch: data.batch_size / train.num_minibatches / (data x fsdp)."""
     return config.data.batch_size // config.train.num_minibatches // mesh_shape(config).batch_split

@@ -14,6 +14,7 @@ import optax
 from flax.training import train_state
 
 from jaxscale import model as models
+from jaxscale.config import step_model
 from jaxscale.data.batch import Batch as Batch  # the batch type is the data package's; re-exported
 from jaxscale.data.batch import make_batch as make_batch  # as train.Batch and train.make_batch
 
@@ -65,7 +66,7 @@ def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformati
 
 def make_model(config: ml_collections.ConfigDict, train: bool = True) -> nn.Module:
     """The module of config.model.family (gpt or llama) with the config's hyper-parameters."""
-    return models.build(models.ModelConfig.from_config(config.model), train=train)
+    return models.build(step_model(config), train=train)
 
 
 def make_init_fn(config: ml_collections.ConfigDict, boxed: bool = False) -> Callable[[], TrainState]:
@@ -159,7 +160,7 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
     chunk_len = config.train.get("loss_chunk_len", 0)
     if not chunk_len:
         return next_token_loss
-    head_fn = models.head_fn(models.ModelConfig.from_config(config.model))
+    head_fn = models.head_fn(step_model(config))
     return functools.partial(chunked_next_token_loss, head_fn=head_fn, chunk_len=chunk_len)
 
 

@@ -2,16 +2,19 @@
 function as the compute-dtype ones, and a GPU target's compiled program gathers bf16 weights and sums float32
 gradients (FSDP2's param_dtype=bf16, reduce_dtype=fp32); reduce_dtype=compute sums bf16."""
 
+import dataclasses
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import load_config
 
+from jaxscale import model as models
 from jaxscale import train
-from jaxscale.config import ConfigError, validate
+from jaxscale.config import ConfigError, ModelConfig, step_model, validate
 from jaxscale.plan import gpu_plan
 from jaxscale.sweep.sweep_file import apply_overrides
 
@@ -25,28 +28,44 @@ def _config(family: str, **overrides):
     return config
 
 
-def _grads(config):
-    state = jax.jit(train.make_init_fn(config))()
+def _grads(config, reduce_dtype: str):
+    """Gradients of the next-token loss through the model built directly with `reduce_dtype` (the train step
+    applies the field only on a mesh that splits the batch: config.step_model)."""
+    cfg = dataclasses.replace(ModelConfig.from_config(config.model), reduce_dtype=reduce_dtype)
     data = config.data
     batch = train.make_batch(jax.random.PRNGKey(data.seed), data.batch_size, data.seq_len, config.model.vocab_size)
-    grad_fn = jax.grad(lambda p: train.next_token_loss(p, state.apply_fn, batch, state.rng)[0])
-    return jax.jit(grad_fn)(state.params)
+    model = models.build(cfg, train=False)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), batch.inputs)["params"])
+    return jax.jit(jax.grad(lambda p: train.next_token_loss(p, model.apply, batch, jax.random.PRNGKey(1))[0]))(params)
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_float32_weight_gradients_equal_the_compute_dtype_ones(family):
-    """Same params, same batch: the gradients with float32 weight gradients (the default) equal the bf16 ones
-    (Flax's default computation, model.reduce_dtype=compute) within bf16 rounding, and are not the same
-    numbers (the weight-gradient matmuls' outputs are no longer rounded to bf16). The mesh tests
-    (tests/train/test_sharding.py) hold the default against one device on data, FSDP and tensor meshes."""
-    reduced_f32 = _grads(_config(family))
-    reduced_bf16 = _grads(_config(family, **{"model.reduce_dtype": "compute"}))
+    """Same params, same batch: the gradients with float32 weight gradients equal the bf16 ones (Flax's default
+    computation, model.reduce_dtype=compute) within bf16 rounding, and are not the same numbers (the
+    weight-gradient matmuls' outputs are no longer rounded to bf16)."""
+    config = _config(family)
+    reduced_f32, reduced_bf16 = _grads(config, "float32"), _grads(config, "compute")
     leaves = jax.tree_util.tree_leaves
     assert all(g.dtype == jnp.float32 for g in leaves(reduced_f32))
     for got, want in zip(leaves(reduced_f32), leaves(reduced_bf16), strict=True):
         scale = float(jnp.abs(want).max()) or 1.0
         np.testing.assert_allclose(got / scale, want / scale, atol=2e-2)
     assert any(float(jnp.abs(a - b).max()) > 0 for a, b in zip(leaves(reduced_f32), leaves(reduced_bf16), strict=True))
+
+
+def test_the_field_applies_where_the_batch_is_split_over_devices():
+    """One device, or tensor parallelism alone, sums nothing over devices: the step builds Flax's default
+    program there (the notebook's), whatever the field says."""
+    config = _config("gpt")
+    assert step_model(config).reduce_dtype == "compute"
+    for mesh, effective in (
+        ({"mesh.tensor": 2}, "compute"),
+        ({"mesh.data": 2}, "float32"),
+        ({"mesh.fsdp": 2}, "float32"),
+    ):
+        assert step_model(_config("gpt", **mesh)).reduce_dtype == effective, mesh
+    assert step_model(_config("gpt", **{"mesh.fsdp": 2, "model.reduce_dtype": "compute"})).reduce_dtype == "compute"
 
 
 def test_the_fields_reject_what_they_cannot_do():

@@ -155,6 +155,19 @@ def test_more_variants_on_a_mesh_equal_one_device(mesh, changes):
     _assert_same_function(mesh, **changes)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [(1, 8, 1), (8, 1, 1)])
+def test_bf16_mesh_with_float32_gradient_sums_equals_one_device_within_bf16(mesh):
+    """bf16 compute: the mesh sums its weight gradients in float32 (model.reduce_dtype, jaxscale.model.precision),
+    one device computes Flax's default program; the gradients agree within bf16 rounding of their scale."""
+    changes = {"model.dtype": "bfloat16"}
+    one = _one_device("tiny-llama", tuple(sorted(changes.items())), False)
+    many = _everything(_config(mesh, "tiny-llama", **changes), jax.devices()[:8], False)
+    for x, y in zip(jax.tree_util.tree_leaves(many[1][0]), jax.tree_util.tree_leaves(one[1][0]), strict=True):
+        scale = float(np.abs(np.asarray(y)).max()) or 1.0
+        np.testing.assert_allclose(np.asarray(x) / scale, np.asarray(y) / scale, atol=2e-2)
+
+
 def _bytes_per_device(tree) -> dict[int, int]:
     """Bytes each device holds of a tree's arrays (rank >= 1), from the arrays' own addressable shards."""
     held: dict[int, int] = {}
