@@ -112,7 +112,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.max_seq_len = 512  # rows of the learned positional embedding
     c.model.dropout_rate = 0.1  # dropout after embeddings, attention output and MLP output
     c.model.dtype = "bfloat16"  # compute dtype of activations and matmuls; params are always float32
-    c.model.reduce_dtype = "float32"  # weight gradients (and their sum over devices) in float32 or the compute dtype
+    c.model.reduce_dtype = "float32"  # weight gradients summed over a mesh's devices in float32 or the compute dtype
     c.model.softmax_dtype = "float32"  # dtype of attention logits and softmax (cast back afterwards)
     c.model.causal = True  # causal attention mask (next-token prediction needs it)
     c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")

@@ -18,7 +18,9 @@ float32 shard to bf16 *before* all-gathering it and sum gradients over devices i
 
 The vectors (biases, norm scales, gpt's positions) are added or multiplied, not matmul'ed; their gradients
 are sums over the batch in the compute dtype whichever the field (docs/mesh.md counts their bytes).
-Off a mesh the constraints are no-ops and both fields compute the same function up to rounding.
+The train step applies `model.reduce_dtype` only where the batch is split over devices
+(jaxscale.config.step_model); off a mesh the constraints are no-ops, and both values compute the same
+function up to bf16 rounding (tests/model/test_precision.py).
 """
 
 from __future__ import annotations
