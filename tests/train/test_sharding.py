@@ -148,15 +148,15 @@ def test_analytic_state_per_device_equals_the_real_shardings(preset, mesh, scan_
 
 @pytest.mark.parametrize("target", ["a5000", "h100"])
 def test_the_committed_gpu_mesh_plans_agree_with_the_estimate_as_documented(target):
-    """docs/mesh.md: the deviceless 8-GPU plans of experiments/mesh.py:seed are within 7% of the per-device
-    analytic estimate (the committed rows that its tables cite)."""
+    """docs/mesh.md: the deviceless 8-GPU plans of experiments/mesh.py:seed are within 12% of the per-device
+    analytic estimate (the committed rows that its tables cite; 7% before the float32 gradient sums)."""
     import json
 
     path = REPO / "experiments" / "results" / f"mesh_seed_plan_{target}_x8" / "results.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     assert len(rows) == 6 and {row["compiled_backend"] for row in rows} == {f"cuda:{target}"}
     for row in rows:
-        assert abs(row["compiled_to_analytic_peak_ratio"] - 1) <= 0.07, row["variant"]
+        assert abs(row["compiled_to_analytic_peak_ratio"] - 1) <= 0.12, row["variant"]
 
 
 def test_analytic_activations_split_by_batch_and_tensor():
