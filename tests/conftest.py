@@ -44,6 +44,21 @@ def load_config(name: str, preset: str = "tiny"):
     return load_config_file(CONFIGS / f"{name}.py", preset)
 
 
+# The named remat policies beyond JAX's own and save_qkv_proj (jaxscale.model.stack.REMAT_POLICIES), which each
+# family's model tests run against the plain model with the reference and the chunked kernel.
+NAMED_POLICIES = ("save_out_proj", "save_dot_with_context_except_mlp", "minimal_flash", "selective_op",
+                  "qkv_proj_offloaded")  # fmt: skip
+
+
+def named_policy_cases(fast: set[tuple[str, str]]) -> list:
+    """(policy, attention) for every NAMED_POLICIES x (reference, chunked); the pairs not in `fast` under -m slow."""
+    return [
+        (policy, kernel) if (policy, kernel) in fast else pytest.param(policy, kernel, marks=pytest.mark.slow)
+        for policy in NAMED_POLICIES
+        for kernel in ("reference", "chunked")
+    ]
+
+
 def run_cli(*args: str, cwd: pathlib.Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Runs `python -m <args>` in a fresh process, as a user would."""
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")

@@ -54,9 +54,6 @@ def weight_dot_general(cfg: ModelConfig, names: tuple[str | None, ...]) -> Calla
     def forward(x: jax.Array, w: jax.Array, dims: Any, precision: Any) -> jax.Array:
         return lax.dot_general(x, compute_weight(cfg, w, names), dims, precision=precision)
 
-    if not _reduces_in_float32(cfg):
-        return lambda x, w, dims, precision=None, **_: forward(x, w, dims, precision)
-
     @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
     def dot(x: jax.Array, w: jax.Array, dims: Any, precision: Any) -> jax.Array:
         return forward(x, w, dims, precision)
@@ -70,18 +67,14 @@ def weight_dot_general(cfg: ModelConfig, names: tuple[str | None, ...]) -> Calla
         w_term = lax.dot_general(x, w_dot, dims, precision=precision, preferred_element_type=jnp.float32)
         return out, lax.dot_general(x_dot, w_compute, dims, precision=precision) + w_term.astype(out.dtype)
 
-    return lambda x, w, dims, precision=None, **_: dot(x, w, dims, precision)
+    chosen = dot if _reduces_in_float32(cfg) else forward
+    return lambda x, w, dims, precision=None, **_: chosen(x, w, dims, precision)
 
 
-def keep_kernel_dtype(cfg: ModelConfig) -> Callable[..., list[Any]]:
-    """A `promote_dtype` for nn.DenseGeneral: inputs and bias to the compute dtype, the kernel left float32
-    (weight_dot_general casts it on its shard)."""
-
-    def promote(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any = None) -> list[Any]:
-        dtype = jnp.dtype(cfg.dtype)
-        return [inputs.astype(dtype), kernel, None if bias is None else bias.astype(dtype)]
-
-    return promote
+def keep_kernel_dtype(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any = None) -> list[Any]:
+    """A `promote_dtype` for nn.DenseGeneral: inputs and bias to `dtype` (the layer's, the compute dtype), the
+    kernel left float32 (weight_dot_general casts it on its shard)."""
+    return [inputs.astype(dtype), kernel, None if bias is None else bias.astype(dtype)]
 
 
 def lookup(cfg: ModelConfig, table: jax.Array, ids: jax.Array) -> jax.Array:

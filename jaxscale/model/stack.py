@@ -188,7 +188,7 @@ def dense(
         dtype=cfg.dtype,
         kernel_init=partitioned(nn.initializers.lecun_normal(), kernel_axes),
         bias_init=partitioned(nn.initializers.zeros_init(), kernel_axes[-outputs:]),
-        promote_dtype=precision.keep_kernel_dtype(cfg),
+        promote_dtype=precision.keep_kernel_dtype,
         dot_general=precision.weight_dot_general(cfg, kernel_axes),
         name=name,
     )

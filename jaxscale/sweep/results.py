@@ -215,16 +215,18 @@ def _mib(value: float | None) -> str:
     return "-" if value is None or pd.isna(value) else f"{value / 2**20:.2f}"
 
 
+_LAYOUT_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # the collective kinds a layout is made of
+
+
 def _collectives_by_kind(row: dict) -> str:
-    """MiB per device per step of all-reduce / all-gather / reduce-scatter (the kinds a layout is made of)."""
-    kinds = ("all_reduce", "all_gather", "reduce_scatter")
-    return " / ".join(_mib(row.get(f"compiled_collective_{kind}_bytes")) for kind in kinds)
+    """MiB per device per step of all-reduce / all-gather / reduce-scatter."""
+    return " / ".join(_mib(row.get(f"compiled_collective_{kind}_bytes")) for kind in _LAYOUT_KINDS)
 
 
 def _f32_shares(row: dict) -> str:
     """The float32 share of the all-reduce / all-gather / reduce-scatter bytes ("-" for a kind with none)."""
     cells = []
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+    for kind in _LAYOUT_KINDS:
         total, f32 = row.get(f"compiled_collective_{kind}_bytes"), row.get(f"compiled_collective_{kind}_f32_bytes")
         cells.append("-" if not total or f32 is None or pd.isna(total) or pd.isna(f32) else f"{f32 / total:.0%}")
     return " / ".join(cells)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, load_config, loss_and_grads, stack_layers
+from conftest import assert_trees_close, load_config, loss_and_grads, named_policy_cases, stack_layers
 
 from jaxscale import train
 from jaxscale.config import REMAT_POLICIES, base_config
@@ -89,18 +89,13 @@ def test_variant_matches_plain_model(dtype, rtol, atol, overrides):
     assert_trees_close(variant_grads, grads, rtol=rtol, atol=atol)
 
 
-# The named policies beyond JAX's own (jaxscale.model.stack.REMAT_POLICIES), each once under a scanned Block in
+# The named policies beyond JAX's own (conftest.NAMED_POLICIES), each once under a scanned Block in
 # float32 (the policies that name the attention output with the chunked kernel, whose residuals they keep);
 # the remaining policy x kernel pairs under -m slow.
-NAMED_POLICIES = ["save_out_proj", "save_dot_with_context_except_mlp", "minimal_flash", "selective_op",
-                  "qkv_proj_offloaded"]  # fmt: skip
-_FAST_POLICY_CASES = {("selective_op", "reference"), ("minimal_flash", "chunked"), ("save_out_proj", "reference"),
-                      ("qkv_proj_offloaded", "reference")}  # fmt: skip
-POLICY_CASES = [
-    (p, a) if (p, a) in _FAST_POLICY_CASES else pytest.param(p, a, marks=pytest.mark.slow)
-    for p in NAMED_POLICIES
-    for a in ("reference", "chunked")
-]
+POLICY_CASES = named_policy_cases(
+    {("selective_op", "reference"), ("minimal_flash", "chunked"), ("save_out_proj", "reference"),
+     ("qkv_proj_offloaded", "reference")}
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("policy, attention", POLICY_CASES)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, loss_and_grads, stack_layers
+from conftest import assert_trees_close, loss_and_grads, named_policy_cases, stack_layers
 
 from jaxscale import train
 from jaxscale.config import base_config
@@ -177,15 +177,9 @@ def test_variant_matches_plain_llama(overrides):
 
 # The named policies beyond JAX's own, each once under a scanned Block (llama's selective_op keeps q, v, gate and
 # down, not gpt's tensors); the remaining policy x kernel pairs under -m slow.
-NAMED_POLICIES = ["save_out_proj", "save_dot_with_context_except_mlp", "minimal_flash", "selective_op",
-                  "qkv_proj_offloaded"]  # fmt: skip
-_FAST_POLICY_CASES = {("selective_op", "reference"), ("save_dot_with_context_except_mlp", "chunked"),
-                      ("minimal_flash", "reference")}  # fmt: skip
-POLICY_CASES = [
-    (p, a) if (p, a) in _FAST_POLICY_CASES else pytest.param(p, a, marks=pytest.mark.slow)
-    for p in NAMED_POLICIES
-    for a in ("reference", "chunked")
-]
+POLICY_CASES = named_policy_cases(
+    {("selective_op", "reference"), ("save_dot_with_context_except_mlp", "chunked"), ("minimal_flash", "reference")}
+)
 
 
 @pytest.mark.parametrize("policy, attention", POLICY_CASES)
