@@ -157,6 +157,15 @@ def test_the_committed_gpu_mesh_plans_agree_with_the_estimate_as_documented(targ
     assert len(rows) == 6 and {row["compiled_backend"] for row in rows} == {f"cuda:{target}"}
     for row in rows:
         assert abs(row["compiled_to_analytic_peak_ratio"] - 1) <= 0.12, row["variant"]
+    # "Mixed precision on a mesh": dp8 all-reduces 99.9% float32, fsdp8 reduce-scatters 99.8% float32 (the bf16
+    # rest: the vectors' sums) and gathers bf16 weights (under 1% float32: the norms' scales).
+    by_name = {row["variant"]: row for row in rows}
+    dp8, fsdp8 = by_name["dp8"], by_name["fsdp8"]
+    reduced = dp8["compiled_collective_all_reduce_bytes"]
+    assert 0.999 * reduced <= dp8["compiled_collective_all_reduce_f32_bytes"] < reduced
+    scatter = fsdp8["compiled_collective_reduce_scatter_bytes"]
+    assert 0.998 * scatter <= fsdp8["compiled_collective_reduce_scatter_f32_bytes"] < scatter
+    assert fsdp8["compiled_collective_all_gather_f32_bytes"] < 0.01 * fsdp8["compiled_collective_all_gather_bytes"]
 
 
 def test_analytic_activations_split_by_batch_and_tensor():
