@@ -162,3 +162,23 @@ def test_numpy_numbers_in_a_row_are_recorded_as_numbers_and_tabulated():
     assert row["analytic_peak_bytes"] == 3 * 2**30
     table = fit_cli.format_table([{**row, "fit_remat": "Block", "fit_largest_minibatch": None, "status": "oom"}])
     assert "none (oom)" in table and " 3 " in table
+
+
+def test_the_committed_llama8b_flash_fit_holds_what_docs_models_says():
+    """docs/models.md, llama3.1-8b on 8 H100s with flash: the largest sequences per GPU per remat choice, the
+    recommendation (the fastest prediction, a tie, the roomiest named) recomputed from the committed rows, and
+    the analytic estimate for Block at 0.93 of the Triton plan."""
+    from jaxscale.plan import fit_recommend
+
+    path = CONFIGS.parent / "experiments" / "results" / "fit_bf16_remat_llama3.1-8b_flash_h100_x8" / "results.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    largest = {row["variant"]: row["fit_largest_minibatch"] for row in rows}
+    assert largest == {"none": None, "mlp_attn": 3, "block": 3, "block_qkv_proj_offloaded": 2,
+                       "block_save_out_proj": 3, "block_save_qkv_proj": 2, "block_selective_op": 1,
+                       "block_save_dot_with_context_except_mlp": 2, "block_dots_no_batch": 1,
+                       "block_minimal_flash": 1, "block_dots": 1}  # fmt: skip
+    best, why = fit_recommend.recommend(rows, rank="predicted")
+    assert best["variant"] == "block_save_dot_with_context_except_mlp" and "but a tie" in why
+    assert "the tied choice leaving the most is Block, qkv_proj_offloaded" in why
+    block = next(row for row in rows if row["variant"] == "block")
+    assert block["analytic_peak_bytes"] / block["compiled_triton_peak_bytes"] == pytest.approx(0.93, abs=0.005)
