@@ -59,6 +59,17 @@ def named_policy_cases(fast: set[tuple[str, str]]) -> list:
     ]
 
 
+def slow_except(cases: list, fast, ids: list[str] | None = None) -> list:
+    """pytest params of `cases`, those for which `fast(case)` is false marked slow: the default suite keeps the
+    fast ones (at least one per claim), -m slow runs all. A case that is a tuple is spread over the arguments."""
+    params = []
+    for i, case in enumerate(cases):
+        values = case if isinstance(case, tuple) else (case,)
+        marks = () if fast(case) else (pytest.mark.slow,)
+        params.append(pytest.param(*values, marks=marks, id=None if ids is None else ids[i]))
+    return params
+
+
 def run_cli(*args: str, cwd: pathlib.Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Runs `python -m <args>` in a fresh process, as a user would."""
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")

@@ -74,7 +74,9 @@ def test_tiny_run_writes_a_result_row_and_a_trace(tmp_path):
     assert row["shape_warnings"] == ["model.head_dim = 16 is not a multiple of 64 (tensor-core tiles)"]
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "adafactor"])
+@pytest.mark.parametrize(
+    "optimizer", [pytest.param("adam", marks=pytest.mark.slow), "adafactor"]
+)  # adam: test_tiny_run
 def test_tiny_llama_runs_and_learns(tmp_path, optimizer):
     from jaxscale.config import base_config
 

@@ -65,15 +65,12 @@ def test_unrolled_step_xla_count_agrees_with_analytic():
     assert compiled["compiled_matmul_flops_per_step"] == pytest.approx(analytic["analytic_hardware_flops_per_step"])
 
 
-_FIRST_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj")
-_FAST_CELLS = {("Block", "minimal_flash"), ("Block", "selective_op"), ("Attn", "save_qkv_proj"),
-               ("MLP", "nothing_saveable")}  # fmt: skip
-# The default suite checks the Block cell of each of the first policies and four more cells (one per remat
-# target at least, ~13 s a cell on 2 shared cores); every cell runs under -m slow.
+_FAST_CELLS = {("Block", "nothing_saveable"), ("Block", "dots_saveable"), ("Block", "selective_op"),
+               ("Attn", "save_qkv_proj"), ("MLP", "nothing_saveable")}  # fmt: skip
+# The default suite checks five cells (every remat target, saving nothing, every dot, one projection and
+# torchtitan's every-second matmul; ~8 s a cell on 2 shared cores); every cell runs under -m slow.
 _POLICY_CELLS = [
-    (target, policy)
-    if (policy in _FIRST_POLICIES and target == "Block") or (target, policy) in _FAST_CELLS
-    else pytest.param(target, policy, marks=SLOW)
+    (target, policy) if (target, policy) in _FAST_CELLS else pytest.param(target, policy, marks=SLOW)
     for policy in REMAT_POLICIES
     for target in ("Attn", "MLP", "Block")
 ]

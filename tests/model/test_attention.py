@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, assert_trees_close, loss_and_grads, run_cli, xla_flags_with
+from conftest import REPO, assert_trees_close, loss_and_grads, run_cli, slow_except, xla_flags_with
 
 from jaxscale import train
 from jaxscale.config import ConfigError, base_config, validate
@@ -118,14 +118,30 @@ def _reference_step(preset: str):
     return params, batch, *loss_and_grads(config, params, batch)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
-@pytest.mark.parametrize(
-    "attention,blocks",
-    [
+# Each kernel once in the default suite (chunked in llama: GQA and RoPE; flash in gpt), both families and the
+# default key block under -m slow.
+_MODEL_KERNEL_CASES = [
+    (preset, attention, blocks)
+    for preset in ("tiny", "tiny-llama")
+    for attention, blocks in (
         ("chunked", {"attention_block_k": 8}),
-        pytest.param("chunked", {}, marks=pytest.mark.slow),  # the default key block: tested on the kernel
+        ("chunked", {}),  # the default key block: tested on the kernel
         ("flash", {"attention_block_q": 16, "attention_block_k": 16}),
-    ],
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "preset, attention, blocks",
+    slow_except(
+        _MODEL_KERNEL_CASES,
+        fast=lambda case: (
+            case[1:]
+            in (("chunked", {"attention_block_k": 8}), ("flash", {"attention_block_q": 16, "attention_block_k": 16}))
+            and (case[0] == "tiny-llama") == (case[1] == "chunked")
+        ),
+        ids=[f"{a}-blocks{len(b)}-{p}" for p, a, b in _MODEL_KERNEL_CASES],
+    ),
 )
 def test_model_loss_and_gradients_equal_the_reference(preset, attention, blocks):
     """The whole model (gpt: 4 heads; llama: 4 query heads on 2 K/V heads, RoPE), float32, dropout off."""

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, load_config, loss_and_grads, named_policy_cases, stack_layers
+from conftest import assert_trees_close, load_config, loss_and_grads, named_policy_cases, slow_except, stack_layers
 
 from jaxscale import train
 from jaxscale.config import REMAT_POLICIES, base_config
@@ -72,8 +72,18 @@ CASES = [("float32", 1e-5, 1e-6, o) for o in VARIANTS] + [
 ]
 
 
+# The default suite checks each kind of variant once over the two families (remat targets, JAX's policies and
+# save_qkv_proj, scan, the xla kernel; tests/model/test_llama.py has the others); every case under -m slow.
+_FAST_VARIANTS = (VARIANTS[0], VARIANTS[4], VARIANTS[5], VARIANTS[8], VARIANTS[11])
+
+
 @pytest.mark.parametrize(
-    "dtype,rtol,atol,overrides", CASES, ids=[f"{c[0]}-" + "-".join(f"{k}={v}" for k, v in c[3].items()) for c in CASES]
+    "dtype,rtol,atol,overrides",
+    slow_except(
+        CASES,
+        fast=lambda case: case[3] in _FAST_VARIANTS if case[0] == "float32" else case[3] == VARIANTS[9],
+        ids=[f"{c[0]}-" + "-".join(f"{k}={v}" for k, v in c[3].items()) for c in CASES],
+    ),
 )
 def test_variant_matches_plain_model(dtype, rtol, atol, overrides):
     """Remat, scan and the attention kernel change memory and speed, never the loss or its gradients."""

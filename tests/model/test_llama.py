@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, loss_and_grads, named_policy_cases, stack_layers
+from conftest import assert_trees_close, loss_and_grads, named_policy_cases, slow_except, stack_layers
 
 from jaxscale import train
 from jaxscale.config import base_config
@@ -161,7 +161,17 @@ def _plain_reference():
     return params, batch, *loss_and_grads(plain, params, batch)
 
 
-@pytest.mark.parametrize("overrides", VARIANTS, ids=["-".join(f"{k}={v}" for k, v in o.items()) for o in VARIANTS])
+# Each kind of variant once over the two families in the default suite (tests/model/test_gpt.py has the
+# others); every variant under -m slow.
+_FAST_VARIANTS = (VARIANTS[1], VARIANTS[3], VARIANTS[5], VARIANTS[6], VARIANTS[7], VARIANTS[9], VARIANTS[10])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    slow_except(
+        VARIANTS, fast=lambda o: o in _FAST_VARIANTS, ids=["-".join(f"{k}={v}" for k, v in o.items()) for o in VARIANTS]
+    ),
+)
 def test_variant_matches_plain_llama(overrides):
     """Remat, its policies, scan and the attention kernel change memory and speed, never the loss or gradients."""
     variant = _llama(**overrides)

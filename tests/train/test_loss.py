@@ -25,7 +25,9 @@ def _loss_and_grads(config, state, batch, rng):
 
 
 # tiny: GPT, untied head with a bias, dropout 0.1; tiny-llama: tied head (the embedding transposed), no bias.
-@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize(
+    "preset", [pytest.param("tiny", marks=pytest.mark.slow), "tiny-llama"]
+)  # one loss for both families
 @pytest.mark.parametrize("chunk_len", [4, pytest.param(16, marks=pytest.mark.slow)])
 def test_chunked_loss_equals_the_whole_logits_loss(preset, chunk_len):
     config = load_config("fp32", preset)  # float32: the two sums differ only by rounding order

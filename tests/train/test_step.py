@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_close, load_config
+from conftest import assert_trees_close, load_config, slow_except
 
 from jaxscale import run, train
 from jaxscale.config import base_config
@@ -31,9 +31,14 @@ def _setup(dropout: float = 0.0, preset: str = "tiny"):
     return state, batch, grad_fn
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
-@pytest.mark.parametrize("method", ["loop", "scan"])
-@pytest.mark.parametrize("num_minibatches", [1, 2, 4])
+# Both methods and both families in the default suite, every (minibatches, method, family) under -m slow.
+ACCUMULATION_CASES = slow_except(
+    [(n, method, preset) for n in (1, 2, 4) for method in ("loop", "scan") for preset in ("tiny", "tiny-llama")],
+    fast=lambda case: case in ((4, "scan", "tiny"), (2, "loop", "tiny-llama")),
+)
+
+
+@pytest.mark.parametrize("num_minibatches, method, preset", ACCUMULATION_CASES)
 def test_accumulated_gradients_equal_full_batch(method, num_minibatches, preset):
     state, batch, grad_fn = _setup(preset=preset)
     rng = jax.random.PRNGKey(0)
@@ -138,8 +143,13 @@ def test_every_optimizer_builds_and_takes_a_finite_clipped_step():
         assert np.all(np.isfinite(update)) and np.all(update < 0), name
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
-@pytest.mark.parametrize("scan_layers,accumulate", [(False, "loop"), (True, "scan")])
+@pytest.mark.parametrize(
+    "scan_layers, accumulate, preset",
+    slow_except(
+        [(False, "loop", "tiny"), (True, "scan", "tiny"), (False, "loop", "tiny-llama"), (True, "scan", "tiny-llama")],
+        fast=lambda case: case in ((False, "loop", "tiny"), (True, "scan", "tiny-llama")),
+    ),
+)
 def test_named_scopes_reach_the_compiled_program(scan_layers, accumulate, preset):
     """Traces and HLO name the model's parts, so a profile reads block_1 / attn / mlp / accumulate / optimizer."""
     config = base_config(preset, "scopes")
