@@ -19,6 +19,11 @@ from __future__ import annotations
 _LLAMA3 = dict(
     family="llama", vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, norm_epsilon=1e-5, dropout_rate=0.0
 )
+# Everything Llama 2 and TinyLlama share: RMSNorm eps 1e-5, RoPE base 10000, a 32000-token vocabulary, no dropout,
+# untied output head.
+_LLAMA2 = dict(
+    family="llama", vocab_size=32000, rope_theta=10000.0, norm_epsilon=1e-5, dropout_rate=0.0, tie_embeddings=False
+)
 # GPT-2: learned positions for 1024 tokens, LayerNorm eps 1e-5, dropout 0.1, output tied to the token embedding.
 _GPT2 = dict(family="gpt", vocab_size=50257, max_seq_len=1024, norm_epsilon=1e-5, dropout_rate=0.1, tie_embeddings=True)
 
@@ -39,6 +44,42 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, object]]] = {
     "gpt2-medium": {
         "model": dict(_GPT2, hidden_size=1024, head_dim=64, num_layers=24, mlp_expansion=4),
         "data": dict(batch_size=8, seq_len=1024),
+        **_TRAIN,
+    },
+    # 774,030,080 parameters. Source: the Hugging Face config.json of openai-community/gpt2-large
+    # (n_embd 1280, n_layer 36, n_head 20).
+    "gpt2-large": {
+        "model": dict(_GPT2, hidden_size=1280, head_dim=64, num_layers=36, mlp_expansion=4),
+        "data": dict(batch_size=8, seq_len=1024),
+        **_TRAIN,
+    },
+    # 1,557,611,200 parameters. Source: the Hugging Face config.json of openai-community/gpt2-xl
+    # (n_embd 1600, n_layer 48, n_head 25).
+    "gpt2-xl": {
+        "model": dict(_GPT2, hidden_size=1600, head_dim=64, num_layers=48, mlp_expansion=4),
+        "data": dict(batch_size=8, seq_len=1024),
+        **_TRAIN,
+    },
+    # 1,100,048,384 parameters. Source: the Hugging Face config.json of TinyLlama/TinyLlama-1.1B-intermediate-
+    # step-1431k-3T: hidden 2048, 22 layers, 32 heads of 64, 4 KV heads, intermediate 5632, vocabulary 32000,
+    # RoPE base 10000, 2048 positions, untied.
+    "tinyllama-1.1b": {
+        "model": dict(
+            _LLAMA2, hidden_size=2048, head_dim=64, num_layers=22, num_kv_heads=4, mlp_hidden_size=5632,
+            max_seq_len=2048,
+        ),
+        "data": dict(batch_size=8, seq_len=2048),
+        **_TRAIN,
+    },
+    # 6,738,415,616 parameters. Source: the Hugging Face config.json of meta-llama/Llama-2-7b-hf: hidden 4096,
+    # 32 layers, 32 heads of 128, 32 KV heads (no grouping), intermediate 11008, vocabulary 32000, RoPE base
+    # 10000, 4096 positions, untied.
+    "llama2-7b": {
+        "model": dict(
+            _LLAMA2, hidden_size=4096, head_dim=128, num_layers=32, num_kv_heads=32, mlp_hidden_size=11008,
+            max_seq_len=4096,
+        ),
+        "data": dict(batch_size=8, seq_len=4096),
         **_TRAIN,
     },
     # 1,235,814,400 parameters. Source: the Hugging Face config.json of meta-llama/Llama-3.2-1B:
@@ -66,6 +107,16 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, object]]] = {
     "llama3.1-8b": {
         "model": dict(
             _LLAMA3, hidden_size=4096, head_dim=128, num_layers=32, num_kv_heads=8, mlp_hidden_size=14336,
+            tie_embeddings=False,
+        ),
+        "data": dict(batch_size=8, seq_len=2048),
+        **_TRAIN,
+    },
+    # 70,553,706,496 parameters. Source: the Hugging Face config.json of meta-llama/Llama-3.1-70B:
+    # hidden 8192, 80 layers, 64 heads of 128, 8 KV heads, intermediate 28672, tie_word_embeddings false.
+    "llama3.1-70b": {
+        "model": dict(
+            _LLAMA3, hidden_size=8192, head_dim=128, num_layers=80, num_kv_heads=8, mlp_hidden_size=28672,
             tie_embeddings=False,
         ),
         "data": dict(batch_size=8, seq_len=2048),

@@ -17,9 +17,14 @@ from jaxscale.model import count_params
 EXPECTED = {
     "gpt2": 124_439_808,
     "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
+    "tinyllama-1.1b": 1_100_048_384,
+    "llama2-7b": 6_738_415_616,
     "llama3.2-1b": 1_235_814_400,
     "llama3.2-3b": 3_212_749_824,
     "llama3.1-8b": 8_030_261_248,
+    "llama3.1-70b": 70_553_706_496,
 }
 
 
