@@ -126,6 +126,26 @@ def define_cache_flag(flag_values: flags.FlagValues) -> None:
     )
 
 
+def define_cost_flags(flag_values: flags.FlagValues) -> None:
+    """Defines --train_tokens and --gpu_hour_usd: the cost of a whole training at a row's speed
+    (jaxscale.plan.cost)."""
+    flags.DEFINE_float(
+        "train_tokens", None, "Price a whole training of this many tokens (e.g. 15e12) at the row's speed "
+        "(measured, else predicted): device-hours, wall-clock days on its devices and, with --gpu_hour_usd, dollars.",
+        lower_bound=1.0, flag_values=flag_values,
+    )  # fmt: skip
+    flags.DEFINE_float(
+        "gpu_hour_usd", None, "With --train_tokens: the price of one device-hour in US dollars (e.g. 2).",
+        lower_bound=0.0, flag_values=flag_values,
+    )  # fmt: skip
+
+
+def check_cost_flags(flag_values: flags.FlagValues) -> None:
+    """Raises UsageError for --gpu_hour_usd without --train_tokens (a price with nothing to price)."""
+    if flag_values.gpu_hour_usd is not None and flag_values.train_tokens is None:
+        raise UsageError("--gpu_hour_usd: prices a whole training; add --train_tokens (e.g. --train_tokens 15e12)")
+
+
 def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str] | None) -> list[str]:
     """Parses argv (sys.argv when None) into flag_values; returns the positional arguments, program first.
 

@@ -25,7 +25,9 @@ from ml_collections import config_flags
 from jaxscale.cli import (
     Usage,
     UsageError,
+    check_cost_flags,
     define_config_flag,
+    define_cost_flags,
     fail,
     parse_bytes,
     parse_config_flags,
@@ -35,7 +37,7 @@ from jaxscale.cli import (
 from jaxscale.config import flatten, mesh_shape, mesh_text
 from jaxscale.measure import params
 from jaxscale.plan import budget as budget_lib
-from jaxscale.plan import fit_recommend, fit_search, gpu_plan, targets
+from jaxscale.plan import cost, fit_recommend, fit_search, gpu_plan, targets
 from jaxscale.sweep import runner
 from jaxscale.sweep.results import ResultsFile
 from jaxscale.sweep.sweep_file import Sweep, Variant
@@ -83,6 +85,7 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     flags.DEFINE_bool(
         "measure", False, "Run each fitting choice at its largest minibatch here, time it.", flag_values=fv
     )
+    define_cost_flags(fv)
     flags.DEFINE_bool("rerun", False, "Search again even where a current row exists.", flag_values=fv)
     flags.DEFINE_string("output_root", ".", "Root of experiments/results/ and traces/.", flag_values=fv)
     flags.DEFINE_string("name", None, "Fit name (default fit_<config>_<preset>_<target or backend>).", flag_values=fv)
@@ -261,6 +264,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     if fv.max_minibatch < 1 or fv.max_compiles < 1:
         raise UsageError("--max_minibatch and --max_compiles: must be >= 1")
     gpu_plan.check_target_flag(fv.target, plan=True, gemm=fv.gemm)
+    check_cost_flags(fv)
     if fv.devices is not None or mesh_shape(config).devices > 1:
         if fv.target is None:
             raise UsageError(
@@ -326,6 +330,9 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
         rows = [r for r in store.rows() if r.get("fit_question") == question and r.get("variant") in fv.remat]
         if fv.measure:
             measure_rows(rows, fv, name, output_root)
+        for row in rows:  # at the largest minibatch: measured speed where --measure ran it, else predicted
+            row.update(cost.cost_columns(row, fv.train_tokens, fv.gpu_hour_usd) if row.get("status") == "ok" else {})
+        if fv.measure or fv.train_tokens is not None:
             for row in rows:
                 store.record(row)
         store.write_csv()
@@ -381,6 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("jaxscale: interrupted; finished rows and probes are kept, run the same command to resume")
         return 130
     print(format_table(rows))
+    for row in rows:
+        if cost.cost_text(row):
+            print(f"  {row['fit_remat']}: {cost.cost_text(row)}")
     rank = fv.rank or ("predicted" if fv.target else "tokens")
     best, why = fit_recommend.recommend(rows, measured=fv.measure, rank=rank)
     if best is None:

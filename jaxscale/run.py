@@ -24,9 +24,11 @@ from jaxscale.cli import (
     CONFIG_FIELDS_NOTE,
     Usage,
     UsageError,
+    check_cost_flags,
     config_path,
     define_cache_flag,
     define_config_flag,
+    define_cost_flags,
     fail,
     parse_bytes,
     parse_config_flags,
@@ -37,7 +39,7 @@ from jaxscale.config import ConfigError, check_mesh_devices, describe, flatten, 
 from jaxscale.measure import columns, flops, memory, params, profiling
 from jaxscale.measure.scalars import ScalarWriter
 from jaxscale.model import count_params
-from jaxscale.plan import gpu_plan, predict, targets
+from jaxscale.plan import cost, gpu_plan, predict, targets
 from jaxscale.train import evaluate, sharding
 from jaxscale.train import loop as train_loop
 
@@ -56,7 +58,8 @@ USAGE = Usage(
     notes=(
         "Presets: seed (the reference scale), cpu (about a second a step on 2 cores), tiny (tests); without one "
         "the run picks seed on a GPU/TPU and cpu on the CPU; real models at full size: gpt2, gpt2-medium, "
-        "llama3.2-1b, llama3.2-3b, llama3.1-8b (docs/models.md). Configs: configs/*.py.",
+        "gpt2-large, gpt2-xl, tinyllama-1.1b, llama2-7b, llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3.1-70b "
+        "(docs/models.md). Configs: configs/*.py.",
         CONFIG_FIELDS_NOTE,
         "Output: <output_root>/traces/<run name>/result.json and the trace beside it; the row's columns are "
         "described in README.md and docs/measurements.md.",
@@ -115,6 +118,7 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         lower_bound=1,
         flag_values=fv,
     )
+    define_cost_flags(fv)
     flags.DEFINE_bool(
         "quiet", False, "No progress bar and no summary; the result path is still printed.", flag_values=fv
     )
@@ -387,6 +391,8 @@ def summary(row: dict) -> str:
     lines += columns.summary_lines(row)
     if row.get("predicted_step_s") is not None:
         lines.append(predict.summary_line(row))
+    if cost.cost_text(row):
+        lines.append(f"  {cost.cost_text(row)}")
     if row.get("mesh_devices", 1) > 1:
         lines.insert(1, f"  mesh {row['mesh']} (data x fsdp x tensor) on {row['mesh_devices']} devices, "
                         f"{row['process_count']} process(es); memory figures are per device")  # fmt: skip
@@ -477,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         compile_cache.set_enabled(fv.compilation_cache)
         gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm)
+        check_cost_flags(fv)
     except (UsageError, gpu_plan.PlanFlagError) as error:  # bad input ends this process before it joins the others
         return fail(str(error))
     try:
@@ -516,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not main_process:  # process 0 writes the one result row of a multi-process run
         return 0 if row["status"] == "ok" else 1
+    row.update(cost.cost_columns(row, fv.train_tokens, fv.gpu_hour_usd))
     result_path = run_dir / "result.json"
     write_row(result_path, row)
     if not fv.quiet:
