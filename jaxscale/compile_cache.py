@@ -39,8 +39,9 @@ _CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # What a cached plan holds (jaxscale.plan.target_compile's result); bump it when that changes, so entries
 # written by an older lab are not read as complete (2: the kernel list for the step-time prediction;
 # 3: collective columns and the topology; 4: the kernel list's collectives parsed as the columns' are;
-# 5: fused attention calls, the Pallas flash and cuDNN fMHA kernels, costed by their shapes).
-PLAN_FORMAT = 6
+# 5: fused attention calls, the Pallas flash and cuDNN fMHA kernels, costed by their shapes; 7: each async
+# collective's window of kernels between its start and its -done).
+PLAN_FORMAT = 7
 
 
 def cache_root() -> pathlib.Path:

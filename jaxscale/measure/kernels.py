@@ -65,6 +65,10 @@ class Kernel:
     # (matmuls, batch, heads, q_len, kv_len, head_dim, causal) of a fused attention call (attention_calls.Call);
     # causal None: the HLO does not say (resolve_causal)
     attention: tuple | None = None
+    # An async collective (a -start or async-start): (first, last) indices into kernels()'s list of the kernels
+    # the program runs between its start and its -done, which may hide it (first > last: none); None: the
+    # collective is synchronous (or its -done was not found), nothing hides it.
+    window: tuple[int, int] | None = None
 
     @property
     def bytes(self) -> int:
@@ -266,15 +270,24 @@ def kernels(hlo_text: str) -> list[Kernel]:
     """
     module = hlo.parse(hlo_text)
     memo: dict[str, set[str]] = {}
-    found = []
+    found: list[Kernel] = []
+    started: dict[tuple[str, str], int] = {}  # (computation, -start's name) -> its collective's index in found
     for step in hlo.executed(module):
         instruction = step.instruction
+        if instruction.opcode.endswith("-done"):
+            for operand in instruction.operands:
+                index = started.pop((step.computation, operand), None)
+                if index is not None:  # the kernels launched since the start run while the collective does
+                    found[index] = dataclasses.replace(found[index], window=(index + 1, len(found) - 1))
+            continue
         if instruction.opcode in _FREE or instruction.opcode.endswith(_ASYNC_ENDS):
             continue
         computation = module.computations[step.computation]
         fields = dict(name=instruction.name, trips=step.trips, times=step.times)
         collective = collectives.launched(step, module)
         if collective is not None:
+            if instruction.opcode.endswith("-start"):  # async: its -done comes later in this computation
+                started[(step.computation, instruction.name)] = len(found)
             found.append(_collective(collective, module.num_partitions, **fields))
         elif instruction.opcode == "custom-call":
             found.append(_custom_call(instruction, computation, **fields))
@@ -327,6 +340,7 @@ def from_dicts(rows: list[dict]) -> list[Kernel]:
                 "gemm": maybe_tuple(r["gemm"]),
                 "collective": maybe_tuple(r["collective"]),
                 "attention": maybe_tuple(r.get("attention")),
+                "window": maybe_tuple(r.get("window")),
             }
         )
         for r in rows

@@ -9,8 +9,12 @@ where the peak is the one its dtype runs at (bf16/fp16 tensor cores, TF32 for a 
 precision, float32 CUDA cores for elementwise work; a fused attention kernel's matmuls at the tensor peak
 times ATTENTION_EFFICIENCY instead of GEMM_EFFICIENCY, with no tile quantization), and a collective moves its
 ring-algorithm bytes over the slowest link its group crosses (NVLink within the target's NVLink domain, PCIe
-beyond it, the network across hosts). The step is the sum over kernels times their launches (XLA runs one
-kernel at a time on one stream). `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch
+beyond it, the network across hosts: with a NIC per GPU, all of a host's NICs together, as NCCL spreads its
+rings over them, capped by the links inside the host; `link_bytes_per_s`). The step is the sum over kernels times their launches (XLA runs one
+compute kernel at a time on one stream), except what async collectives overlap: a collective compiled as a
+-start/-done pair runs on its own stream, and only the part of it that outlasts the compute kernels the
+program launches between its start and its -done counts (`exposed`; predicted_collective_hidden_s is the
+rest). A synchronous collective counts whole. `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch
 cost: the pure roofline. The constants and their sources:
 
 - GEMM_EFFICIENCY 0.80: the best large-GEMM fraction of the bf16 tensor peak measured with cuBLAS
@@ -87,7 +91,7 @@ class Roofline:
     link_bytes_per_s: float  # collectives within a group of up to link_devices GPUs (NVLink, else PCIe)
     link_devices: int  # GPUs that link joins: the NVLink domain (a bridge: 2), else a host's
     host_bytes_per_s: float  # collectives beyond the link's GPUs within one host (PCIe)
-    network_bytes_per_s: float  # collectives that span hosts
+    network_bytes_per_s: float  # collectives that span hosts: one network link (a GPU's NIC, else PCIe)
     devices_per_host: int
     cores: int | None  # SMs, for tile and wave quantization (None: none, a CPU)
     gemm_efficiency: float
@@ -95,6 +99,7 @@ class Roofline:
     memory_efficiency: float
     launch_s: float
     source: str
+    network_rails: int = 1  # network links per host a collective spreads over (NCCL: one ring per NIC)
 
 
 def gpu_roofline(
@@ -139,6 +144,7 @@ def gpu_roofline(
         attention_efficiency=attention,
         memory_efficiency=MEMORY_EFFICIENCY,
         launch_s=LAUNCH_S,
+        network_rails=devices_per_host if target.network_bandwidth else 1,
         source=f"{peak.source}; {target.source}; links: {target.interconnect_source}; efficiencies: GEMM "
         f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, fused attention "
         f"{attention:.0%} (published FlashAttention-2 figure for compute capability {generation}.x), memory "
@@ -181,11 +187,21 @@ def quantization(gemm: tuple[int, int, int, int] | None, cores: int | None) -> f
 
 
 def link_bytes_per_s(roof: Roofline, group: int) -> float:
-    """The bandwidth a collective over `group` devices runs at: the slowest link its ring crosses (NVLink
-    within the NVLink domain, PCIe beyond it within a host, the network across hosts)."""
+    """The bandwidth a collective over `group` devices runs at: the slowest link its rings cross (NVLink
+    within the NVLink domain, PCIe beyond it within a host, the network across hosts).
+
+    Across hosts with one NIC per GPU (a DGX/HGX system), NCCL runs one ring per NIC ("rails"), each carrying
+    its share of the buffer and crossing each host boundary on its own NIC, while every GPU still sends its
+    whole ring traffic over the links inside its host: the collective runs at the slower of the host's
+    `network_rails` NICs together and the link inside the host. A group is taken to fill its hosts (the
+    mesh's devices are consecutive), as everywhere in this model.
+    """
     if group <= roof.link_devices:
         return roof.link_bytes_per_s
-    return roof.host_bytes_per_s if group <= roof.devices_per_host else roof.network_bytes_per_s
+    if group <= roof.devices_per_host:
+        return roof.host_bytes_per_s
+    inside = roof.link_bytes_per_s if roof.link_devices >= roof.devices_per_host else roof.host_bytes_per_s
+    return min(inside, roof.network_rails * roof.network_bytes_per_s)
 
 
 def kernel_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, float]:
@@ -207,21 +223,53 @@ def kernel_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, float
     return max(compute / efficiency, memory / roof.memory_efficiency), max(compute, memory)
 
 
+def exposed(found: list[kernels.Kernel], seconds: list[float]) -> list[float]:
+    """Per kernel, the seconds per step it adds to the step: all of a compute kernel's; of a collective, what
+    the compute kernels between its start and its -done (Kernel.window) do not hide.
+
+    An async collective runs on its own stream while the compute stream goes on, and the compute stream waits
+    at its -done: the collective costs the step only what outlasts the kernels launched in between. One
+    collective stream: each compute kernel's time hides one collective at most, given to the collectives in
+    program order (two collectives in flight at once share the link, so they cannot hide behind the same
+    kernel twice). A synchronous collective (no window) is all exposed.
+    """
+    out = list(seconds)
+    hiding = [0.0 if k.collective is not None else s for k, s in zip(found, seconds, strict=True)]
+    for i, kernel in enumerate(found):
+        if kernel.collective is None or kernel.window is None:
+            continue
+        left = seconds[i]
+        first, last = kernel.window
+        for j in range(first, last + 1):
+            if left <= 0:
+                break
+            used = min(left, hiding[j])
+            hiding[j] -= used
+            left -= used
+        out[i] = left
+    return out
+
+
 def predict(found: Iterable[kernels.Kernel], roof: Roofline) -> dict[str, float]:
-    """Seconds per step: predicted_step_s, predicted_step_lower_bound_s, predicted_<BREAKDOWN>_s, and
+    """Seconds per step: predicted_step_s, predicted_step_lower_bound_s, predicted_<BREAKDOWN>_s (the
+    collectives' exposed seconds; predicted_collective_hidden_s what compute hides of them), and
     predicted_kernel_launches (per step)."""
+    found = list(found)
+    per_kernel = [kernel_seconds(kernel, roof) for kernel in found]
+    predicted = exposed(found, [k.times * s for k, (s, _) in zip(found, per_kernel, strict=True)])
+    bound = exposed(found, [k.times * b for k, (_, b) in zip(found, per_kernel, strict=True)])
     totals = dict.fromkeys(BREAKDOWN, 0.0)
-    bound, launches = 0.0, 0
-    for kernel in found:
-        seconds, roofline = kernel_seconds(kernel, roof)
-        totals[_GROUP[kernel.category]] += kernel.times * seconds
+    hidden, launches = 0.0, 0
+    for kernel, (seconds, _), shown in zip(found, per_kernel, predicted, strict=True):
+        totals[_GROUP[kernel.category]] += shown
+        hidden += kernel.times * seconds - shown
         totals["launch"] += kernel.times * roof.launch_s
-        bound += kernel.times * roofline
         launches += kernel.times
     return {
         "predicted_step_s": sum(totals.values()),
-        "predicted_step_lower_bound_s": bound,
+        "predicted_step_lower_bound_s": sum(bound),
         **{f"predicted_{name}_s": value for name, value in totals.items()},
+        "predicted_collective_hidden_s": hidden,
         "predicted_kernel_launches": launches,
     }
 
@@ -338,6 +386,8 @@ def summary_line(row: dict) -> str:
         f"  predicted step ({where}{gemm}): {row['predicted_step_s']:.4g} s = {parts} s over "
         f"{row.get('predicted_kernel_launches')} kernels; roofline bound {row['predicted_step_lower_bound_s']:.4g} s"
     )
+    if row.get("predicted_collective_hidden_s"):
+        text += f"; {row['predicted_collective_hidden_s']:.3g} s of collectives hidden behind compute"
     if row.get("predicted_mfu") is not None:
         text += f"; MFU {row['predicted_mfu']:.1%}"
     if row.get("predicted_over_measured") is not None:

@@ -237,3 +237,42 @@ def test_a_custom_call_that_is_not_attention_stays_memory_traffic():
     module = CUDNN_MODULE.replace("__cudnn$fmhaSoftmaxBackward", "__my$kernel")
     found = _by_name(kernels.kernels(module))
     assert found["bwd"].category == "fusion" and found["bwd"].flops == 0 and found["bwd"].attention is None
+
+
+# An async all-gather whose start and done enclose two fusions, then a second one with nothing between; a
+# synchronous all-reduce last (the shapes of an FSDP step's gathers, shortened).
+ASYNC_MODULE = """HloModule async, is_scheduled=true, num_partitions=4
+
+%neg (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %n = f32[1024]{0} negate(%p)
+}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+ENTRY %main (w: bf16[256], x: f32[1024]) -> (bf16[1024], bf16[1024], f32[1024]) {
+  %w = bf16[256]{0} parameter(0)
+  %x = f32[1024]{0} parameter(1)
+  %ag-start = (bf16[256]{0}, bf16[1024]{0}) all-gather-start(%w), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}
+  %f1 = f32[1024]{0} fusion(%x), kind=kLoop, calls=%neg
+  %f2 = f32[1024]{0} fusion(%f1), kind=kLoop, calls=%neg
+  %ag-done = bf16[1024]{0} all-gather-done(%ag-start)
+  %ag-start.2 = (bf16[256]{0}, bf16[1024]{0}) all-gather-start(%w), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}
+  %ag-done.2 = bf16[1024]{0} all-gather-done(%ag-start.2)
+  %ar = f32[1024]{0} all-reduce(%f2), channel_id=3, replica_groups=[1,4]<=[4], to_apply=%sum
+  ROOT %t = (bf16[1024]{0}, bf16[1024]{0}, f32[1024]{0}) tuple(%ag-done, %ag-done.2, %ar)
+}
+"""  # noqa: E501
+
+
+def test_an_async_collective_knows_the_kernels_between_its_start_and_its_done():
+    found = kernels.kernels(ASYNC_MODULE)
+    assert [k.name for k in found] == ["ag-start", "f1", "f2", "ag-start.2", "ar"]
+    assert found[0].window == (1, 2)  # f1 and f2 run while the first gather does
+    assert found[3].window == (4, 3)  # started and awaited back to back: nothing between
+    assert found[4].window is None  # synchronous
+    assert kernels.from_dicts(kernels.as_dicts(found)) == found
