@@ -25,6 +25,7 @@ FLOORS: dict[str, int] = {
     "jaxscale.sweep": 5,
     "jaxscale.bench": 6,
     "jaxscale.fit": 6,
+    "jaxscale.published": 6,
     "jaxscale.report": 6,
     "jaxscale.tensorboard": 6,
     "jaxscale": 7,

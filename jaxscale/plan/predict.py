@@ -10,12 +10,13 @@ precision, float32 CUDA cores for elementwise work; a fused attention kernel's m
 times ATTENTION_EFFICIENCY instead of GEMM_EFFICIENCY, with no tile quantization), and a collective moves its
 ring-algorithm bytes over the slowest link its group crosses (NVLink within the target's NVLink domain, PCIe
 beyond it, the network across hosts: with a NIC per GPU, all of a host's NICs together, as NCCL spreads its
-rings over them, capped by the links inside the host; `link_bytes_per_s`). The step is the sum over kernels times their launches (XLA runs one
-compute kernel at a time on one stream), except what async collectives overlap: a collective compiled as a
--start/-done pair runs on its own stream, and only the part of it that outlasts the compute kernels the
-program launches between its start and its -done counts (`exposed`; predicted_collective_hidden_s is the
-rest). A synchronous collective counts whole. `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch
-cost: the pure roofline. The constants and their sources:
+rings over them, capped by the links inside the host; `link_bytes_per_s`). The step is the sum over kernels
+times their launches (XLA runs one compute kernel at a time on one stream), except what async collectives
+overlap: a collective compiled as a -start/-done pair runs on its own stream, and only the part of it that
+outlasts the compute kernels the program launches between its start and its -done counts (`exposed`;
+predicted_collective_hidden_s is the rest). A synchronous collective counts whole.
+`predicted_step_lower_bound_s` is the same sum with no efficiency and no launch cost: the pure roofline.
+The constants and their sources:
 
 - GEMM_EFFICIENCY 0.80: the best large-GEMM fraction of the bf16 tensor peak measured with cuBLAS
   ("Maximum Achievable Matmul FLOPS", stas00/ml-engineering, compute/accelerator/README.md: A100 SXM

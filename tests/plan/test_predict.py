@@ -290,8 +290,9 @@ def test_the_a5000_prediction_keeps_the_notebooks_order_within_minus_18_to_plus_
 
 def _step_kernel(name, category, window=None, times=1):
     collective = ("all-gather", 4, 1) if category == "collective" else None
-    return kernels.Kernel(name=name, category=category, detail=category, trips=(), times=times, flops=0.0,
-                          flop_dtype="vector", bytes_read=0, bytes_written=0, collective=collective, window=window)  # fmt: skip
+    fields = dict(flops=0.0, flop_dtype="vector", bytes_read=0, bytes_written=0)
+    return kernels.Kernel(name=name, category=category, detail=category, trips=(), times=times, collective=collective,
+                          window=window, **fields)  # fmt: skip
 
 
 def test_an_async_collective_costs_only_what_outlasts_the_kernels_between_its_start_and_done():
