@@ -11,9 +11,11 @@ float32 shard to bf16 *before* all-gathering it and sum gradients over devices i
 - `model.reduce_dtype`: under XLA's SPMD partitioner the sum of a weight's gradient over the devices that
   split the batch sits on the weight-gradient matmul (its contraction runs over the split batch), in that
   matmul's output dtype, so a bf16 matmul sums gradients in bf16. With "float32" every weight use below
-  has a JVP whose weight term is a matmul with a float32 output (`preferred_element_type`): its transpose,
-  the weight-gradient matmul, then yields float32 and XLA sums float32 (asserted in a GPU target's compiled
-  HLO, tests/model/test_precision.py). The forward pass and the activations' gradients keep the compute
+  has a custom VJP whose weight-gradient matmul takes the compute-dtype activations and output gradient
+  (tensor cores) and returns float32 (`preferred_element_type`), so XLA sums float32 (asserted in a GPU
+  target's compiled HLO, tests/model/test_precision.py) while the matmul runs at the bf16 rate (a JVP with a
+  float32 weight term, the first way this was done, transposed into a float32 matmul of upcast operands: a
+  TF32 GEMM at half the rate). The forward pass and the activations' gradients keep the compute
   dtype. "compute": the weight gradient in the compute dtype, as Flax computes it by default.
 
 The vectors (biases, norm scales, gpt's positions) are added or multiplied, not matmul'ed; their gradients
@@ -54,21 +56,42 @@ def weight_dot_general(cfg: ModelConfig, names: tuple[str | None, ...]) -> Calla
     def forward(x: jax.Array, w: jax.Array, dims: Any, precision: Any) -> jax.Array:
         return lax.dot_general(x, compute_weight(cfg, w, names), dims, precision=precision)
 
-    @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
     def dot(x: jax.Array, w: jax.Array, dims: Any, precision: Any) -> jax.Array:
         return forward(x, w, dims, precision)
 
-    @dot.defjvp
-    def dot_jvp(dims, precision, primals, tangents):
-        (x, w), (x_dot, w_dot) = primals, tangents
-        w_compute = compute_weight(cfg, w, names)
-        out = lax.dot_general(x, w_compute, dims, precision=precision)
-        # The weight term in float32: its transpose is the weight-gradient matmul, summed over devices in float32.
-        w_term = lax.dot_general(x, w_dot, dims, precision=precision, preferred_element_type=jnp.float32)
-        return out, lax.dot_general(x_dot, w_compute, dims, precision=precision) + w_term.astype(out.dtype)
+    def dot_fwd(x: jax.Array, w: jax.Array, dims: Any, precision: Any) -> tuple[jax.Array, tuple]:
+        return forward(x, w, dims, precision), (x, w)
 
+    def dot_bwd(dims: Any, precision: Any, residuals: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x, w = residuals
+        w_compute = compute_weight(cfg, w, names)
+        _, x_vjp = jax.vjp(lambda x_: lax.dot_general(x_, w_compute, dims, precision=precision), x)
+        return x_vjp(g)[0], weight_gradient(x, g, w.ndim, dims, precision)
+
+    dot.defvjp(dot_fwd, dot_bwd)
     chosen = dot if _reduces_in_float32(cfg) else forward
     return lambda x, w, dims, precision=None, **_: chosen(x, w, dims, precision)
+
+
+def weight_gradient(x: jax.Array, g: jax.Array, w_ndim: int, dims: Any, precision: Any) -> jax.Array:
+    """The gradient of `w` in `dot_general(x, w, dims)` from the output's cotangent `g`: one matmul of the
+    compute-dtype `x` and `g` (tensor cores) with a float32 output, so the sum over the devices that split
+    the batch, which XLA's partitioner puts on this matmul, runs in float32; laid out as `w`.
+
+    `dims` as nn.DenseGeneral gives them: contracting dims, no batch dims. The cotangent's dims are x's free
+    dims, then w's free dims, each in order.
+    """
+    (x_contract, w_contract), (x_batch, w_batch) = dims
+    if x_batch or w_batch:
+        raise ValueError(f"weight_gradient: batch dimensions {dims} are not a weight's (nn.DenseGeneral has none)")
+    x_free = [a for a in range(x.ndim) if a not in x_contract]
+    grad = lax.dot_general(x, g, ((x_free, list(range(len(x_free)))), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)  # fmt: skip
+    # grad's axes: x's contracting axes in ascending order (each one of w's contracting axes), then w's free axes
+    w_free = [a for a in range(w_ndim) if a not in w_contract]
+    source = [w_contract[list(x_contract).index(a)] for a in sorted(x_contract)] + w_free
+    return grad.transpose([source.index(axis) for axis in range(w_ndim)])
 
 
 def keep_kernel_dtype(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any = None) -> list[Any]:

@@ -2,6 +2,7 @@
 function as the compute-dtype ones, and a GPU target's compiled program gathers bf16 weights and sums float32
 gradients (FSDP2's param_dtype=bf16, reduce_dtype=fp32); reduce_dtype=compute sums bf16."""
 
+import collections
 import dataclasses
 import re
 
@@ -15,6 +16,7 @@ from conftest import load_config
 from jaxscale import model as models
 from jaxscale import train
 from jaxscale.config import ConfigError, ModelConfig, step_model, validate
+from jaxscale.measure import kernels
 from jaxscale.plan import gpu_plan
 from jaxscale.sweep.sweep_file import apply_overrides
 
@@ -111,8 +113,14 @@ def test_fsdp_on_h100s_gathers_bf16_weights_and_reduce_scatters_float32_gradient
 def test_data_parallel_on_h100s_all_reduces_the_weight_gradients_in_float32(tmp_path):
     """gpt on 2 H100s, data parallel: XLA puts the gradient sum on the weight-gradient matmul, in its output
     dtype; with float32 weight gradients all but the vectors' (biases, norms, positions) are float32."""
-    row, _ = _target_hlo("gpt", {"mesh.data": 2}, tmp_path / "f32")
+    row, text = _target_hlo("gpt", {"mesh.data": 2}, tmp_path / "f32")
     assert row["compiled_collective_all_reduce_f32_bytes"] > 0.95 * row["compiled_collective_all_reduce_bytes"]
+    # ... while every weight matmul (no batch dimension; the reference attention's batched einsums keep their
+    # float32 scores), the weight-gradient ones and the tied head's included, takes bf16 operands: tensor
+    # cores at the bf16 rate, not float32 operands upcast from bf16 (a TF32 GEMM at half the rate)
+    found = [k for k in kernels.kernels(text) if k.category == "matmul" and k.gemm[0] == 1]
+    dtypes = collections.Counter(k.flop_dtype for k in found)
+    assert set(dtypes) == {"bf16"} and sum(dtypes.values()) >= 3 * 4, dtypes  # 4 projections + head, x3
     bf16_row, _ = _target_hlo("gpt", {"mesh.data": 2}, tmp_path / "bf16", **{"model.reduce_dtype": "compute"})
     f32, total = (bf16_row[f"compiled_collective_all_reduce_{c}bytes"] for c in ("f32_", ""))
     assert f32 < 0.05 * total
