@@ -65,3 +65,16 @@ def test_a_plan_prints_and_keeps_the_cost_of_its_training(capsys, tmp_path):
     assert row["cost_device_hours"] == pytest.approx(seconds / 3600)
     assert row["cost_usd"] == pytest.approx(2 * seconds / 3600)
     assert f"training cost of 1e+09 tokens: {row['cost_device_hours']:,.0f} device-hours" in capsys.readouterr().out
+
+
+def test_the_committed_llama_costs_are_what_docs_published_md_says():
+    """experiments/results/training_cost: Llama 3.1 8B on 8 and 70B on 64 planned H100s at 15T tokens and $2; the
+    hours recomputed by hand from each row's predicted tokens/s and devices, and quoted in the doc."""
+    doc = (CONFIGS.parent / "docs" / "published.md").read_text()
+    for name, meta_hours in (("llama3.1-8b_h100_x8", 1.46e6), ("llama3.1-70b_h100_x64", 7.0e6)):
+        row = json.loads((CONFIGS.parent / "experiments" / "results" / "training_cost" / f"{name}.json").read_text())
+        hours = row["plan_devices"] * 15e12 / row["predicted_tokens_per_s"] / 3600
+        assert row["cost_device_hours"] == pytest.approx(hours) and row["cost_usd"] == pytest.approx(2 * hours)
+        per_gpu = row["predicted_tokens_per_s"] / row["plan_devices"]
+        assert f"| {per_gpu:,.0f} ({row['predicted_mfu']:.1%}) | {hours:,.0f} |" in doc
+        assert f"| {hours / meta_hours:.2f} |" in doc
