@@ -276,3 +276,17 @@ def test_an_async_collective_knows_the_kernels_between_its_start_and_its_done():
     assert found[3].window == (4, 3)  # started and awaited back to back: nothing between
     assert found[4].window is None  # synchronous
     assert kernels.from_dicts(kernels.as_dicts(found)) == found
+
+
+def test_scanned_layers_write_their_residuals_with_dynamic_update_slices_unrolled_ones_do_not():
+    """The mechanism of the notebook's finding (a trace's DUS share, tests/measure/test_traces.py, -m slow): the
+    scanned step stacks each layer's residuals into [layers, ...] buffers, dynamic-update-slices in the layer
+    loop; the unrolled step keeps them as separate buffers."""
+    written = {}
+    for name in ("bf16", "bf16_noscan"):
+        found = kernels.kernels(run.compile_step(load_config(name))[0].as_text())
+        dus = [k for k in found if k.category == "dynamic_update_slice"]
+        written[name] = sum(k.times * k.bytes_written for k in dus)
+        if name == "bf16":
+            assert any(len(k.trips) >= 2 for k in dus)  # inside the minibatch loop and the layer loop
+    assert written["bf16"] > 0 and written["bf16"] > 3 * written["bf16_noscan"], written
