@@ -59,11 +59,18 @@ def test_a_budget_no_minibatch_meets_is_an_oom_row_naming_the_smallest_plan(tmp_
 
 
 def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_path, capsys):
-    assert _fit(tmp_path, "--memory", "4MiB", "--max_minibatch", "2", "--measure", "--remat", "block") == 0
-    assert "fastest measured" in capsys.readouterr().out
+    args = ["--memory", "4MiB", "--max_minibatch", "2", "--measure", "--remat", "block", "--train_tokens", "1e9"]
+    assert _fit(tmp_path, *args, "--gpu_hour_usd", "3") == 0
+    out = capsys.readouterr().out
+    assert "fastest measured" in out
     (row,) = _rows(tmp_path)
     assert row["measure_status"] == "ok" and row["tokens_per_s"] > 0 and row["step_s_median"] > 0
     assert row["config.data.batch_size"] == 2 * row["fit_largest_minibatch"]  # it ran the planned batch
+    # the training's cost at the measured speed, on the one device it ran on, kept in the row and printed
+    hours = 1e9 / row["tokens_per_s"] / 3600
+    assert row["cost_basis"] == "measured tokens/s" and row["cost_devices"] == 1
+    assert row["cost_device_hours"] == pytest.approx(hours) and row["cost_usd"] == pytest.approx(3 * hours)
+    assert f"Block: training cost of 1e+09 tokens: {hours:,.0f} device-hours" in out
 
 
 @pytest.mark.parametrize(
@@ -77,6 +84,7 @@ def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_pat
         (["--memory", "4MiB", "--config.mesh.fsdp=2"], "add --target (e.g. --target h100 --devices 8)"),
         (["--memory", "4MiB", "--rank", "predicted"], "--rank predicted: needs --target"),
         (["--memory", "4MiB", "--mem_fraction", "0.9"], "--mem_fraction: sets the share of a --target's memory"),
+        (["--memory", "4MiB", "--gpu_hour_usd", "2"], "--gpu_hour_usd: prices a whole training; add --train_tokens"),
     ],
 )
 def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):
