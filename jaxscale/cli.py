@@ -158,6 +158,17 @@ def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str] | None) -> li
         raise UsageError(str(error)) from None
 
 
+def no_arguments(flag_values: flags.FlagValues, argv: Sequence[str] | None, hint: str) -> None:
+    """Parses argv into flag_values for a command that takes flags only.
+
+    Raises:
+      UsageError: a bad flag (absl's message), or a positional argument: "unexpected argument 'X'; <hint>".
+    """
+    rest = parse_flags(flag_values, argv)
+    if len(rest) > 1:
+        raise UsageError(f"unexpected argument {rest[1]!r}; {hint}")
+
+
 def one_argument(flag_values: flags.FlagValues, argv: Sequence[str] | None, hint: str) -> str:
     """Parses argv into flag_values and returns its one positional argument (a directory, a file).
 

@@ -24,7 +24,7 @@ from typing import Any
 from absl import flags
 
 from jaxscale import run
-from jaxscale.cli import Usage, UsageError, fail, parse_flags, print_help, wants_help
+from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
 from jaxscale.config import ConfigError, load_config_file, validate
 from jaxscale.plan import gpu_plan
 from jaxscale.sweep.results import ResultsFile
@@ -96,7 +96,7 @@ def compare(published: dict, row: dict) -> dict[str, Any]:
     predicted = row.get("predicted_step_s")
     tokens = row.get("predicted_tokens_per_s")
     plan_gib = row["compiled_peak_bytes"] / GIB if row.get("compiled_peak_bytes") else None
-    out = {
+    return {
         "published_id": published["id"],
         "published_project": published["project"],
         "published_source": published["source"],
@@ -118,7 +118,6 @@ def compare(published: dict, row: dict) -> dict[str, Any]:
         if plan_gib and measured.get("peak_memory_gib")
         else None,
     }
-    return out
 
 
 def plan_run(published: dict, output_root: pathlib.Path) -> dict:
@@ -204,9 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if wants_help(argv):
         return print_help(USAGE, fv)
     try:
-        rest = parse_flags(fv, argv)
-        if len(rest) > 1:
-            raise UsageError(f"unexpected argument {rest[1]!r}; flags only (--only, --rerun, --runs, --output_root)")
+        no_arguments(fv, argv, "flags only (--only, --rerun, --runs, --output_root)")
         runs = load_runs(pathlib.Path(fv.runs))
         known = [r["id"] for r in runs]
         unknown = [i for i in fv.only if i not in known]

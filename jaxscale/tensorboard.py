@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from jaxscale.cli import Usage, UsageError, fail, parse_flags, print_help, wants_help
+from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
 
 HOST = "127.0.0.1"  # loopback only: a profile shows file paths and source lines
 DEFAULT_TIMEOUT_S = 90.0
@@ -184,9 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if wants_help(argv):
         return print_help(USAGE, fv)
     try:
-        rest = parse_flags(fv, argv)
-        if len(rest) > 1:
-            raise UsageError(f"unexpected argument {rest[1]!r}; use --logdir DIR")
+        no_arguments(fv, argv, "use --logdir DIR")
         server = start(fv.logdir, fv.port, fv.timeout)
     except UsageError as error:
         return fail(str(error))

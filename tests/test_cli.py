@@ -254,3 +254,17 @@ def test_one_argument_returns_it_or_says_what_to_give():
             cli.one_argument(fv, argv, "give one RUN_DIR")
     with pytest.raises(cli.UsageError, match="top"):
         cli.one_argument(fv, ["prog", "runs/a", "--top=many"], "give one RUN_DIR")
+
+
+@pytest.mark.parametrize(
+    "module, hint",
+    [
+        ("jaxscale.tensorboard", "use --logdir DIR"),
+        ("jaxscale.published", "flags only (--only, --rerun, --runs, --output_root)"),
+    ],
+)
+def test_a_flags_only_command_refuses_a_positional_argument_in_one_line(module, hint, capsys):
+    import importlib
+
+    assert importlib.import_module(module).main([module, "stray"]) == 2
+    assert capsys.readouterr().err == f"jaxscale: error: unexpected argument 'stray'; {hint}\n"
