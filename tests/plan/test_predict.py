@@ -74,6 +74,8 @@ def test_an_h100_collective_uses_nvswitch_within_8_gpus_and_the_network_across_h
     # 16 GPUs on 2 hosts: NCCL's 8 rings each cross the host boundary on their own 400 Gb/s (50 GB/s) NIC, so
     # the hosts' 8 NICs carry 400 GB/s together, below NVSwitch's 450 GB/s: 15/16 * 1e9 B / 400 GB/s = 2.344 ms
     assert predict.kernel_seconds(across, roof)[0] == pytest.approx(0.00234375, rel=1e-5)
+    # an A100 system (docs/predict.md): 8 HDR NICs of 25 GB/s, below NVLink's 300 GB/s: 200 GB/s across hosts
+    assert predict.link_bytes_per_s(predict.gpu_roofline(targets.TARGETS["a100-80gb"]), 64) == 200e9
     # a target without a NIC per GPU (the A5000's PCIe) gains nothing from more hosts: 2 * 15/16 * 1e9 B / 31.5 GB/s
     a5000 = predict.gpu_roofline(A5000)
     assert predict.kernel_seconds(_kernel("collective", collective=("all-reduce", 16, 10**9)), a5000)[0] == (
