@@ -38,10 +38,10 @@ from jaxscale.cli import (
 from jaxscale.config import ConfigError, check_mesh_devices, describe, flatten, mesh_shape, mesh_text
 from jaxscale.measure import columns, flops, memory, params, profiling
 from jaxscale.measure.scalars import ScalarWriter
-from jaxscale.model import count_params
 from jaxscale.plan import cost, gpu_plan, predict, targets
 from jaxscale.train import evaluate, sharding
 from jaxscale.train import loop as train_loop
+from jaxscale.train.step import param_columns
 
 USAGE = Usage(
     command="python -m jaxscale.run --config CONFIG.py[:PRESET] [--config.GROUP.FIELD=VALUE ...] [flags]",
@@ -236,6 +236,10 @@ def execute(config, compiled, placement: sharding.Placement, run_dir: pathlib.Pa
                 first, state, data_state = checkpoints.restore(placement.abstract_inputs()[0])
         if state is None:  # a fresh run: the only state ever initialised
             state = placement.init_state()
+            if config.finetune.init_from:  # the base parameters of another run's checkpoint
+                from jaxscale.train.checkpoint import with_base_params
+
+                state = with_base_params(state, config)
         row["resumed_from_step"] = first or None
         row.update(data.data_columns(config))
         source = data.make_source(config, placement, state=data_state)
@@ -264,6 +268,20 @@ def check_resume(config: ml_collections.ConfigDict, run_dir: pathlib.Path) -> No
 
     try:
         checkpoint.check_resume(run_dir / "checkpoints", config)
+    except checkpoint.CheckpointError as error:
+        raise UsageError(str(error)) from None
+
+
+def check_init_from(config: ml_collections.ConfigDict) -> None:
+    """finetune.init_from's newest checkpoint against this model (its meta alone is read).
+
+    Raises:
+      UsageError: one line naming the field at fault; nothing is written.
+    """
+    from jaxscale.train import checkpoint  # orbax is imported only by runs that checkpoint
+
+    try:
+        checkpoint.check_init_from(config)
     except checkpoint.CheckpointError as error:
         raise UsageError(str(error)) from None
 
@@ -327,7 +345,7 @@ def run(
             with compile_cache.watch() as cache:
                 compiled, placement, abstract_state, row["compile_s"] = compile_step(config)
             row.update(cache.columns())
-            row["params"] = count_params(abstract_state.params)
+            row.update(param_columns(abstract_state))
             row.update(memory.compiled_memory(compiled))
             row["compiled_backend"] = jax.default_backend()
             row.update(local_prediction(config, compiled))
@@ -498,6 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             data.check(config)  # token files against the config, before anything is written
         if config.train.checkpoint_every and not fv.plan:
             check_resume(config, hosts.process_dir(run_dir))  # a checkpoint's meta, before anything is written
+        if config.finetune.init_from and not fv.plan:
+            check_init_from(config)
     except (UsageError, data.DataError) as error:
         return fail(str(error))
     if config.preset_source != "given":

@@ -60,6 +60,7 @@ REMAT_POLICIES = (
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
+STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype and finetune.frozen_dtype
 DATA_SOURCES = ("synthetic", "text")
 
 
@@ -121,6 +122,9 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.attention = "reference"  # reference (einsum), xla or cudnn (jax.nn), chunked or flash (docs/attention.md)
     c.model.attention_block_q = 0  # flash: queries per block of the forward kernel, a power of two; 0: by head_dim
     c.model.attention_block_k = 0  # flash, chunked: keys per block (flash: a power of two); 0: by head_dim / seq_len
+    c.model.lora_rank = 0  # rank of the LoRA adapters on model.lora_targets (0: no adapters; docs/finetune.md)
+    c.model.lora_alpha = 16.0  # LoRA's scale: an adapter adds (lora_alpha / lora_rank) * x @ A @ B
+    c.model.lora_targets = ("attention",)  # projections with adapters: attention, mlp, all, or names (q, v, up, ...)
 
     c.data = ml_collections.ConfigDict()
     c.data.batch_size = 64  # sequences per optimizer step (split into train.num_minibatches)
@@ -154,6 +158,15 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.999  # Adam second-moment decay
     c.optimizer.weight_decay = 0.0  # decoupled weight decay (adamw only)
     c.optimizer.grad_clip_norm = 0.0  # clip gradients to this global norm; 0 disables clipping
+    c.optimizer.state_dtype = "float32"  # dtype the optimizer's moments are stored in: float32 or bfloat16
+
+    # Fine-tuning (jaxscale.config.finetune, docs/finetune.md): which parameters train; the rest stay frozen.
+    c.finetune = ml_collections.ConfigDict()
+    c.finetune.train = "all"  # all; adapters (LoRA's, needs model.lora_rank > 0); last_blocks (finetune.last_blocks)
+    c.finetune.last_blocks = 0  # train=last_blocks: the top blocks that train (needs model.scan_layers=False)
+    c.finetune.head = False  # train=adapters or last_blocks: the output head and final norm train too
+    c.finetune.frozen_dtype = "bfloat16"  # frozen parameters are stored in this dtype (float32 or bfloat16)
+    c.finetune.init_from = ""  # a run directory whose latest checkpoint's parameters start this run ("": random)
 
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = 3  # steps captured with jax.profiler after the timed ones (0 = no trace)

@@ -46,6 +46,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_epsilon: float = 1e-6
     tie_embeddings: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("attention",)
 
     @property
     def num_heads(self) -> int:

@@ -7,7 +7,7 @@ import math
 import jax
 import ml_collections
 
-from jaxscale.config import kernel_blocks
+from jaxscale.config import finetune, kernel_blocks
 from jaxscale.config.defaults import (
     ACCUMULATE_METHODS,
     ATTENTION_IMPLS,
@@ -18,6 +18,7 @@ from jaxscale.config.defaults import (
     REDUCE_DTYPES,
     REMAT_POLICIES,
     REMAT_TARGETS,
+    STATE_DTYPES,
     ConfigError,
 )
 from jaxscale.config.spec import ModelConfig, mesh_shape, mesh_text
@@ -151,6 +152,52 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _check(o.transition_steps > 0, "optimizer.transition_steps", f"must be > 0, got {o.transition_steps}")
     _check(o.grad_clip_norm >= 0, "optimizer.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
+    _one_of(o.state_dtype, STATE_DTYPES, "optimizer.state_dtype")
+    _check(o.state_dtype == "float32" or o.name != "adafactor", "optimizer.state_dtype",
+           f"{o.state_dtype} changes nothing for adafactor (no first moment; its factored second moments stay "
+           "float32); use float32, or adam / adamw / sgd")  # fmt: skip
+    _validate_lora(m)
+    _validate_finetune(config)
+
+
+def _validate_lora(m: ml_collections.ConfigDict) -> None:
+    """model.lora_rank, _alpha, _targets: known projections of the family, a rank below each one's widths."""
+    _non_negative_int(m.lora_rank, "model.lora_rank")
+    if not m.lora_rank:
+        return
+    _check(m.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {m.lora_alpha}")
+    allowed = ", ".join((*finetune.TARGET_GROUPS, *finetune.family_projections(m.family)))
+    _check(isinstance(m.lora_targets, tuple) and len(m.lora_targets) > 0, "model.lora_targets",
+           f"must be a non-empty tuple of {allowed}, got {m.lora_targets!r}")  # fmt: skip
+    try:
+        chosen = finetune.lora_projections(m.family, m.lora_targets)
+    except KeyError as unknown:
+        raise ConfigError(f"model.lora_targets: unknown {unknown.args[0]!r} for model.family={m.family}; "
+                          f"allowed: {allowed}") from None  # fmt: skip
+    sizes = finetune.projection_sizes(ModelConfig.from_config(m))
+    narrowest = min(chosen, key=lambda name: min(sizes[name]))
+    width = min(sizes[narrowest])
+    shape = " x ".join(map(str, sizes[narrowest]))
+    _check(m.lora_rank <= width, "model.lora_rank", f"{m.lora_rank} exceeds the {narrowest} projection's {shape} "
+           f"(a rank is at most its smaller width); allowed: 1 to {width}")  # fmt: skip
+
+
+def _validate_finetune(config: ml_collections.ConfigDict) -> None:
+    """Which parameters train (jaxscale.config.finetune) and the dtype the frozen ones are kept in."""
+    f, m = config.finetune, config.model
+    _one_of(f.train, finetune.TRAIN_CHOICES, "finetune.train")
+    _one_of(f.frozen_dtype, STATE_DTYPES, "finetune.frozen_dtype")
+    _check(isinstance(f.head, bool), "finetune.head", f"must be True or False, got {f.head!r}")
+    _non_negative_int(f.last_blocks, "finetune.last_blocks")
+    if f.train == "adapters":
+        _check(m.lora_rank > 0, "finetune.train", "'adapters' trains the LoRA adapters, and there are none: set "
+               "model.lora_rank > 0 (e.g. 16), or finetune.train=all or last_blocks")  # fmt: skip
+    if f.train == "last_blocks":
+        _check(1 <= f.last_blocks <= m.num_layers, "finetune.last_blocks",
+               f"{f.last_blocks}: train=last_blocks needs 1 to model.num_layers={m.num_layers} blocks")  # fmt: skip
+        _check(not m.scan_layers, "model.scan_layers", "True stacks every block in one array per parameter, so "
+               "finetune.train=last_blocks cannot freeze some of them; set model.scan_layers=False, or "
+               "finetune.train=adapters")  # fmt: skip
 
 
 def _divisors(n: int) -> str:

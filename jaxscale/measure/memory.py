@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from jaxscale.config import finetune
 from jaxscale.config.spec import ModelConfig, mesh_shape, minibatch_per_device
 from jaxscale.measure import params
 
@@ -340,16 +341,49 @@ def layer_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor: i
     return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor)) for shape, names in table.values())
 
 
+def trained_table(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """params.param_table restricted to the parameters that train (jaxscale.config.finetune.trainable)."""
+    return {k: v for k, v in params.param_table(config.model).items() if finetune.trainable(k, config)}
+
+
+def trained_param_count(config: ml_collections.ConfigDict) -> int:
+    """Parameters that train, held by one device (sharded like every parameter, see sharded_param_count)."""
+    _, fsdp, tensor = mesh_shape(config)
+    table = trained_table(config)
+    return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor)) for shape, names in table.values())
+
+
+def _frozen_itemsize(config: ml_collections.ConfigDict) -> int:
+    return jnp.dtype(config.finetune.frozen_dtype).itemsize
+
+
 def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
-    """Bytes of the optimizer's state on one device: Adam/AdamW 2 × 4·N, SGD 4·N (N = sharded_param_count),
-    Adafactor 4 × (its factored second moments, params.adafactor_state_elements: n/d1 + n/d2 per matrix whose
-    two largest dims are >= 128, n for every other parameter, each split like the parameter axes it keeps)."""
-    m, (_, fsdp, tensor) = config.model, mesh_shape(config)
+    """Bytes of the optimizer's state on one device, for the parameters that train (T = trained_param_count):
+    Adam/AdamW a first moment of `optimizer.state_dtype` and a float32 second moment, (2 or 4) · T + 4 · T; SGD
+    its momentum, (2 or 4) · T; Adafactor 4 × (its factored second moments, params.adafactor_state_elements:
+    n/d1 + n/d2 per matrix whose two largest dims are >= 128, n for every other parameter, each split like the
+    parameter axes it keeps)."""
+    _, fsdp, tensor = mesh_shape(config)
     if config.optimizer.name == "adafactor":
-        table = params.param_table(m)
+        table = trained_table(config)
         shapes, names = {k: s for k, (s, _) in table.items()}, {k: n for k, (_, n) in table.items()}
         return _FLOAT32 * params.adafactor_state_elements(shapes, names, fsdp, tensor)
-    return _FLOAT32 * sharded_param_count(m, fsdp, tensor) * OPTIMIZER_STATE_COPIES[config.optimizer.name]
+    first = jnp.dtype(config.optimizer.get("state_dtype", "float32")).itemsize
+    per_param = {"adam": first + _FLOAT32, "adamw": first + _FLOAT32, "sgd": first}[config.optimizer.name]
+    return per_param * trained_param_count(config)
+
+
+def _gathered_layer_bytes(config: ml_collections.ConfigDict) -> int:
+    """Under FSDP, one block's parameters gathered whole (/ tensor) with their full gradients before the
+    reduce-scatter: 4 + 4 bytes per trained parameter, the frozen dtype's bytes per frozen one (no gradient).
+    The top block is the one counted (with finetune.train=last_blocks it trains)."""
+    m, tensor = config.model, mesh_shape(config).tensor
+    block = "transformer/blocks" if m.scan_layers else f"transformer/block_{m.num_layers - 1}"
+    total = 0
+    for key, (shape, names) in params.layer_param_table(m).items():
+        per = 2 * _FLOAT32 if finetune.trainable(f"{block}/{key}", config) else _frozen_itemsize(config)
+        total += per * math.prod(params.shard_shape(shape, names, 1, tensor))
+    return total
 
 
 def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
@@ -370,18 +404,26 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
         minibatches' forward passes together (measured; see docs/measurements.md). Under FSDP one layer's
         parameters are gathered whole (/ tensor) at a time, with their full gradient before it is
         reduce-scattered: 2 × 4 × its parameters (analytic_fsdp_gather_bytes, in the activations).
+    Fine-tuning (jaxscale.config.finetune): params are 4 bytes per trained parameter plus
+    finetune.frozen_dtype's bytes per frozen one; gradients and optimizer state are the trained parameters'
+    only; with finetune.train=last_blocks only the top blocks keep activations (the frozen blocks below get no
+    gradient). Otherwise the activations are full training's: an upper bound, as a frozen projection's input is
+    kept only where something below it still needs it.
     """
     m, t = config.model, config.train
     _, fsdp, tensor = mesh_shape(config)
-    d, n = Dims.from_config(config), sharded_param_count(m, fsdp, tensor)
+    d, n, trained = Dims.from_config(config), sharded_param_count(m, fsdp, tensor), trained_param_count(config)
     layer, working = layer_activation_bytes(d, tuple(m.remat), m.remat_policy, m.scan_layers)
     causal_mask = m.scan_layers and m.causal and m.attention == "reference"
-    per_minibatch = m.num_layers * layer + sum(head_residuals(d, causal_mask).values())
+    f = config.finetune
+    # Blocks below the lowest one that trains get no gradient, so keep nothing for a backward pass.
+    kept_layers = f.last_blocks if f.train == "last_blocks" else m.num_layers
+    per_minibatch = kept_layers * layer + sum(head_residuals(d, causal_mask).values())
     live = t.num_minibatches if t.accumulate == "loop" else 1
-    gather = 2 * _FLOAT32 * layer_param_count(m, 1, tensor) if fsdp > 1 else 0
+    gather = _gathered_layer_bytes(config) if fsdp > 1 else 0
     row = {
-        "analytic_params_bytes": _FLOAT32 * n,
-        "analytic_grads_bytes": _FLOAT32 * n * (2 if t.num_minibatches > 1 else 1),
+        "analytic_params_bytes": _FLOAT32 * trained + _frozen_itemsize(config) * (n - trained),
+        "analytic_grads_bytes": _FLOAT32 * trained * (2 if t.num_minibatches > 1 else 1),
         "analytic_optimizer_bytes": optimizer_state_bytes(config),
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,

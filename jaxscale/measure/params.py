@@ -12,6 +12,7 @@ import math
 import ml_collections
 import numpy as np
 
+from jaxscale.config import finetune
 from jaxscale.config.spec import ModelConfig
 
 TILE = 64  # tensor-core friendly multiple for matmul dimensions (bf16 MMA tiles; cuBLAS/Triton pad otherwise)
@@ -24,7 +25,7 @@ def _layer_params(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int
     h, hd, f, heads, kv_heads = sizes.hidden_size, sizes.head_dim, sizes.mlp_width, sizes.num_heads, sizes.kv_heads
     embed, mlp = ("embed",), ("mlp",)
     if model.family == "gpt":
-        return {
+        return _with_adapters(model, {
             "attn/pre_norm/scale": ((h,), embed), "attn/pre_norm/bias": ((h,), embed),
             "attn/qkv/kernel": ((h, heads, 3 * hd), ("embed", "heads", "qkv")),
             "attn/qkv/bias": ((heads, 3 * hd), ("heads", "qkv")),
@@ -32,8 +33,8 @@ def _layer_params(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int
             "mlp/pre_norm/scale": ((h,), embed), "mlp/pre_norm/bias": ((h,), embed),
             "mlp/up/kernel": ((h, f), ("embed", "mlp")), "mlp/up/bias": ((f,), mlp),
             "mlp/down/kernel": ((f, h), ("mlp", "embed")), "mlp/down/bias": ((h,), embed),
-        }  # fmt: skip
-    return {
+        })  # fmt: skip
+    return _with_adapters(model, {
         "attn/pre_norm/scale": ((h,), embed),
         "attn/q/kernel": ((h, heads, hd), ("embed", "heads", "head_dim")),
         "attn/k/kernel": ((h, kv_heads, hd), ("embed", "kv_heads", "head_dim")),
@@ -42,7 +43,25 @@ def _layer_params(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int
         "mlp/pre_norm/scale": ((h,), embed),
         "mlp/gate/kernel": ((h, f), ("embed", "mlp")), "mlp/up/kernel": ((h, f), ("embed", "mlp")),
         "mlp/down/kernel": ((f, h), ("mlp", "embed")),
-    }  # fmt: skip
+    })  # fmt: skip
+
+
+def _with_adapters(
+    model: ml_collections.ConfigDict, layer: dict[str, tuple[tuple[int, ...], tuple]]
+) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """One block's parameters with a LoRA adapter beside each targeted kernel (model.lora_rank > 0): `lora_a`
+    [in..., r] and `lora_b` [r, out...], named like the kernel's dims, the rank axis unnamed (None). The out
+    projection contracts two dims (heads, head_dim), every other kernel one."""
+    if not model.lora_rank:
+        return layer
+    r, out = model.lora_rank, dict(layer)
+    for name in finetune.lora_projections(model.family, tuple(model.lora_targets)):
+        key = next(k for k in layer if k.endswith(f"/{name}/kernel"))
+        (shape, names), contracted = layer[key], 2 if name == "out" else 1
+        base = key.rsplit("/", 1)[0]
+        out[f"{base}/lora_a"] = ((*shape[:contracted], r), (*names[:contracted], None))
+        out[f"{base}/lora_b"] = ((r, *shape[contracted:]), (None, *names[contracted:]))
+    return out
 
 
 def param_table(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -111,6 +130,7 @@ def param_count(model: ml_collections.ConfigDict) -> int:
     output head H·V + V.
     llama, per layer: two RMSNorm scales 2H, q H·H, k and v 2·H·K, output H·H, gate, up and down 3·H·F; plus
     token embedding V·H, final RMSNorm H and, untied, the output head H·V (no biases anywhere).
+    With LoRA, each layer adds `adapter_params`.
     """
     sizes = ModelConfig.from_config(model)
     h, f, v, kv = sizes.hidden_size, sizes.mlp_width, sizes.vocab_size, sizes.kv_width
@@ -120,7 +140,16 @@ def param_count(model: ml_collections.ConfigDict) -> int:
     else:
         per_layer = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * f
         top = v * h + h + (0 if model.tie_embeddings else h * v)
-    return model.num_layers * per_layer + top
+    return model.num_layers * (per_layer + adapter_params(model)) + top
+
+
+def adapter_params(model: ml_collections.ConfigDict) -> int:
+    """LoRA parameters of one block: r · (in + out) per targeted projection of in x out (its A and B)."""
+    if not model.lora_rank:
+        return 0
+    sizes = finetune.projection_sizes(ModelConfig.from_config(model))
+    chosen = finetune.lora_projections(model.family, tuple(model.lora_targets))
+    return sum(model.lora_rank * (sizes[name][0] + sizes[name][1]) for name in chosen)
 
 
 def embedding_only_params(model: ml_collections.ConfigDict) -> int:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.config.spec import ModelConfig
-from jaxscale.model import precision
+from jaxscale.model import lora, precision
 from jaxscale.model.axes import Initializer, constrain, partitioned
 
 # Named remat policies: name -> (what it keeps and its source, the names of the tags it saves per family, or a
@@ -179,10 +179,12 @@ def dense(
       features: output width, or a tuple of output dims (e.g. (heads, head_dim)).
       kernel_axes: logical names of the kernel's dims, contracted dims first.
       axis: the input dims contracted.
+    With model.lora_rank > 0 and `name` among the projections of model.lora_targets, the projection carries a
+    LoRA adapter (jaxscale.model.lora.LoraDenseGeneral).
     """
     outputs = 1 if isinstance(features, int) else len(features)
-    return nn.DenseGeneral(
-        features,
+    fields = dict(
+        features=features,
         axis=axis,
         use_bias=use_bias,
         dtype=cfg.dtype,
@@ -192,6 +194,9 @@ def dense(
         dot_general=precision.weight_dot_general(cfg, kernel_axes),
         name=name,
     )
+    if lora.adapted(cfg, name):  # a LoRA adapter beside the kernel (jaxscale.model.lora)
+        return lora.lora_dense(cfg, kernel_axes, **fields)
+    return nn.DenseGeneral(**fields)
 
 
 class Embed(nn.Embed):

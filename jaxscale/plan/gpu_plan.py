@@ -263,6 +263,7 @@ def plan_row(
     plan_devices = devices if mesh_shape(config).devices > 1 else 1
     return {
         "params": plan["params"],
+        "trainable_params": plan.get("trainable_params", plan["params"]),
         "compile_s": plan["compile_s"],
         "compile_cache_hit": None if None in hits else all(hits),
         "compile_cache_saved_s": plan.get("compile_cache_saved_s") if all(hits) and None not in hits else None,

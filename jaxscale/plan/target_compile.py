@@ -40,9 +40,9 @@ from jaxscale import compile_cache, train
 from jaxscale.cli import Usage, fail, print_help, wants_help
 from jaxscale.config import mesh_shape
 from jaxscale.measure import collectives, kernels, memory
-from jaxscale.model import count_params
 from jaxscale.plan import targets
 from jaxscale.train import sharding
+from jaxscale.train.step import param_columns
 
 # The GEMM choice of a deviceless compile, as compile options (`lowered.compile(compiler_options=...)`): without
 # a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the autotuner may
@@ -192,7 +192,7 @@ def compile_for_target(
         **memory.compiled_memory(compiled),
         **collectives.collective_columns(text),
         "compile_s": seconds,
-        "params": count_params(inputs[0].params),
+        **param_columns(inputs[0]),
         "device_kind": device.device_kind,
         "plan_topology": targets.topology(devices),
         "plan_key": key,

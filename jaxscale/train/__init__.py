@@ -17,7 +17,10 @@ from jaxscale.train.step import (
     make_model,
     make_optimizer,
     make_train_step,
+    model_params,
     next_token_loss,
+    param_columns,
+    split_params,
     train_step,
 )
 
@@ -37,6 +40,9 @@ __all__ = [
     "make_train_step",
     "chunked_next_token_loss",
     "make_loss_fn",
+    "model_params",
     "next_token_loss",
+    "param_columns",
+    "split_params",
     "train_step",
 ]

@@ -17,13 +17,17 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
+from jaxscale.config import finetune
 from jaxscale.data import manifest
+from jaxscale.train.step import model_params, split_params
 
 # Fields that change the loss curve: a checkpoint resumes only a run whose config agrees on all of them.
-_CURVE_GROUPS = ("model", "optimizer")
+_CURVE_GROUPS = ("model", "optimizer", "finetune")
 _CURVE_FIELDS = ("data.batch_size", "data.seq_len", "data.seed", "data.source", "train.num_minibatches",
                  "train.accumulate", "train.seed")  # fmt: skip
 # Fields that change what a text run's saved data position means. grain's iterator state is per worker
@@ -163,6 +167,90 @@ class Checkpoints:
         """Waits for pending writes and releases the manager."""
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+# The model fields that decide the parameters' names and shapes (finetune.init_from must agree on them; the
+# adapters, remat, attention kernel and dtypes do not change the base parameters).
+_PARAM_FIELDS = ("family", "vocab_size", "hidden_size", "head_dim", "num_layers", "mlp_expansion", "mlp_hidden_size",
+                 "num_kv_heads", "max_seq_len", "tie_embeddings", "scan_layers")  # fmt: skip
+
+
+def _source_directory(source: str) -> pathlib.Path:
+    """The checkpoints directory of finetune.init_from: a run directory (its checkpoints/) or that directory."""
+    path = pathlib.Path(source)
+    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
+def check_init_from(config: ml_collections.ConfigDict) -> tuple[pathlib.Path, int]:
+    """(checkpoints directory, step) of finetune.init_from's newest checkpoint, its meta checked: written by a
+    run that trained every parameter of a model with this run's parameter shapes. Nothing is written.
+
+    Raises:
+      CheckpointError: one line naming finetune.init_from and what is wrong.
+    """
+    source = config.finetune.init_from
+    directory = _source_directory(source)
+    if not directory.is_dir():
+        raise CheckpointError(f"finetune.init_from: {source} is not a directory; give a run directory with "
+                              "checkpoints (a run with --config.train.checkpoint_every=N)")  # fmt: skip
+    manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        step = manager.latest_step()
+        if step is None:
+            raise CheckpointError(f"finetune.init_from: {directory} holds no checkpoint; give a run directory "
+                                  "whose run saved one (--config.train.checkpoint_every=N)")  # fmt: skip
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception as error:  # noqa: BLE001 - orbax raises many types for a missing or foreign item
+            raise CheckpointError(f"finetune.init_from: {directory}/{step} is not a readable jaxscale checkpoint "
+                                  f"({type(error).__name__})") from None  # fmt: skip
+    finally:
+        manager.close()
+    saved = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"finetune.init_from: {directory}/{step} is not a jaxscale checkpoint (no config)")
+    where = f"finetune.init_from: {directory}/{step}"
+    if saved.get("finetune.train", "all") != "all" or saved.get("model.lora_rank", 0):
+        raise CheckpointError(f"{where} was itself a fine-tuning run (finetune.train={saved.get('finetune.train')}, "
+                              f"model.lora_rank={saved.get('model.lora_rank')}); start from a run that trained "
+                              "every parameter without adapters")  # fmt: skip
+    for name in _PARAM_FIELDS:
+        value = config.model[name]
+        kept = saved.get(f"model.{name}")
+        if (list(kept) if isinstance(kept, (list, tuple)) else kept) != value:
+            raise CheckpointError(f"model.{name}: {where} was written with {kept!r}, this run has {value!r}; "
+                                  "the base parameters must have the same shapes")  # fmt: skip
+    return directory, step
+
+
+def load_base_params(config: ml_collections.ConfigDict, abstract_params: Any) -> Any:
+    """The parameters of finetune.init_from's newest checkpoint (after `check_init_from`), read into
+    `abstract_params` (ShapeDtypeStructs with shardings: the model's params without adapters, float32): each
+    array straight into its shards; the rest of that checkpoint (optimizer state, step) is not read."""
+    directory, step = check_init_from(config)
+    target = jax.tree_util.tree_map(_on_device, abstract_params)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        args = ocp.args.PyTreeRestore({"params": target}, restore_args={"params": restore_args}, partial_restore=True)
+        return manager.restore(step, args=ocp.args.Composite(state=args)).state["params"]
+    finally:
+        manager.close()
+
+
+def with_base_params(state: Any, config: ml_collections.ConfigDict) -> Any:
+    """A fresh train state whose model parameters (trained and frozen) are finetune.init_from's; the adapters
+    keep their init (B = 0: the loaded model's function), the frozen ones are cast to finetune.frozen_dtype."""
+    flat = traverse_util.flatten_dict(model_params(state.params, state.frozen), sep="/")
+    base = {
+        k: jax.ShapeDtypeStruct(v.shape, jnp.float32, sharding=v.sharding)
+        for k, v in flat.items()
+        if not finetune.is_lora_param(k)
+    }
+    loaded = load_base_params(config, traverse_util.unflatten_dict(base, sep="/"))
+    flat.update(traverse_util.flatten_dict(loaded, sep="/"))
+    params, frozen = split_params(traverse_util.unflatten_dict(flat, sep="/"), config)
+    return state.replace(params=params, frozen=frozen)
 
 
 def check_resume(directory: pathlib.Path, config: ml_collections.ConfigDict) -> int | None:

@@ -17,6 +17,7 @@ import ml_collections
 from jaxscale.measure import timing
 from jaxscale.measure.scalars import ScalarWriter
 from jaxscale.train.sharding import host_scalars
+from jaxscale.train.step import model_params
 
 if TYPE_CHECKING:  # orbax is imported only by runs that checkpoint
     from jaxscale.train.checkpoint import Checkpoints
@@ -86,7 +87,7 @@ class TrainLoop:
 
     def evaluate(self) -> dict[str, float]:
         """Validation now (after `steps_done` steps), recorded and written as `loss/validation`."""
-        result = self.evaluation(self.state.params)
+        result = self.evaluation(model_params(self.state.params, self.state.frozen))
         self.validation.append((self.steps_done, result))
         self.scalars.add("loss/validation", result["loss"], self.steps_done)
         self.scalars.flush()

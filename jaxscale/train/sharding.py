@@ -35,7 +35,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale.config import MESH_AXES, check_mesh_devices, mesh_shape
 from jaxscale.measure.params import removed_axis
-from jaxscale.train.step import Batch, TrainState, init_metrics, make_init_fn, make_train_step, step_options, train_step
+from jaxscale.train.step import (
+    Batch,
+    TrainState,
+    init_metrics,
+    make_init_fn,
+    make_train_step,
+    model_params,
+    step_options,
+    train_step,
+)
 from jaxscale.train.step import abstract_inputs as unsharded_inputs
 
 # Logical axis name -> mesh axes, in order of precedence (Flax's logical_to_mesh_axes): a name takes its
@@ -91,7 +100,7 @@ def state_specs(state: Any, param_names: Any) -> Any:
     """
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     names = dict(jax.tree_util.tree_flatten_with_path(param_names, is_leaf=is_spec)[0])
-    shapes = dict(jax.tree_util.tree_flatten_with_path(state.params)[0])
+    shapes = dict(jax.tree_util.tree_flatten_with_path(model_params(state.params, state.frozen))[0])
 
     def spec(path: tuple, leaf: Any) -> PartitionSpec:
         for start in range(len(path)):
@@ -162,7 +171,8 @@ def make_layout(config: ml_collections.ConfigDict, mesh: Mesh, init_fn: Callable
       init_fn: the init function whose states the step will take (make_init_fn(config)); the layout's
         state tree has its static fields (apply_fn, tx), so jit accepts one for the other.
     """
-    param_names = logical_specs(jax.eval_shape(make_init_fn(config, boxed=True)).params)  # names, shapes only
+    boxed = jax.eval_shape(make_init_fn(config, boxed=True))  # names, shapes only
+    param_names = logical_specs(model_params(boxed.params, boxed.frozen))
     logical_state = state_specs(jax.eval_shape(init_fn), param_names)
     metrics = jax.tree_util.tree_map(lambda _: PartitionSpec(), jax.eval_shape(init_metrics))
     batch = Batch(inputs=PartitionSpec(*BATCH_AXES), labels=PartitionSpec(*BATCH_AXES))
@@ -276,7 +286,7 @@ def place_batch(batch: Batch, sharding: NamedSharding | None = None, *, share: b
 
 
 def state_bytes_per_device(abstract_state: Any) -> dict[str, int]:
-    """Bytes of params and optimizer state that one device holds under the state's shardings (exact).
+    """Bytes of trained params, frozen params and optimizer state one device holds under the state's shardings (exact).
 
     Args:
       abstract_state: the step's state as ShapeDtypeStructs carrying NamedShardings (abstract_inputs).
@@ -289,7 +299,11 @@ def state_bytes_per_device(abstract_state: Any) -> dict[str, int]:
     def total(tree: Any) -> int:
         return sum(shard_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree))
 
-    return {"params": total(abstract_state.params), "optimizer": total(abstract_state.opt_state)}
+    return {
+        "params": total(abstract_state.params),
+        "frozen": total(abstract_state.frozen),
+        "optimizer": total(abstract_state.opt_state),
+    }
 
 
 @dataclasses.dataclass(frozen=True)

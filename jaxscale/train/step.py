@@ -6,15 +6,17 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import traverse_util
 from flax.training import train_state
 
 from jaxscale import model as models
-from jaxscale.config import step_model
+from jaxscale.config import finetune, step_model
 from jaxscale.data.batch import Batch as Batch  # the batch type is the data package's; re-exported
 from jaxscale.data.batch import make_batch as make_batch  # as train.Batch and train.make_batch
 
@@ -22,9 +24,38 @@ Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 sca
 
 
 class TrainState(train_state.TrainState):
-    """Params, optimizer state and step (from Flax) plus the RNG key that dropout draws from."""
+    """Params, optimizer state and step (from Flax) plus the RNG key that dropout draws from, and the frozen
+    parameters (jaxscale.config.finetune): `params` holds what trains (all of them by default), `frozen` the
+    rest in finetune.frozen_dtype ({} when everything trains); the model reads both (`model_params`)."""
 
     rng: jax.Array
+    frozen: Any = flax.struct.field(default_factory=dict)
+
+
+def split_params(params: Any, config: ml_collections.ConfigDict) -> tuple[Any, Any]:
+    """(trainable, frozen) halves of a params tree by jaxscale.config.finetune.trainable, the frozen half cast
+    to finetune.frozen_dtype; ({}: nothing frozen) when every parameter trains. Boxed leaves keep their box."""
+    if finetune.trains_everything(config):
+        return params, {}
+    flat = traverse_util.flatten_dict(params, sep="/")
+    dtype = jnp.dtype(config.finetune.frozen_dtype)
+    train = {k: v for k, v in flat.items() if finetune.trainable(k, config)}
+    frozen = {k: jax.tree_util.tree_map(lambda x: x.astype(dtype), v) for k, v in flat.items() if k not in train}
+    return traverse_util.unflatten_dict(train, sep="/"), traverse_util.unflatten_dict(frozen, sep="/")
+
+
+def param_columns(state: TrainState) -> dict[str, int]:
+    """A row's parameter counts of a (real or abstract) state: the model's (`params`) and those that train."""
+    return {"params": models.count_params(model_params(state.params, state.frozen)),
+            "trainable_params": models.count_params(state.params)}  # fmt: skip
+
+
+def model_params(params: Any, frozen: Any) -> Any:
+    """The model's whole params tree: the trained `params` and the `frozen` ones together."""
+    if not frozen:
+        return params
+    merged = {**traverse_util.flatten_dict(frozen, sep="/"), **traverse_util.flatten_dict(params, sep="/")}
+    return traverse_util.unflatten_dict(merged, sep="/")
 
 
 def batch_shape(config: ml_collections.ConfigDict) -> Batch:
@@ -51,10 +82,13 @@ def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformati
         transition_steps=opt.transition_steps,
         decay_rate=opt.decay_rate,
     )
+    # optimizer.state_dtype: the first moment (Adam's mu, SGD's momentum trace) in that dtype, through optax's
+    # own mu_dtype / accumulator_dtype; Adam's second moment stays float32 (docs/finetune.md says why).
+    mu = None if opt.get("state_dtype", "float32") == "float32" else jnp.dtype(opt.state_dtype)
     optimizers: dict[str, Callable[[], optax.GradientTransformation]] = {
-        "adam": lambda: optax.adam(schedule, b1=opt.b1, b2=opt.b2),
-        "adamw": lambda: optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay),
-        "sgd": lambda: optax.sgd(schedule, momentum=opt.b1),
+        "adam": lambda: optax.adam(schedule, b1=opt.b1, b2=opt.b2, mu_dtype=mu),
+        "adamw": lambda: optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mu_dtype=mu),
+        "sgd": lambda: optax.sgd(schedule, momentum=opt.b1, accumulator_dtype=mu),
         # optax's defaults: factored second moments, no first moment, updates scaled by the parameters' RMS.
         "adafactor": lambda: optax.adafactor(schedule),
     }
@@ -70,7 +104,8 @@ def make_model(config: ml_collections.ConfigDict, train: bool = True) -> nn.Modu
 
 
 def make_init_fn(config: ml_collections.ConfigDict, boxed: bool = False) -> Callable[[], TrainState]:
-    """A function that builds the initial train state (float32 params, optimizer state, dropout key).
+    """A function that builds the initial train state (float32 params, optimizer state, dropout key; the
+    frozen parameters apart, in finetune.frozen_dtype, with no optimizer state: `split_params`).
 
     The model and optimizer are made once here, so every state the function returns (abstract through
     jax.eval_shape, or real through jax.jit) has the same static fields and fits one compiled step.
@@ -86,8 +121,8 @@ def make_init_fn(config: ml_collections.ConfigDict, boxed: bool = False) -> Call
     def init_fn() -> TrainState:
         init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.train.seed))
         tokens = jnp.zeros((1, config.data.seq_len), jnp.int32)
-        params = init_model.init(init_rng, tokens)["params"]
-        state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
+        params, frozen = split_params(init_model.init(init_rng, tokens)["params"], config)
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng, frozen=frozen)
         return state if boxed else nn.meta.unbox(state)
 
     return init_fn
@@ -251,9 +286,12 @@ def batch_gradients(
     def constrain_grads(grads: Any) -> Any:
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
+    def loss_of_trained(params, minibatch, minibatch_rng):  # the frozen params are constants here
+        return loss_fn(model_params(params, state.frozen), state.apply_fn, minibatch, minibatch_rng)
+
     def grad_fn(params, minibatch, minibatch_rng):
-        (_, step_metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, state.apply_fn, constrain_batch(minibatch), minibatch_rng
+        (_, step_metrics), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(
+            params, constrain_batch(minibatch), minibatch_rng
         )
         return constrain_grads(grads), step_metrics
 

@@ -16,6 +16,7 @@ from jaxscale.train.step import init_metrics
 @dataclasses.dataclass
 class FakeState:
     params: float
+    frozen: dict = dataclasses.field(default_factory=dict)  # nothing frozen: validation reads params alone
 
 
 class FakeSource:
