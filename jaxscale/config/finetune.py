@@ -90,6 +90,15 @@ def trainable(path: str, config: ml_collections.ConfigDict) -> bool:
     return block is not None and int(block.group(1)) >= config.model.num_layers - f.last_blocks
 
 
+def backward_blocks(config: ml_collections.ConfigDict) -> int:
+    """Transformer blocks the backward pass goes through: all, unless only the top finetune.last_blocks train
+    and nothing below them does (a trained token embedding, as a tied head is, needs the gradient at the bottom)."""
+    f, m = config.finetune, config.model
+    if f.train != "last_blocks" or (f.head and m.tie_embeddings):
+        return m.num_layers
+    return f.last_blocks
+
+
 def trains_everything(config: ml_collections.ConfigDict) -> bool:
     """Every parameter trains (the step keeps no frozen tree)."""
     return config.finetune.train == "all"

@@ -9,9 +9,13 @@ Sources, as named in the result row:
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import ml_collections
 
+from jaxscale.config import finetune
 from jaxscale.config.spec import ModelConfig
 from jaxscale.measure import hlo, params, peaks
 
@@ -71,6 +75,23 @@ def six_n_flops_per_step(config: ml_collections.ConfigDict) -> float:
     return float(6 * non_embedding_params(config.model) * tokens)
 
 
+def backward_params(config: ml_collections.ConfigDict) -> tuple[int, int]:
+    """(N_through, N_trained): of N (non_embedding_params), the parameters whose matmuls the backward pass
+    differentiates with respect to their input (every block the gradient goes through, and the head), and
+    those differentiated with respect to themselves (the trained ones, jaxscale.config.finetune). Both are N
+    when every parameter trains."""
+    m = config.model
+    gathers = {"pos_emb"} | (set() if m.tie_embeddings else {"embed/embedding"})
+    table = {k: math.prod(shape) for k, (shape, _) in params.param_table(m).items() if k not in gathers}
+    trained = sum(n for k, n in table.items() if finetune.trainable(k, config))
+    if finetune.backward_blocks(config) == m.num_layers:
+        return sum(table.values()), trained
+    lowest = m.num_layers - finetune.backward_blocks(config)
+    block = re.compile(r"^transformer/block_(\d+)/")
+    through = sum(n for k, n in table.items() if (b := block.match(k)) is None or int(b.group(1)) >= lowest)
+    return through, trained
+
+
 def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False) -> float:
     """Model FLOPs of one optimizer step (forward + backward), the PaLM / nanoGPT formula.
 
@@ -78,13 +99,19 @@ def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False
     embeddings used only as gathers; a tied token embedding is the output head too, so it counts), L layers,
     H heads, Q head dim, T sequence length. The attention term counts QK^T and AV over the full T×T square;
     `causal=True` halves it (the useful half).
+
+    Fine-tuning (jaxscale.config.finetune) takes the same three parts apart: 2·N forward, 2·N_through for the
+    input gradients (every layer the backward pass goes through) and 2·N_trained for the weight gradients
+    (`backward_params`); the attention's backward 8·L_through·H·Q·T. With everything trained this is 6·N + 12·L·H·Q·T.
     """
     m = config.model
-    attention = 12 * m.num_layers * m.hidden_size * config.data.seq_len  # L·(H·Q)·T per token, ×12
+    per_layer = 4 * m.hidden_size * config.data.seq_len  # QK^T and AV forward: 2·(H·Q)·T each per token
+    attention = per_layer * (m.num_layers + 2 * finetune.backward_blocks(config))  # backward: twice the forward
     if causal:
         attention /= 2
     tokens = config.data.batch_size * config.data.seq_len
-    return float(tokens * (6 * non_embedding_params(m) + attention))
+    through, trained = backward_params(config)
+    return float(tokens * (2 * non_embedding_params(m) + 2 * through + 2 * trained + attention))
 
 
 def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[str, float]:
@@ -112,29 +139,83 @@ def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[st
     }
 
 
+# The projections of each remat unit (LoRA adapters recompute with their unit), and which recomputed forward
+# matmul (RECOMPUTED's names) is each projection's output.
+_UNIT_PROJECTIONS = {"Attn": ("qkv", "q", "k", "v", "out"), "MLP": ("gate", "up", "down")}
+_OUTPUT_OF = {"qkv": ("qkv",), "q": ("qkv",), "k": ("qkv", "k"), "v": ("qkv",), "out": ("out",),
+              "gate": ("up",), "up": ("up", "up_only"), "down": ()}  # fmt: skip
+# Policies that save every dot without batch dimensions: an adapter's x @ A is one, so it is never recomputed.
+_SAVES_ADAPTER_DOTS = ("dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def _adapter_recompute(config: ml_collections.ConfigDict, target: str, names: tuple[str, ...]) -> float:
+    """Forward FLOPs per token and layer of the LoRA adapters remat recomputes in `target`: each adapter's x @ A
+    (its B's gradient reads it) unless the policy saves dots, and its (x A) @ B where the projection's output is
+    recomputed (`names`)."""
+    m = config.model
+    if not m.lora_rank:
+        return 0.0
+    sizes = finetune.projection_sizes(ModelConfig.from_config(m))
+    unit = (*_UNIT_PROJECTIONS["Attn"], *_UNIT_PROJECTIONS["MLP"]) if target == "Block" else _UNIT_PROJECTIONS[target]
+    total = 0.0
+    for name in finetune.lora_projections(m.family, tuple(m.lora_targets)):
+        if name not in unit:
+            continue
+        if m.remat_policy not in _SAVES_ADAPTER_DOTS:
+            total += 2 * m.lora_rank * sizes[name][0]
+        if any(n in names for n in _OUTPUT_OF[name]):
+            total += 2 * m.lora_rank * sizes[name][1]
+    return total
+
+
 def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
     """Forward matmul FLOPs that remat recomputes in the backward pass (see RECOMPUTED).
 
     Nested remat (Block together with MLP or Attn) counts the Block's recomputation plus the inner
     module's again, as JAX's checkpoint semantics imply; XLA may merge such duplicates (it did for the
     MLP, not for Attn, in JAX 0.10.2), so for nested sets this is an upper bound.
+
+    Fine-tuning: only blocks the backward pass goes through recompute (finetune.backward_blocks); a block whose
+    out projection neither trains nor has an adapter does not recompute the attention's AV ("values"), which only
+    that projection's weight gradient reads; LoRA adapters recompute as `_adapter_recompute` says.
     """
-    m = config.model
+    m, f = config.model, config.finetune
     per_token = forward_matmul_flops_per_token(config)
     sizes = ModelConfig.from_config(m)
     per_token.update(k=2 * sizes.hidden_size * sizes.kv_width, up_only=2 * sizes.hidden_size * sizes.mlp_width)
     policy = recomputed(m.remat_policy, m.family)
-    layer = sum(per_token[name] for target in m.remat for name in policy[target])
-    return float(config.data.batch_size * config.data.seq_len * m.num_layers * layer)
+    out_adapted = m.lora_rank > 0 and "out" in finetune.lora_projections(m.family, tuple(m.lora_targets))
+    total = 0.0
+    for layer in range(m.num_layers - finetune.backward_blocks(config), m.num_layers):
+        trained = f.train == "all" or (f.train == "last_blocks" and layer >= m.num_layers - f.last_blocks)
+        for target in m.remat:
+            names = tuple(n for n in policy[target] if n != "values" or trained or out_adapted)
+            total += sum(per_token[name] for name in names) + _adapter_recompute(config, target, names)
+    return float(config.data.batch_size * config.data.seq_len * total)
 
 
 def hardware_flops_per_step(config: ml_collections.ConfigDict) -> float:
     """Matmul FLOPs the hardware executes: 3 × forward matmuls (forward, input and weight gradients)
-    plus the forward matmuls remat recomputes. Biases and LayerNorms are not matmuls and not counted."""
+    plus the forward matmuls remat recomputes. Biases and LayerNorms are not matmuls and not counted.
+
+    Fine-tuning: the forward once; input gradients (and the attention's backward, twice its forward) in the
+    layers the backward pass goes through; weight gradients only of trained kernels (LoRA's adapters, whose
+    forward is 2·r·(in + out) per token and projection, train; their frozen kernels do not); the head's
+    input gradient always, its weight gradient when finetune.head; remat recomputes as recompute_flops_per_step
+    says. With everything trained this is 3 × forward + recompute.
+    """
+    m, f = config.model, config.finetune
     per_token = forward_matmul_flops_per_token(config)
-    layer = sum(v for k, v in per_token.items() if k != "head")
-    forward = config.data.batch_size * config.data.seq_len * (config.model.num_layers * layer + per_token["head"])
-    return float(3 * forward + recompute_flops_per_step(config))
+    kernels = sum(per_token[k] for k in ("qkv", "out", "up", "down"))
+    attention, adapters = per_token["logits"] + per_token["values"], 2 * params.adapter_params(m)
+    layers, through = m.num_layers, finetune.backward_blocks(config)
+    trained_kernel_layers = {"all": layers, "adapters": 0, "last_blocks": f.last_blocks}[f.train]
+    head_trained = f.train == "all" or f.head
+    forward = layers * (kernels + attention + adapters) + per_token["head"]
+    backward_input = through * (kernels + 2 * attention + adapters) + per_token["head"]
+    weights = trained_kernel_layers * kernels + layers * adapters + (per_token["head"] if head_trained else 0)
+    tokens = config.data.batch_size * config.data.seq_len
+    return float(tokens * (forward + backward_input + weights) + recompute_flops_per_step(config))
 
 
 def analytic_columns(config: ml_collections.ConfigDict) -> dict[str, float]:

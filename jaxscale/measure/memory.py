@@ -406,19 +406,17 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
         reduce-scattered: 2 × 4 × its parameters (analytic_fsdp_gather_bytes, in the activations).
     Fine-tuning (jaxscale.config.finetune): params are 4 bytes per trained parameter plus
     finetune.frozen_dtype's bytes per frozen one; gradients and optimizer state are the trained parameters'
-    only; with finetune.train=last_blocks only the top blocks keep activations (the frozen blocks below get no
-    gradient). Otherwise the activations are full training's: an upper bound, as a frozen projection's input is
-    kept only where something below it still needs it.
+    only; with finetune.train=last_blocks only the blocks the backward pass goes through keep activations
+    (finetune.backward_blocks). Otherwise the activations are full training's: an upper bound, as a frozen
+    projection's input is kept only where something below it still needs it.
     """
     m, t = config.model, config.train
     _, fsdp, tensor = mesh_shape(config)
     d, n, trained = Dims.from_config(config), sharded_param_count(m, fsdp, tensor), trained_param_count(config)
     layer, working = layer_activation_bytes(d, tuple(m.remat), m.remat_policy, m.scan_layers)
     causal_mask = m.scan_layers and m.causal and m.attention == "reference"
-    f = config.finetune
-    # Blocks below the lowest one that trains get no gradient, so keep nothing for a backward pass.
-    kept_layers = f.last_blocks if f.train == "last_blocks" else m.num_layers
-    per_minibatch = kept_layers * layer + sum(head_residuals(d, causal_mask).values())
+    # Blocks below the backward pass's lowest (finetune.train=last_blocks) keep nothing for it.
+    per_minibatch = finetune.backward_blocks(config) * layer + sum(head_residuals(d, causal_mask).values())
     live = t.num_minibatches if t.accumulate == "loop" else 1
     gather = _gathered_layer_bytes(config) if fsdp > 1 else 0
     row = {

@@ -144,3 +144,34 @@ def test_llama_formulas_count_gqa_swiglu_and_the_tied_head():
     assert flops.non_embedding_params(tied) == 1_235_814_400  # tied: the embedding is the head's matmul too
     gpt2 = base_config("gpt2", "flops").model
     assert flops.non_embedding_params(gpt2) == 124_439_808 - 1024 * 768  # only the position table is a gather
+
+
+@pytest.mark.parametrize(
+    "family, fields",
+    [
+        ("llama", dict(lora_rank=4, lora_targets=("all",), train="adapters", head=False, remat=("Block",))),
+        ("gpt", dict(lora_rank=8, lora_targets=("attention",), train="adapters", head=True, remat=())),
+        ("llama", dict(lora_rank=0, lora_targets=(), train="last_blocks", head=True, remat=("MLP", "Attn"))),
+        ("llama", dict(lora_rank=2, lora_targets=("q", "v"), train="adapters", head=False, remat=("Attn",),
+                       policy="save_qkv_proj")),
+        pytest.param("gpt", dict(lora_rank=2, lora_targets=("all",), train="adapters", head=False, remat=("Block",),
+                                 policy="dots_with_no_batch_dims_saveable"), marks=SLOW),
+    ],
+    ids=["llama_lora_all_block_remat", "gpt_lora_attention_head", "llama_last_block_remat", "llama_lora_qv_attn_remat",
+         "gpt_lora_dots_saved"],
+)  # fmt: skip
+def test_fine_tuning_compiled_matmuls_equal_the_analytic_hardware_flops(family, fields):
+    """Frozen kernels lose their weight-gradient matmuls, LoRA adds its adapters' three, and frozen blocks below the
+    trained ones lose their backward pass (and remat's recomputation): the compiled step's dots, counted with trip
+    counts, equal the analytic hardware FLOPs exactly."""
+    config = base_config("tiny" if family == "gpt" else "tiny-llama", "flops")
+    config.model.update(lora_rank=fields["lora_rank"], lora_targets=fields["lora_targets"], remat=fields["remat"])
+    config.model.remat_policy = fields.get("policy", "nothing_saveable")
+    config.model.scan_layers = fields["train"] != "last_blocks"
+    config.finetune.update(train=fields["train"], head=fields["head"], last_blocks=1)
+    analytic, compiled, _ = _columns(config)
+    full = base_config(config.preset, "full")
+    full.model.update(lora_rank=fields["lora_rank"], lora_targets=fields["lora_targets"], remat=fields["remat"])
+    full.model.remat_policy = config.model.remat_policy
+    assert analytic["analytic_hardware_flops_per_step"] < flops.hardware_flops_per_step(full)
+    assert compiled["compiled_matmul_flops_per_step"] == pytest.approx(analytic["analytic_hardware_flops_per_step"])
