@@ -34,7 +34,7 @@ from jaxscale.cli import (
     print_help,
     wants_help,
 )
-from jaxscale.config import flatten, mesh_shape, mesh_text
+from jaxscale.config import ConfigError, flatten, mesh_shape, mesh_text
 from jaxscale.measure import params
 from jaxscale.plan import budget as budget_lib
 from jaxscale.plan import cost, fit_recommend, fit_search, gpu_plan, targets
@@ -43,6 +43,10 @@ from jaxscale.sweep.results import ResultsFile
 from jaxscale.sweep.sweep_file import Sweep, Variant
 
 GIB = 2**30
+# What a fine-tuning method (--finetune) sets, read back from its row when the answer is measured.
+_FINETUNE_FIELDS = (
+    "finetune.train", "model.lora_rank", "model.lora_targets", "optimizer.name", "optimizer.state_dtype",
+)  # fmt: skip
 _MEASURED = ("step_s_median", "step_s_p90", "tokens_per_s", "device_peak_bytes", "mfu", "run_dir", "trace_dir")
 
 
@@ -75,6 +79,11 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     )  # fmt: skip
     flags.DEFINE_float("headroom", 0.0, "Fraction of the budget kept free (0.1 = plan within 90%).", flag_values=fv)
     flags.DEFINE_list("remat", list(fit_search.REMAT_CHOICES), "Remat choices to compare.", flag_values=fv)
+    methods = ", ".join(fit_search.FINETUNE_CHOICES)
+    flags.DEFINE_list(
+        "finetune", [], f"Fine-tuning methods to compare, each with every --remat choice ({methods}; "
+        "docs/finetune.md); default: the config as given.", flag_values=fv,
+    )  # fmt: skip
     flags.DEFINE_enum("gemm", "both", gpu_plan.GEMM_CHOICES, "With --target: GEMM modes planned.", flag_values=fv)
     flags.DEFINE_enum(
         "xla_limit", "respect", ("respect", "ignore"), "respect: a plan with XLA's 'Can't reduce memory use "
@@ -195,10 +204,11 @@ def measure_rows(rows: list[dict], fv: flags.FlagValues, name: str, output_root:
         if row.get("status") != "ok" or row.get("tokens_per_s") is not None:
             continue
         _, remat, policy = fit_search.REMAT_CHOICES[row["fit_choice"]]
-        changes = {**overrides, "model.remat": remat, "model.remat_policy": policy}
+        method = {f: row[f"config.{f}"] for f in _FINETUNE_FIELDS} if row.get("fit_finetune") else {}
+        changes = {**overrides, **method, "model.remat": remat, "model.remat_policy": policy}
         changes["data.batch_size"] = row["config.data.batch_size"]
-        variant = Variant(row["fit_choice"], changes, ml_collections.ConfigDict())
-        sweep = Sweep(f"{name}_measure", pathlib.Path(path), preset, row["fit_choice"], (variant,))
+        variant = Variant(row["variant"].replace(":", "_"), changes, ml_collections.ConfigDict())
+        sweep = Sweep(f"{name}_measure", pathlib.Path(path), preset, variant.name, (variant,))
         measured = runner.run_variant(sweep, variant, output_root, [], timeout_s=runner.DEFAULT_TIMEOUT_S)
         row["measure_status"], row["measure_error"] = measured.get("status"), measured.get("error")
         row.update({k: measured.get(k) for k in _MEASURED})
@@ -208,16 +218,23 @@ def _gib(value: int | None) -> str:
     return "-" if value is None else f"{value / GIB:.3g}"
 
 
+def _label(row: dict) -> str:
+    """The row's remat choice, after its fine-tuning method where --finetune chose one."""
+    remat = row.get("fit_remat", row.get("variant"))
+    method = row.get("fit_finetune")
+    return f"{fit_search.FINETUNE_CHOICES[method][0]}; {remat}" if method in fit_search.FINETUNE_CHOICES else remat
+
+
 def format_table(rows: list[dict]) -> str:
     """One line per remat choice: largest minibatch, tokens/step, the plan and the analytic estimate there."""
-    head = ("remat", "largest minibatch", "tokens/step", "plan GiB", "analytic GiB", "analytic says", "compiles",
+    head = ("choice", "largest minibatch", "tokens/step", "plan GiB", "analytic GiB", "analytic says", "compiles",
             "s", "tokens/s (predicted)", "tokens/s (measured)")  # fmt: skip
     lines = [head]
     for r in rows:
         largest = r.get("fit_largest_minibatch")
         shown = f"{largest}" + ("" if r.get("fit_search_complete", True) else "+ (search cut short)")
         lines.append((
-            r.get("fit_remat", r.get("variant")), shown if largest else f"none ({r.get('status')})",
+            _label(r), shown if largest else f"none ({r.get('status')})",
             f"{r['tokens_per_step']:,}" if largest else "-", _gib(r.get("compiled_peak_bytes")),
             _gib(r.get("analytic_peak_bytes")), str(r.get("analytic_largest_minibatch")),
             f"{r.get('fit_compiles')} ({r.get('fit_probes_reused', 0)} reused)", f"{r.get('fit_wall_s', 0):.0f}",
@@ -259,6 +276,16 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     unknown = [c for c in fv.remat if c not in fit_search.REMAT_CHOICES]
     if unknown:
         raise UsageError(f"--remat: unknown {', '.join(unknown)}; allowed: {', '.join(fit_search.REMAT_CHOICES)}")
+    unknown = [m for m in fv.finetune if m not in fit_search.FINETUNE_CHOICES]
+    if unknown:
+        raise UsageError(f"--finetune: unknown {', '.join(unknown)}; allowed: "
+                         f"{', '.join(fit_search.FINETUNE_CHOICES)}")  # fmt: skip
+    methods: dict[str | None, ml_collections.ConfigDict] = {None: config}
+    if fv.finetune:
+        try:
+            methods = {m: fit_search.with_finetune(config, m) for m in fv.finetune}
+        except ConfigError as error:
+            raise UsageError(f"--finetune: {error}") from None
     if not 0 <= fv.headroom < 1:
         raise UsageError(f"--headroom: must be in [0, 1), got {fv.headroom:g}")
     if fv.max_minibatch < 1 or fv.max_compiles < 1:
@@ -305,29 +332,34 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     # What a row answers: the config (its mesh included, which --devices must match) and the search's settings;
     # how the recommendation ranks does not change an answer.
     asked = {k: v for k, v in settings.items() if k not in ("fit_rank", "fit_devices", "fit_mesh")}
-    question = _question(config, {**asked, **limits})
     plan_keys = ("fit_target", "fit_gemm", "fit_plan_source")
-    plan_question = _question(config, {k: settings[k] for k in plan_keys})
     respect = fv.xla_limit == "respect"
     usable = settings["fit_usable_bytes"]
     plan = fit_search.target_planner(spec.name, fv.gemm, usable, respect, devices) if spec else fit_search.local_planner
     if not fv.quiet:
         print(_header(config, settings))
+    wanted: dict[str, str] = {}  # variant -> the question it answers
     with store.locked():
-        cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question, retry_failed=fv.rerun)
-        recorded = {r.get("variant"): r for r in store.rows() if r.get("fit_question") == question}
-        for choice in fv.remat:
-            if choice in recorded and not fv.rerun:
+        for method, method_config in methods.items():
+            question = _question(method_config, {**asked, **limits})
+            plan_question = _question(method_config, {k: settings[k] for k in plan_keys})
+            cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question, retry_failed=fv.rerun)
+            recorded = {r.get("variant"): r for r in store.rows() if r.get("fit_question") == question}
+            for choice in fv.remat:
+                variant = choice if method is None else f"{method}:{choice}"
+                wanted[variant] = question
+                if variant in recorded and not fv.rerun:
+                    if not fv.quiet:
+                        print(f"  {variant}: already answered (--rerun to search again)")
+                    continue
+                row = fit_choice(method_config, choice, plan, cache, {**settings, "fit_finetune": method}, limits)
+                row.update(sweep=name, variant=variant, baseline=next(iter(wanted)), fit_question=question,
+                           plan_only=True)  # fmt: skip
+                store.record(json.loads(json.dumps(row, default=_plain)))
                 if not fv.quiet:
-                    print(f"  {choice}: already answered (--rerun to search again)")
-                continue
-            row = fit_choice(config, choice, plan, cache, settings, limits)
-            row.update(sweep=name, variant=choice, baseline=fv.remat[0], fit_question=question, plan_only=True)
-            store.record(json.loads(json.dumps(row, default=_plain)))
-            if not fv.quiet:
-                print(f"  {choice}: largest minibatch {row['fit_largest_minibatch']} ({row['fit_compiles']} compiles, "
-                      f"{row['fit_wall_s']:.0f} s)", flush=True)  # fmt: skip
-        rows = [r for r in store.rows() if r.get("fit_question") == question and r.get("variant") in fv.remat]
+                    print(f"  {variant}: largest minibatch {row['fit_largest_minibatch']} ({row['fit_compiles']} "
+                          f"compiles, {row['fit_wall_s']:.0f} s)", flush=True)  # fmt: skip
+        rows = [r for r in store.rows() if wanted.get(r.get("variant")) == r.get("fit_question")]
         if fv.measure:
             measure_rows(rows, fv, name, output_root)
         for row in rows:  # at the largest minibatch: measured speed where --measure ran it, else predicted
@@ -336,7 +368,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
             for row in rows:
                 store.record(row)
         store.write_csv()
-    order = {c: i for i, c in enumerate(fv.remat)}
+    order = {v: i for i, v in enumerate(wanted)}
     return sorted(rows, key=lambda r: order[r["variant"]]), store.path
 
 
@@ -390,14 +422,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(rows))
     for row in rows:
         if cost.cost_text(row):
-            print(f"  {row['fit_remat']}: {cost.cost_text(row)}")
+            print(f"  {_label(row)}: {cost.cost_text(row)}")
     rank = fv.rank or ("predicted" if fv.target else "tokens")
-    best, why = fit_recommend.recommend(rows, measured=fv.measure, rank=rank)
-    if best is None:
-        print(f"recommendation: none: {why}; see the rows' error (the smallest plan) for what it needs")
-    else:
-        run_env = f"; run it with {best['fit_run_env']} set" if best.get("fit_run_env") else ""
-        print(f"recommendation: {best['fit_remat']} at minibatch {best['fit_largest_minibatch']}: {why}{run_env}")
+    for method in dict.fromkeys(row.get("fit_finetune") for row in rows):  # one answer per fine-tuning method
+        best, why = fit_recommend.recommend([r for r in rows if r.get("fit_finetune") == method], fv.measure, rank)
+        which = "recommendation" if method is None else f"recommendation for {fit_search.FINETUNE_CHOICES[method][0]}"
+        if best is None:
+            print(f"{which}: none: {why}; see the rows' error (the smallest plan) for what it needs")
+        else:
+            run_env = f"; run it with {best['fit_run_env']} set" if best.get("fit_run_env") else ""
+            print(f"{which}: {best['fit_remat']} at minibatch {best['fit_largest_minibatch']}: {why}{run_env}")
     print(f"results: {path} (probes in {path.parent / 'probes'})")
     return 0
 

@@ -51,6 +51,19 @@ REMAT_CHOICES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "block_minimal_flash": ("Block, minimal_flash", ("Block",), "minimal_flash"),
     "block_dots": ("Block, dots_saveable", ("Block",), "dots_saveable"),
 }
+# Fine-tuning methods the planner compares (--finetune): name -> (label, config changes). LoRA takes the config's
+# model.lora_rank, or DEFAULT_LORA_RANK when it is 0; what each trains and stores: docs/finetune.md.
+DEFAULT_LORA_RANK = 16
+FINETUNE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
+    "full": ("full, Adam", {"finetune.train": "all"}),
+    "full_bf16_state": (
+        "full, Adam, bf16 first moment",
+        {"finetune.train": "all", "optimizer.state_dtype": "bfloat16"},
+    ),
+    "full_adafactor": ("full, Adafactor", {"finetune.train": "all", "optimizer.name": "adafactor"}),
+    "lora_attention": ("LoRA on attention", {"finetune.train": "adapters", "model.lora_targets": ("attention",)}),
+    "lora_all": ("LoRA on all projections", {"finetune.train": "adapters", "model.lora_targets": ("all",)}),
+}
 DEFAULT_LIMIT = 4096  # largest minibatch tried
 DEFAULT_MAX_COMPILES = 12  # per remat choice
 
@@ -94,6 +107,25 @@ class Search:
         if self.too_large is None:
             return self.largest.minibatch == self.limit
         return self.too_large.minibatch == self.largest.minibatch + 1
+
+
+def with_finetune(config: ml_collections.ConfigDict, method: str) -> ml_collections.ConfigDict:
+    """A validated copy of `config` fine-tuned by FINETUNE_CHOICES[method] (LoRA at the config's rank, or 16).
+
+    Raises:
+      ConfigError: the method does not apply to this model (one line naming the field).
+    """
+    config = copy.deepcopy(config)
+    _, changes = FINETUNE_CHOICES[method]
+    for field, value in changes.items():
+        group, key = field.split(".")
+        config[group][key] = value
+    if config.finetune.train == "adapters" and not config.model.lora_rank:
+        config.model.lora_rank = DEFAULT_LORA_RANK
+    if config.finetune.train == "all":
+        config.model.lora_rank = 0
+    validate(config)
+    return config
 
 
 def with_minibatch(config: ml_collections.ConfigDict, choice: str, minibatch: int) -> ml_collections.ConfigDict:
