@@ -15,10 +15,11 @@ import jax
 import numpy as np
 import pytest
 from conftest import load_config, text_config, write_counting_tokens, xla_flags_with
+from flax import traverse_util
 
 from jaxscale import train
 from jaxscale.config import base_config, validate
-from jaxscale.train import sharding
+from jaxscale.train import checkpoint, sharding
 from jaxscale.train.checkpoint import CheckpointError, CheckpointMismatch, Checkpoints, check_resume
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -205,3 +206,55 @@ def test_fsdp_restore_on_2_simulated_cpu_devices():
                "test_fsdp_restore_reads_each_shard_where_it_lives"]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def _finetune_config(**fields):
+    config = base_config("tiny-llama", "lora")
+    config.model.update(lora_rank=4, lora_targets=("all",))
+    config.finetune.update(train="adapters", **fields)
+    validate(config)
+    return config
+
+
+def test_init_from_reads_another_runs_parameters_and_starts_its_adapters_fresh(tmp_path):
+    """finetune.init_from: the base run's parameters (the optimizer state and step of that checkpoint are not
+    read) become this run's frozen weights in bfloat16, the adapters keep their init, and B = 0 keeps the loaded
+    model's function."""
+    base = base_config("tiny-llama", "base")
+    trained = jax.tree_util.tree_map(lambda x: x + 0.5, _state(base))  # not the init this run would draw
+    _save(tmp_path / "base" / "checkpoints", base, steps=(2,), state=trained)
+    config = _finetune_config(init_from=str(tmp_path / "base"))
+    state = checkpoint.with_base_params(jax.jit(train.make_init_fn(config))(), config)
+    flat = traverse_util.flatten_dict(state.frozen, sep="/")
+    expected = traverse_util.flatten_dict(trained.params, sep="/")
+    assert set(flat) == set(expected)
+    for path, value in flat.items():
+        assert value.dtype == jax.numpy.bfloat16
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(expected[path].astype(jax.numpy.bfloat16)))
+    lora_b = [v for k, v in traverse_util.flatten_dict(state.params, sep="/").items() if k.endswith("lora_b")]
+    assert lora_b and all(not np.any(np.asarray(b)) for b in lora_b)
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        ("missing", "finetune.init_from: {dir}/nowhere is not a directory"),
+        ("empty", "finetune.init_from: {dir}/empty holds no checkpoint"),
+        ("wider", "model.hidden_size: finetune.init_from: {dir}/wider/checkpoints/1 was written with 128, this run "
+                  "has 64"),
+        ("lora", "finetune.init_from: {dir}/lora/checkpoints/1 was itself a fine-tuning run"),
+    ],
+)  # fmt: skip
+def test_init_from_a_missing_empty_or_foreign_run_is_one_line(tmp_path, setup, message):
+    (tmp_path / "empty").mkdir()
+    if setup == "wider":
+        wider = base_config("tiny-llama", "wide")
+        wider.model.update(hidden_size=128, head_dim=32)
+        _save(tmp_path / "wider" / "checkpoints", wider)
+    if setup == "lora":
+        lora = _finetune_config()
+        _save(tmp_path / "lora" / "checkpoints", lora)
+    config = _finetune_config(init_from=str(tmp_path / setup if setup != "missing" else tmp_path / "nowhere"))
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.check_init_from(config)
+    assert str(error.value).startswith(message.format(dir=tmp_path)) and "\n" not in str(error.value)
