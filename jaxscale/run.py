@@ -249,6 +249,8 @@ def execute(config, compiled, placement: sharding.Placement, run_dir: pathlib.Pa
         loop = train_loop.TrainLoop(compiled, state, placement.init_metrics(), source, scalars, evaluation,
                                     config.train.eval_every, checkpoints, first_step=first)  # fmt: skip
         cleanup.callback(lambda: row.update(loop.columns(config, row["tokens_per_step"])))
+        if config.finetune.init_from and not first and evaluation is not None and config.train.eval_every:
+            loop.evaluate()  # the loaded model on this data, before fine-tuning moves it (validation step 0)
         total = config.train.warmup_steps + config.train.steps + config.profile.steps
         bar = tqdm(total=total, initial=first, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
         cleanup.callback(bar.close)

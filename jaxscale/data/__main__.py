@@ -1,7 +1,8 @@
 """`python -m jaxscale.data prepare --text PATH... --out DIR [--tokenizer bytes|bpe] [--vocab 2048]`.
 
 Also `python -m jaxscale.data pydoc-text --out FILE`: writes Python's own documentation text (pydoc topics,
-real English that ships with every Python) to FILE, for an offline example corpus.
+real English that ships with every Python) to FILE, for an offline example corpus; and `python-source --out FILE`:
+the source of a few standard-library packages (Python code, another domain to fine-tune on).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class _Parser(argparse.ArgumentParser):
 EXAMPLES = (
     "python -m jaxscale.data pydoc-text --out /tmp/pydoc.txt",
     "python -m jaxscale.data prepare --text /tmp/pydoc.txt --out data/pydoc_bytes",
+    "python -m jaxscale.data python-source --out /tmp/python.txt",
     "python -m jaxscale.data prepare --text docs README.md --out data/docs_bpe --tokenizer bpe --vocab 2048",
 )
 
@@ -32,7 +34,7 @@ EXAMPLES = (
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m jaxscale.data", description="Prepare text as token files for data.source=text.",
                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{prepare,pydoc-text}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{prepare,pydoc-text,python-source}")
     p = commands.add_parser("prepare", help="tokenize text files or folders into DIR", description=(
         "Tokenize text files or folders (searched for " + ", ".join(prepare.TEXT_SUFFIXES) + ") into DIR: "
         "train.bin and validation.bin (token ids, memory-mappable), manifest.json, and tokenizer.json for bpe. "
@@ -59,8 +61,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Write Python's own documentation text (pydoc_data.topics) to FILE.",
     )
     t.add_argument("--out", required=True, metavar="FILE", help="the .txt file to write")
+    c = commands.add_parser(
+        "python-source",
+        help="write Python source of a few standard-library packages to a file",
+        description="Write the source of the standard library's " + ", ".join(corpus.SOURCE_PACKAGES) + " packages "
+        "to FILE (code: a domain to fine-tune an English model on).",
+    )
+    c.add_argument("--out", required=True, metavar="FILE", help="the .txt file to write")
     # --help shows the examples and every command's flags on one page, as the lab's other commands do
-    commands_help = "".join(f"\n{command.format_help()}" for command in (p, t))
+    commands_help = "".join(f"\n{command.format_help()}" for command in (p, t, c))
     parser.epilog = "examples:\n" + "".join(f"  {example}\n" for example in EXAMPLES) + commands_help
     return parser  # fmt: skip
 
@@ -72,6 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.command == "pydoc-text":
             print(f"wrote {corpus.write_pydoc_text(args.out)}")
+            return 0
+        if args.command == "python-source":
+            print(f"wrote {corpus.write_text(args.out, corpus.python_source_text())}")
             return 0
         found = prepare.prepare_tokens(args.text, args.out, args.tokenizer, args.vocab, args.validation_fraction,
                                 progress=not args.quiet)  # fmt: skip
