@@ -85,12 +85,33 @@ def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_pat
         (["--memory", "4MiB", "--rank", "predicted"], "--rank predicted: needs --target"),
         (["--memory", "4MiB", "--mem_fraction", "0.9"], "--mem_fraction: sets the share of a --target's memory"),
         (["--memory", "4MiB", "--gpu_hour_usd", "2"], "--gpu_hour_usd: prices a whole training; add --train_tokens"),
+        (["--memory", "4MiB", "--finetune", "lora,full"], "--finetune: unknown lora; allowed: full, full_bf16_state"),
+        (
+            ["--memory", "4MiB", "--finetune", "lora_all", "--config.model.lora_rank=100"],
+            "model.lora_rank: 100 exceeds the qkv projection's 64 x 192",
+        ),
     ],
 )
 def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):
     code = fit_cli.main(["fit", "--config", TINY, "--output_root", str(tmp_path), *args])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("jaxscale: error: ") and message in err and err.count("\n") == 1
+
+
+def test_fine_tuning_methods_are_searched_and_recommended_one_by_one(tmp_path, capsys):
+    """--finetune: a row per method and remat choice, a recommendation per method; LoRA's frozen weights (bf16,
+    no gradient, no Adam state) leave room for a larger minibatch than full fine-tuning's in the same budget."""
+    assert _fit(tmp_path, "--memory", "4MiB", "--max_minibatch", "64", "--finetune", "full,lora_all") == 0
+    out = capsys.readouterr().out
+    assert "recommendation for full, Adam: Block at minibatch" in out
+    assert "recommendation for LoRA on all projections: Block at minibatch" in out
+    full, lora = _rows(tmp_path)
+    assert (full["variant"], lora["variant"]) == ("full:block", "lora_all:block")
+    assert full["trainable_params"] == full["params"] and 0 < lora["trainable_params"] < lora["params"] // 5
+    assert lora["config.finetune.train"] == "adapters" and lora["config.model.lora_rank"] == 16
+    assert lora["fit_largest_minibatch"] > full["fit_largest_minibatch"]
+    assert _fit(tmp_path, "--memory", "4MiB", "--max_minibatch", "64", "--finetune", "full,lora_all") == 0
+    assert "lora_all:block: already answered" in capsys.readouterr().out
 
 
 def test_an_unknown_remat_choice_lists_every_choice_with_the_named_policies(tmp_path, capsys):

@@ -29,7 +29,7 @@ import ml_collections
 from jaxscale.config import flatten, mesh_shape, validate
 from jaxscale.measure import flops, memory
 from jaxscale.plan import gpu_plan
-from jaxscale.train import abstract_inputs, make_train_step
+from jaxscale.train import abstract_inputs, make_train_step, param_columns
 
 # Remat choices the planner compares: (label, model.remat, model.remat_policy), roughly from least kept to most.
 # The named policies apply to the whole block (what they keep is per block, MaxText's usage); what each keeps,
@@ -164,8 +164,10 @@ def local_planner(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """This machine's compiler's plan of the train step (on a CPU only a proxy for a GPU's), as row fields."""
     start = time.perf_counter()
     with gpu_plan.captured_stderr() as stderr:
-        compiled = make_train_step(config).lower(*abstract_inputs(config)).compile()
+        inputs = abstract_inputs(config)
+        compiled = make_train_step(config).lower(*inputs).compile()
     row: dict[str, Any] = {**memory.compiled_memory(compiled), "compile_s": time.perf_counter() - start}
+    row.update(param_columns(inputs[0]))
     warning = gpu_plan.parse_remat_warning(stderr[0])  # a local GPU's compiler warns as a target's does
     row.update(warning or dict.fromkeys(gpu_plan.REMAT_COLUMNS))
     row["compiled_backend"] = jax.default_backend()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -241,3 +242,37 @@ def test_text_data_with_validation_on_a_mesh_gives_the_losses_of_one_device(pydo
     assert len(one["loss_all"]) == 4 and one["validation_steps"] == many["validation_steps"] == [2, 4]
     np.testing.assert_allclose(many["loss_all"], one["loss_all"], rtol=RTOL)
     np.testing.assert_allclose(many["validation_loss_all"], one["validation_loss_all"], rtol=RTOL)
+
+
+def test_lora_adapters_over_a_frozen_bf16_base_on_a_2x2x2_mesh_equal_one_device():
+    """LoRA on every projection of the Llama, the base frozen in bfloat16: adapters split like their projections
+    (rank axis whole), no gradient or optimizer state for the frozen half. Two steps, so the second moves A too
+    (its gradient is zero while B is): the trained parameters after both, on the mesh and on one device."""
+    changes = {"model.scan_layers": True, "model.remat": ("Block",), "model.lora_rank": 4,
+               "model.lora_targets": ("all",), "finetune.train": "adapters"}  # fmt: skip
+
+    def two_steps(mesh):
+        config = _config(mesh, "tiny-llama", **changes)
+        placement = sharding.placement(config, jax.devices()[: int(np.prod(mesh))])
+        batch = placement.place_batch(
+            train.make_batch(jax.random.PRNGKey(1), config.data.batch_size, config.data.seq_len, 128)
+        )
+        state, metrics, step = placement.init_state(), placement.init_metrics(), placement.step()
+        for _ in range(2):
+            state, metrics = step(state, metrics, batch)
+        return jax.device_get((state.params, state.frozen, metrics))
+
+    one, many = two_steps((1, 1, 1)), two_steps((2, 2, 2))
+    assert all(k.endswith(("lora_a", "lora_b")) for k in _paths(one[0]))
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(many[1])} == {np.dtype(jnp.bfloat16)}
+    _assert_close(many, one)
+    assert not np.allclose(one[0]["transformer"]["blocks"]["attn"]["q"]["lora_a"], _initial_a(changes))
+
+
+def _paths(tree) -> list[str]:
+    return ["/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _initial_a(changes):
+    config = _config((1, 1, 1), "tiny-llama", **changes)
+    return jax.device_get(jax.jit(train.make_init_fn(config))().params["transformer"]["blocks"]["attn"]["q"]["lora_a"])
