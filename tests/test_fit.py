@@ -4,15 +4,17 @@ finished rows and probes, a budget nothing meets, --measure, and one-line errors
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 from conftest import CONFIGS
 
 from jaxscale import fit as fit_cli
-from jaxscale.plan import gpu_plan
+from jaxscale.plan import fit_search, gpu_plan
 from jaxscale.sweep import load_results
 
 TINY = f"{CONFIGS}/bf16_remat.py:tiny"
+REPO = pathlib.Path(__file__).resolve().parents[1]
 needs_extra = pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 
 
@@ -211,3 +213,49 @@ def test_the_committed_llama8b_flash_fit_holds_what_docs_models_says():
     assert "the tied choice leaving the most is Block, qkv_proj_offloaded" in why
     block = next(row for row in rows if row["variant"] == "block")
     assert block["analytic_peak_bytes"] / block["compiled_triton_peak_bytes"] == pytest.approx(0.93, abs=0.005)
+
+
+_GIB = 2**30
+_FINETUNE_GPUS = ("rtx4090", "l4", "a100-40gb")
+
+
+def _finetune_rows(gpu: str, suffix: str) -> dict[str, list[dict]]:
+    rows = _rows(REPO, f"finetune_llama3.1-8b_{gpu}{suffix}")
+    methods: dict[str, list[dict]] = {}
+    for row in rows:
+        methods.setdefault(row["fit_finetune"], []).append(row)
+    return methods
+
+
+def test_the_committed_finetune_fits_hold_what_docs_finetune_says():
+    """docs/finetune.md's answer for llama3.1-8b on three GPUs, recomputed from the committed fit rows: each full
+    method's smallest plan and its factor over both budgets, each LoRA method's fastest predicted fitting choice."""
+    doc = (REPO / "docs" / "finetune.md").read_text()
+    for gpu in _FINETUNE_GPUS:
+        default, raised = _finetune_rows(gpu, ""), _finetune_rows(gpu, "_mem95")
+        assert set(default) == set(raised) == set(fit_search.FINETUNE_CHOICES)
+        for method in ("full", "full_bf16_state", "full_adafactor"):
+            assert all(r["status"] == "oom" for r in default[method] + raised[method]), (gpu, method)
+            least = [min(rows, key=lambda r: r["compiled_peak_bytes"]) for rows in (default[method], raised[method])]
+            ratios = [r["compiled_peak_bytes"] / r["fit_budget_bytes"] for r in least]
+            assert f"{least[0]['compiled_peak_bytes'] / _GIB:.1f} GiB: {ratios[0]:.2f}x / {ratios[1]:.2f}x" in doc
+        for method in ("lora_attention", "lora_all"):
+            for rows in (default[method], raised[method]):
+                best = max((r for r in rows if r["status"] == "ok"), key=lambda r: r["predicted_tokens_per_s"])
+                peak, tokens = best["compiled_peak_bytes"] / _GIB, best["predicted_tokens_per_s"]
+                where = f"{best['fit_remat']}, minibatch {best['fit_largest_minibatch']}"
+                cell = f"{where}: {peak:.1f} GiB, {tokens:,.0f} tokens/s"
+                assert cell in doc, (gpu, method, cell)
+
+
+def test_the_torchtune_lora_plan_holds_what_docs_finetune_says():
+    """The plan of torchtune's published RTX 4090 LoRA setup: the counts PEFT prints for it, and the ratios to
+    torchtune's measured 16.2 GiB and 3,083 tokens/s as docs/finetune.md gives them."""
+    path = REPO / "experiments" / "results" / "finetune_published" / "torchtune_lora_llama3.1-8b_rtx4090.json"
+    row, doc = json.loads(path.read_text()), (REPO / "docs" / "finetune.md").read_text()
+    assert (row["trainable_params"], row["params"]) == (3_407_872, 8_033_669_120)
+    assert row["config.model.lora_targets"] == ["q", "v"] and row["config.data.batch_size"] == 2
+    peak, tokens = row["compiled_peak_bytes"] / _GIB, row["predicted_tokens_per_s"]
+    plan = f"{peak:.2f} GiB (XLA's plan, cuBLAS GEMMs)"
+    assert f"| peak memory | {plan} | 16.2 GiB (PyTorch's peak) | {peak / 16.2:.2f} |" in doc
+    assert f"| tokens/s | {tokens:,.0f} (predicted) | 3,083 | {tokens / 3083:.2f} |" in doc
