@@ -1,10 +1,13 @@
 """Fine-tuning an English model on Python code: full, bf16 first moment, LoRA (attention, all), the top block.
 
+    python -m jaxscale.sweep --config experiments/finetune.py:cpu-llama     # about 25 minutes on 2 cores
+
+The two texts are prepared on first use, as these commands would (into data/, git-ignored):
+
     python -m jaxscale.data pydoc-text --out data/pydoc.txt
     python -m jaxscale.data prepare --text data/pydoc.txt --out data/pydoc_bytes
     python -m jaxscale.data python-source --out data/python.txt
     python -m jaxscale.data prepare --text data/python.txt --out data/python_bytes
-    python -m jaxscale.sweep --config experiments/finetune.py:cpu-llama     # about 15 minutes on 2 cores
 
 The first variant, `pretrain_english`, trains the model from scratch on Python's English documentation (pydoc
 topics) and checkpoints it; every other variant starts from that checkpoint (`finetune.init_from`), measures the
@@ -17,7 +20,10 @@ Both texts are bytes-tokenized (vocabulary 256), so one model reads both. `:tiny
 for checking the plumbing.
 """
 
+import pathlib
+
 from jaxscale.config import base_config
+from jaxscale.data import DataError, corpus, prepare_tokens, read
 
 BASELINE = "full"
 PRETRAIN = "pretrain_english"
@@ -26,11 +32,23 @@ ENGLISH, CODE = "data/pydoc_bytes", "data/python_bytes"
 STEPS = {"cpu-llama": (300, 100, 50), "tiny-llama": (4, 4, 2)}
 
 
+def _prepared(directory: str, text_file: str, write_text) -> None:
+    """`directory` bytes-tokenized from the text `write_text(text_file)` writes, prepared here if missing."""
+    try:
+        read(directory)
+    except DataError:
+        text = write_text(pathlib.Path(text_file))
+        print(f"jaxscale: preparing {text} into {directory} (bytes tokenizer)")
+        prepare_tokens([text], directory, kind="bytes", progress=False)
+
+
 def get_config(preset=None):
     """Llama blocks (unrolled: finetune.train=last_blocks needs them), bf16, remat Block, text of 256 byte ids."""
     preset = preset or "cpu-llama"
     if preset not in STEPS:
         raise ValueError(f"preset: {preset!r}; allowed: {', '.join(STEPS)}")
+    _prepared(ENGLISH, "data/pydoc.txt", corpus.write_pydoc_text)
+    _prepared(CODE, "data/python.txt", lambda path: corpus.write_text(path, corpus.python_source_text()))
     config = base_config(preset, name="finetune")
     config.model.update(vocab_size=256, scan_layers=False, remat=("Block",), dropout_rate=0.0)
     _, steps, every = STEPS[preset]
@@ -47,7 +65,8 @@ def get_variants(config):
     pretrain_steps = STEPS[config.preset][0]
     return [
         {"name": PRETRAIN, "data.path": ENGLISH, "finetune.init_from": "", "model.lora_rank": 0,
-         "train.steps": pretrain_steps, "train.eval_every": pretrain_steps // 3, "train.checkpoint_every": pretrain_steps},
+         "train.steps": pretrain_steps, "train.eval_every": pretrain_steps // 3,
+         "train.checkpoint_every": pretrain_steps},
         {"name": "full", "model.lora_rank": 0},
         {"name": "full_bf16_state", "model.lora_rank": 0, "optimizer.state_dtype": "bfloat16"},
         {"name": "lora_attention", "finetune.train": "adapters", "model.lora_targets": ("attention",)},
