@@ -119,7 +119,7 @@ def _bad_inputs(tmp_path: pathlib.Path) -> list[tuple[list[str], str]]:
          "--vocab: a BPE vocabulary needs 257"),
         (["prepare", "--text", str(tmp_path / "text.txt"), "--out", out, "--tokenizer", "words"], "invalid choice"),
         (["prepare", "--out", out], "the following arguments are required: --text"),
-        ([], "required: {prepare,pydoc-text}"),
+        ([], "required: {prepare,pydoc-text,python-source}"),
     ]  # fmt: skip
 
 
@@ -140,6 +140,18 @@ def test_pydoc_text_command_writes_pythons_own_documentation(tmp_path, capsys):
     assert text == corpus.pydoc_topics_text() and len(text) > 100_000
     assert 'The "if" statement' in text and "wrote" in capsys.readouterr().out
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["pydoc.txt"]  # no partial file left
+
+
+def test_python_source_command_writes_the_standard_librarys_code(tmp_path, capsys):
+    """Each file of the packages after a `# file:` line, whole: json's own source is there as Python ships it."""
+    import json
+    import pathlib
+
+    assert main(["python-source", "--out", str(tmp_path / "python.txt")]) == 0
+    text = (tmp_path / "python.txt").read_text(encoding="utf-8")
+    json_init = pathlib.Path(json.__file__)
+    assert f"# file: json/__init__.py\n{json_init.read_text(encoding='utf-8')}" in text
+    assert text.count("# file: asyncio/") > 10 and "wrote" in capsys.readouterr().out
 
 
 def test_command_line_help_and_a_real_process(pydoc_text, tmp_path):
