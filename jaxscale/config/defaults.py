@@ -163,7 +163,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     # Fine-tuning (jaxscale.config.finetune, docs/finetune.md): which parameters train; the rest stay frozen.
     c.finetune = ml_collections.ConfigDict()
     c.finetune.train = "all"  # all; adapters (LoRA's, needs model.lora_rank > 0); last_blocks (finetune.last_blocks)
-    c.finetune.last_blocks = 0  # train=last_blocks: the top blocks that train (needs model.scan_layers=False)
+    c.finetune.last_blocks = 0  # train=last_blocks: the top blocks that train (0 with head: the head alone; unrolled)
     c.finetune.head = False  # train=adapters or last_blocks: the output head and final norm train too
     c.finetune.frozen_dtype = "bfloat16"  # frozen parameters are stored in this dtype (float32 or bfloat16)
     c.finetune.init_from = ""  # a run directory whose latest checkpoint's parameters start this run ("": random)

@@ -193,8 +193,9 @@ def _validate_finetune(config: ml_collections.ConfigDict) -> None:
         _check(m.lora_rank > 0, "finetune.train", "'adapters' trains the LoRA adapters, and there are none: set "
                "model.lora_rank > 0 (e.g. 16), or finetune.train=all or last_blocks")  # fmt: skip
     if f.train == "last_blocks":
-        _check(1 <= f.last_blocks <= m.num_layers, "finetune.last_blocks",
-               f"{f.last_blocks}: train=last_blocks needs 1 to model.num_layers={m.num_layers} blocks")  # fmt: skip
+        _check(f.last_blocks <= m.num_layers and (f.last_blocks >= 1 or f.head), "finetune.last_blocks",
+               f"{f.last_blocks}: train=last_blocks needs 1 to model.num_layers={m.num_layers} blocks (0 with "
+               "finetune.head=True: the head alone)")  # fmt: skip
         _check(not m.scan_layers, "model.scan_layers", "True stacks every block in one array per parameter, so "
                "finetune.train=last_blocks cannot freeze some of them; set model.scan_layers=False, or "
                "finetune.train=adapters")  # fmt: skip

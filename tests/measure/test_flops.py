@@ -154,11 +154,12 @@ def test_llama_formulas_count_gqa_swiglu_and_the_tied_head():
         ("llama", dict(lora_rank=0, lora_targets=(), train="last_blocks", head=True, remat=("MLP", "Attn"))),
         ("llama", dict(lora_rank=2, lora_targets=("q", "v"), train="adapters", head=False, remat=("Attn",),
                        policy="save_qkv_proj")),
+        ("gpt", dict(lora_rank=0, lora_targets=(), train="last_blocks", last_blocks=0, head=True, remat=("Block",))),
         pytest.param("gpt", dict(lora_rank=2, lora_targets=("all",), train="adapters", head=False, remat=("Block",),
                                  policy="dots_with_no_batch_dims_saveable"), marks=SLOW),
     ],
     ids=["llama_lora_all_block_remat", "gpt_lora_attention_head", "llama_last_block_remat", "llama_lora_qv_attn_remat",
-         "gpt_lora_dots_saved"],
+         "gpt_head_alone", "gpt_lora_dots_saved"],
 )  # fmt: skip
 def test_fine_tuning_compiled_matmuls_equal_the_analytic_hardware_flops(family, fields):
     """Frozen kernels lose their weight-gradient matmuls, LoRA adds its adapters' three, and frozen blocks below the
@@ -168,7 +169,7 @@ def test_fine_tuning_compiled_matmuls_equal_the_analytic_hardware_flops(family, 
     config.model.update(lora_rank=fields["lora_rank"], lora_targets=fields["lora_targets"], remat=fields["remat"])
     config.model.remat_policy = fields.get("policy", "nothing_saveable")
     config.model.scan_layers = fields["train"] != "last_blocks"
-    config.finetune.update(train=fields["train"], head=fields["head"], last_blocks=1)
+    config.finetune.update(train=fields["train"], head=fields["head"], last_blocks=fields.get("last_blocks", 1))
     analytic, compiled, _ = _columns(config)
     full = base_config(config.preset, "full")
     full.model.update(lora_rank=fields["lora_rank"], lora_targets=fields["lora_targets"], remat=fields["remat"])

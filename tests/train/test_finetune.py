@@ -156,6 +156,24 @@ def test_trainable_counts_by_hand():
     assert counts["trainable_params"] == 2 * 4 * (64 + 192 + 64 + 64) + head
 
 
+def test_the_head_alone_trains_with_no_backward_through_the_blocks():
+    """finetune.train=last_blocks with 0 blocks and the (untied) head: only the output kernel and final norm train;
+    the analytic model keeps no block activations, and the hardware FLOPs are the forward plus the head's two
+    gradient matmuls (2·H·V per token each) and nothing else."""
+    from jaxscale.measure import flops
+
+    config = _config("gpt", finetune__train="last_blocks", finetune__last_blocks=0, finetune__head=True)
+    state = jax.eval_shape(train.make_init_fn(config))
+    assert set(_flat(state.params)) == {"output/kernel", "output/bias", "post_norm/scale", "post_norm/bias"}
+    full = _config("gpt")
+    forward = (flops.hardware_flops_per_step(full) - flops.recompute_flops_per_step(full)) / 3
+    tokens, head = 8 * 32, 2 * 64 * 128
+    assert flops.hardware_flops_per_step(config) == pytest.approx(forward + 2 * tokens * head)
+    assert memory.analytic_memory(config)["analytic_activation_per_layer_bytes"] > 0
+    kept = memory.analytic_memory(config)["analytic_activation_bytes"]
+    assert kept < memory.analytic_memory(full)["analytic_activation_bytes"] / 2
+
+
 @pytest.mark.parametrize(
     "fields",
     [
@@ -204,7 +222,7 @@ BAD_FIELDS = [
      "model.lora_targets: unknown 'qkv' for model.family=llama"),
     (dict(finetune__train="adapters"), "finetune.train: 'adapters' trains the LoRA adapters, and there are none"),
     (dict(finetune__train="last_blocks", finetune__last_blocks=3),
-     "finetune.last_blocks: 3: train=last_blocks needs 1 to"),
+     "finetune.last_blocks: 3: train=last_blocks needs 1 to model.num_layers=2 blocks (0 with finetune.head=True"),
     (dict(finetune__train="last_blocks", finetune__last_blocks=1, model__scan_layers=True),
      "model.scan_layers: True stacks"),
     (dict(optimizer__state_dtype="float16"), "optimizer.state_dtype: unknown 'float16'"),
