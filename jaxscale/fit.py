@@ -95,7 +95,9 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         "measure", False, "Run each fitting choice at its largest minibatch here, time it.", flag_values=fv
     )
     define_cost_flags(fv)
-    flags.DEFINE_bool("rerun", False, "Search again even where a current row exists.", flag_values=fv)
+    flags.DEFINE_bool(
+        "rerun", False, "Search again even where a current row exists, compiling every plan again.", flag_values=fv
+    )
     flags.DEFINE_string("output_root", ".", "Root of experiments/results/ and traces/.", flag_values=fv)
     flags.DEFINE_string("name", None, "Fit name (default fit_<config>_<preset>_<target or backend>).", flag_values=fv)
     flags.DEFINE_bool("quiet", False, "No line per remat choice; the table is printed.", flag_values=fv)
@@ -147,17 +149,20 @@ class ProbeCache:
     judged against the current budget again.
     """
 
-    def __init__(self, store: ResultsFile, question: str, retry_failed: bool = False):
-        self.store, self.question, self.reused, self.retry_failed = store, question, 0, retry_failed
+    def __init__(self, store: ResultsFile, question: str, fresh: bool = False):
+        self.store, self.question, self.reused = store, question, 0
         store.directory.mkdir(parents=True, exist_ok=True)
-        self.known = {r["variant"]: r for r in store.rows() if r.get("fit_plan_question") == question}
+        # --rerun compiles every probe again: a plan kept from an older lab may be of another program (the
+        # question names the config and the target, not the code that compiled them).
+        rows = [] if fresh else store.rows()
+        self.known = {r["variant"]: r for r in rows if r.get("fit_plan_question") == question}
 
     def measure(
         self, plan: fit_search.Planner, config, choice: str, usable: int, minibatch: int, respect_xla_limit: bool = True
     ) -> fit_search.Probe:
         key = f"{choice}@{minibatch}"
         entry = self.known.get(key)
-        if entry is not None and not (entry["status"] == "error" and self.retry_failed):
+        if entry is not None:
             kept_plan = (entry["plan"], entry["error"], entry["seconds"])
             kept = fit_search.judge(minibatch, *kept_plan, usable, respect_xla_limit)
             # A partial plan (Triton skipped: the cuBLAS plan did not fit the budget it was made for) decides
@@ -343,7 +348,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
         for method, method_config in methods.items():
             question = _question(method_config, {**asked, **limits})
             plan_question = _question(method_config, {k: settings[k] for k in plan_keys})
-            cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question, retry_failed=fv.rerun)
+            cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question, fresh=fv.rerun)
             recorded = {r.get("variant"): r for r in store.rows() if r.get("fit_question") == question}
             for choice in fv.remat:
                 variant = choice if method is None else f"{method}:{choice}"

@@ -49,6 +49,10 @@ def test_fit_finds_the_edge_records_a_row_and_resumes(tmp_path, capsys):
     assert _fit(tmp_path, "--memory", "4MiB", "--max_minibatch", "16") == 0
     (again,) = _rows(tmp_path)
     assert again["fit_largest_minibatch"] == largest and again["fit_probes_reused"] == again["fit_compiles"]
+    # --rerun compiles every plan again: a kept plan may be of an older lab's program
+    assert _fit(tmp_path, "--memory", "4MiB", "--max_minibatch", "16", "--rerun") == 0
+    (fresh,) = _rows(tmp_path)
+    assert fresh["fit_probes_reused"] == 0 and fresh["fit_largest_minibatch"] == largest
 
 
 def test_a_budget_no_minibatch_meets_is_an_oom_row_naming_the_smallest_plan(tmp_path, capsys):
