@@ -268,7 +268,8 @@ def cross_check(run_dirs: Sequence[str | pathlib.Path], device: jax.Device | Non
       `predicted_step_s` (calibrated), `predicted_over_measured`, the predicted program's pure-roofline seconds
       per group (roofline_<group>_s, all its kernels) and launches (predicted_kernel_launches), and the
       calibration's constants and sums (R_c as calibration_roofline_<group>_s, M_c as
-      calibration_measured_<group>_s, T, S, N): enough to redo every prediction by hand.
+      calibration_measured_<group>_s, T, S, N, and the launches without a measured op): enough to redo every
+      prediction by hand.
     """
     device = device or jax.devices()[0]
     roof = predict.local_roofline(device)
@@ -293,7 +294,7 @@ def cross_check(run_dirs: Sequence[str | pathlib.Path], device: jax.Device | Non
                 **{f"calibration_roofline_{g}_s": fitted.roofline_s.get(g, 0.0) for g in GROUPS},
                 **{f"calibration_measured_{g}_s": fitted.measured_s.get(g, 0.0) for g in GROUPS},
                 "calibration_trace_step_s": fitted.trace_step_s, "calibration_step_s": fitted.step_s,
-                "calibration_launches": fitted.launches,
+                "calibration_launches": fitted.launches, "calibration_unmatched_launches": fitted.unmatched_kernels,
             })  # fmt: skip
     return out
 

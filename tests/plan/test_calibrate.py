@@ -292,3 +292,46 @@ def test_the_docs_sentences_on_the_second_sweep_and_the_noise_hold_the_committed
     moved = [again[n]["step_s_median"] / first[n]["step_s_median"] - 1 for n in first]
     assert f"moved by {min(moved):.0%} to {max(moved):+.0%} between the two sweeps" in text
     assert sum(abs(e) > 0.15 for e in errors) == 3  # "it still misses ±15% for three of them"
+
+
+def test_the_docs_reasons_hold_the_committed_calibration_rows():
+    """docs/predict.md, 'Calibration': the figures behind 'does not transfer' and the launch cost, from the rows."""
+    text = " ".join((REPO / "docs" / "predict.md").read_text().split())
+    rows = _jsonl(CALIBRATE / "calibration.jsonl")
+    four = ("bf16_scan", "bf16_noscan", "bf16_scan_remat_mlp_attn", "bf16_scan_remat_block")
+    one = ("bf16_remat_1minibatch", "bf16_remat_batch64")
+
+    def ratios(on: tuple[str, ...], of: tuple[str, ...]) -> list[float]:
+        return [r["predicted_over_measured"] for r in rows if r["calibrated_on"] in on and r["variant"] in of]
+
+    def span(values: list[float], spec: str = ".2f") -> str:
+        return f"{min(values):{spec}}-{max(values):{spec}}"
+
+    assert f"predict the one-minibatch ones at {span(ratios(four, one))} of their measured step" in text
+    assert f"these predict those at {span(ratios(one, four))}" in text
+    fast = [1 - x for x in ratios(("fp32_scan",), (*four, *one))]
+    slow = [x - 1 for x in ratios((*four, *one), ("fp32_scan",))]
+    assert f"predicts the bf16 runs {span(fast, '.0%').replace('%-', '-')} fast" in text
+    assert f"predict fp32 {span(slow, '.0%').replace('%-', '-')} slow" in text
+    fits = {r["calibrated_on"]: r for r in rows}
+
+    def efficiencies(group: str, runs: tuple[str, ...]) -> str:
+        return span([fits[on][f"calibrated_{group}_efficiency"] for on in runs])
+
+    assert f"fusions reach {efficiencies('fusion', one)} of the roofline against {efficiencies('fusion', four)}" in text
+    assert f"GEMMs {efficiencies('matmul', one)} against {efficiencies('matmul', four)}" in text
+    copies = [f["calibration_measured_copy_dus_s"] / sum(f[f"calibration_measured_{g}_s"] for g in calibrate.GROUPS)
+              for f in fits.values()]  # fmt: skip
+    assert f"they are {span(copies, '.0%').replace('%-', '-')} of the measured op time" in text
+    unmatched = [f["calibration_unmatched_launches"] / f["calibration_launches"] for f in fits.values()]
+    assert f"inline: {span(unmatched, '.0%').replace('%-', '-')} of the launches" in text
+    fp32 = fits["fp32_scan"]
+    uncovered = fp32["calibration_trace_step_s"] - sum(fp32[f"calibration_measured_{g}_s"] for g in calibrate.GROUPS)
+    assert [on for on, f in fits.items() if f["calibrated_launch_s"] > 0] == ["fp32_scan"]
+    assert (f"leaves {uncovered:.1f} s of its traced {fp32['calibration_trace_step_s']:.2f} s step uncovered "
+            f"({fp32['calibrated_launch_s'] * 1e6:.0f} µs per launch)") in text  # fmt: skip
+    assert f"also {fp32['calibration_trace_step_s'] / fp32['calibration_step_s'] - 1:.0%} longer" in text
+    noscan = fits["bf16_noscan"]
+    assert f"({noscan['calibration_trace_step_s']:.2f} s) was " \
+           f"{1 - noscan['calibration_trace_step_s'] / noscan['calibration_step_s']:.0%} shorter" in text  # fmt: skip
+    assert f"runs {span([x - 1 for x in ratios(('bf16_noscan',), four)], '.0%').replace('%-', '-')} slow" in text
