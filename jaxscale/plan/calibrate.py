@@ -126,7 +126,7 @@ def fit(
         if kernel.name not in measured:
             unmatched += kernel.times
             continue
-        group = predict.group(kernel.category)
+        group = predict.breakdown_group(kernel.category)
         groups[kernel.name] = group
         ideal[group] += kernel.times * predict.kernel_seconds(kernel, roof)[1]  # the pure roofline
     spent = dict.fromkeys(GROUPS, 0.0)
@@ -251,7 +251,7 @@ def roofline_seconds(found: Iterable[kernels.Kernel], roof: predict.Roofline) ->
     """Pure-roofline seconds per step of a program's kernels, by group (GROUPS)."""
     totals = dict.fromkeys(GROUPS, 0.0)
     for kernel in found:
-        totals[predict.group(kernel.category)] += kernel.times * predict.kernel_seconds(kernel, roof)[1]
+        totals[predict.breakdown_group(kernel.category)] += kernel.times * predict.kernel_seconds(kernel, roof)[1]
     return totals
 
 

@@ -77,7 +77,7 @@ _GROUP = {"matmul": "matmul", "attention": "attention", "fusion": "fusion", "cop
           "dynamic_update_slice": "copy_dus", "collective": "collective"}  # fmt: skip
 
 
-def group(category: str) -> str:
+def breakdown_group(category: str) -> str:
     """The BREAKDOWN group (predicted_<group>_s) a kernel category counts in: copies and updates in copy_dus."""
     return _GROUP[category]
 
@@ -221,7 +221,7 @@ def kernel_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, float
     On a calibrated roofline (Roofline.fitted_efficiency names the kernel's group) the prediction is the
     pure-roofline seconds / the fitted efficiency."""
     seconds, bound = _roofline_seconds(kernel, roof)
-    fitted = (roof.fitted_efficiency or {}).get(group(kernel.category))
+    fitted = (roof.fitted_efficiency or {}).get(breakdown_group(kernel.category))
     return (bound / fitted if fitted else seconds), bound
 
 
