@@ -335,3 +335,34 @@ def test_the_docs_reasons_hold_the_committed_calibration_rows():
     assert f"({noscan['calibration_trace_step_s']:.2f} s) was " \
            f"{1 - noscan['calibration_trace_step_s'] / noscan['calibration_step_s']:.0%} shorter" in text  # fmt: skip
     assert f"runs {span([x - 1 for x in ratios(('bf16_noscan',), four)], '.0%').replace('%-', '-')} slow" in text
+
+
+def test_a_sweep_inside_its_own_traces_is_refused(tmp_path):
+    """A calibration run the sweep would replace (its traces directory is the sweep's) is refused before any run."""
+    inside = tmp_path / "traces" / "mine" / "bf16_scan"
+    inside.parent.mkdir(parents=True)
+    _write_row(inside, {"status": "ok", "step_s_median": 1.0})
+    (inside / "plugins" / "profile" / "x").mkdir(parents=True)
+    (inside / "plugins" / "profile" / "x" / "host.xplane.pb").write_bytes(b"")
+    (inside / "step.hlo.txt.gz").write_bytes(gzip.compress(b"HloModule m"))
+    sweep = f"{REPO / 'experiments' / 'seed_table.py'}:tiny"
+    with pytest.raises(runner.UsageError, match="^--calibrate: .* lies in this sweep's traces"):
+        runner.run_sweep(sweep, name="mine", calibrate_on=inside, output_root=tmp_path, progress=False)
+    assert runner._run_args([], None, False, None, "both", calibrate_dir="runs/a") == ["--calibrate=runs/a"]
+
+
+@pytest.mark.slow
+def test_a_sweep_calibrated_on_a_tiny_run_predicts_every_variant_calibrated(tmp_path):
+    """End to end through the sweep: each variant's process fits the calibration and its row says so."""
+    first = tmp_path / "first"
+    assert run.main(["run", f"--config={REPO / 'configs' / 'bf16_remat.py'}:tiny", f"--run_dir={first}",
+                     "--quiet"]) == 0  # fmt: skip
+    sweep = f"--config={REPO / 'experiments' / 'seed_table.py'}:tiny"
+    assert runner.main(["sweep", sweep, "--only=bf16_scan,fp32_scan", "--plan", f"--calibrate={first}",
+                        f"--output_root={tmp_path}", "--quiet"]) == 0  # fmt: skip
+    rows = _jsonl(tmp_path / "experiments" / "results" / "seed_table_tiny_plan_calibrated_first" / "results.jsonl")
+    assert sorted(r["variant"] for r in rows) == ["bf16_scan", "fp32_scan"]
+    for row in rows:
+        assert row["status"] == "ok" and row["prediction_calibrated_on"] == str(first)
+        assert row["run_args"] == ["--plan", f"--calibrate={first}"]
+        assert row["calibrated_matmul_efficiency"] > 0 and row["predicted_uncalibrated_step_s"] > 0
