@@ -140,6 +140,17 @@ def define_cost_flags(flag_values: flags.FlagValues) -> None:
     )  # fmt: skip
 
 
+def define_calibrate_flag(flag_values: flags.FlagValues) -> None:
+    """Defines --calibrate RUN_DIR: predict the step calibrated on a run measured on this device
+    (jaxscale.plan.calibrate); the main job and the sweep share it."""
+    flags.DEFINE_string(
+        "calibrate", None, "A run directory measured on this device with a trace (profile.steps >= 1), e.g. "
+        "traces/seed_table_cpu/bf16_scan: fit the predictor's per-group efficiencies and launch cost to its "
+        "trace and predict this step with them (the row's prediction_calibrated_on names the run; "
+        "docs/predict.md, 'Calibration'). Default: the uncalibrated prediction.", flag_values=flag_values,
+    )  # fmt: skip
+
+
 def check_cost_flags(flag_values: flags.FlagValues) -> None:
     """Raises UsageError for --gpu_hour_usd without --train_tokens (a price with nothing to price)."""
     if flag_values.gpu_hour_usd is not None and flag_values.train_tokens is None:

@@ -27,6 +27,7 @@ from jaxscale.cli import (
     check_cost_flags,
     config_path,
     define_cache_flag,
+    define_calibrate_flag,
     define_config_flag,
     define_cost_flags,
     fail,
@@ -38,7 +39,7 @@ from jaxscale.cli import (
 from jaxscale.config import ConfigError, check_mesh_devices, describe, flatten, mesh_shape, mesh_text
 from jaxscale.measure import columns, flops, memory, params, profiling
 from jaxscale.measure.scalars import ScalarWriter
-from jaxscale.plan import cost, gpu_plan, predict, targets
+from jaxscale.plan import calibrate, cost, gpu_plan, predict, targets
 from jaxscale.train import evaluate, sharding
 from jaxscale.train import loop as train_loop
 from jaxscale.train.step import param_columns
@@ -53,6 +54,7 @@ USAGE = Usage(
         "python -m jaxscale.run --config configs/bf16_remat.py:seed --plan --target a5000",
         "python -m jaxscale.run --config configs/bf16_remat.py:llama3.1-8b --config.data.seq_len=8192 "
         "--config.data.batch_size=16 --config.mesh.fsdp=8 --plan --target h100 --devices 8",
+        "python -m jaxscale.run --config configs/bf16_remat.py:cpu --calibrate traces/seed_table_cpu/bf16_scan",
         "python -m jaxscale.run --config configs/bf16_remat.py:cpu --show_config",
     ),
     notes=(
@@ -119,6 +121,7 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         flag_values=fv,
     )
     define_cost_flags(fv)
+    define_calibrate_flag(fv)
     flags.DEFINE_bool(
         "quiet", False, "No progress bar and no summary; the result path is still printed.", flag_values=fv
     )
@@ -173,10 +176,15 @@ def compile_step(config: ml_collections.ConfigDict):
     return compiled, placement, abstract_state, time.perf_counter() - start
 
 
-def local_prediction(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled) -> dict:
-    """The step time predicted from the compiled program on this machine's rooflines (jaxscale.plan.predict);
-    a prediction that fails leaves predicted_error in the row, never fails the run."""
+def local_prediction(
+    config: ml_collections.ConfigDict, compiled: jax.stages.Compiled, calibration: calibrate.Calibration | None = None
+) -> dict:
+    """The step time predicted from the compiled program on this machine's rooflines (jaxscale.plan.predict),
+    calibrated when a calibration is given (jaxscale.plan.calibrate); a prediction that fails leaves
+    predicted_error in the row, never fails the run."""
     try:
+        if calibration is not None:
+            return calibrate.local_columns(config, compiled.as_text(), jax.devices()[0], calibration)
         return predict.local_columns(config, compiled.as_text(), jax.devices()[0])
     except Exception as error:  # noqa: BLE001 - the prediction is an extra; the run's own numbers come first
         return {"predicted_step_s": None, "predicted_error": f"{type(error).__name__}: {error}"[:300]}
@@ -327,13 +335,15 @@ def run(
     target: str | None = None,
     gemm: str = "both",
     devices: int | None = None,
+    calibration: calibrate.Calibration | None = None,
 ) -> dict:
     """Compiles, runs and measures one config; always returns a result row (status ok|oom|error|nan).
 
     A `device_memory_bytes` budget stands in for a smaller accelerator: a step whose compiled plan exceeds it
     is recorded as `oom` without running its steps. With `target` (plan only) the compiled_* columns are XLA's
     plan for that GPU (jaxscale.gpu_plan, GEMM modes `gemm`) on `devices` of them (the config's mesh), and
-    the budget is checked against that plan. On a mesh every memory column is per device.
+    the budget is checked against that plan. On a mesh every memory column is per device. With a `calibration`
+    (jaxscale.plan.calibrate) the predicted_* columns are calibrated on its run, and the row says so.
     """
     if target is not None and not plan_only:
         raise ValueError("run: a target GPU can only be planned (plan_only=True)")
@@ -350,7 +360,7 @@ def run(
             row.update(param_columns(abstract_state))
             row.update(memory.compiled_memory(compiled))
             row["compiled_backend"] = jax.default_backend()
-            row.update(local_prediction(config, compiled))
+            row.update(local_prediction(config, compiled, calibration))
         row.update(columns.after_compile(config, None if target else compiled, row))
         check_memory_budget(row, device_memory_bytes)
         if not plan_only:
@@ -485,6 +495,24 @@ def check_devices(config: ml_collections.ConfigDict, target: str | None, devices
         raise UsageError(str(error)) from None
 
 
+def calibration_flag(run_dir: str | None, target: str | None) -> calibrate.Calibration | None:
+    """The calibration --calibrate names (None without it), fitted for this machine's device.
+
+    Raises:
+      UsageError: one line naming --calibrate: with --target (a calibration holds for this device only), or a
+        run that cannot calibrate (jaxscale.plan.calibrate.CalibrationError).
+    """
+    if run_dir is None:
+        return None
+    if target is not None:
+        raise UsageError(f"--calibrate: fits the predictor of this machine's device; --target {target} plans "
+                         "another GPU, whose prediction stays uncalibrated: drop one of the two")  # fmt: skip
+    try:
+        return calibrate.calibration(run_dir)
+    except calibrate.CalibrationError as error:
+        raise UsageError(str(error)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: one run; exit 0 (ok), 1 (the run failed: its row says why) or 2 (bad input)."""
     argv = list(sys.argv if argv is None else argv)
@@ -520,6 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_resume(config, hosts.process_dir(run_dir))  # a checkpoint's meta, before anything is written
         if config.finetune.init_from and not fv.plan:
             check_init_from(config)
+        calibration = calibration_flag(fv.calibrate, fv.target)
     except (UsageError, data.DataError) as error:
         return fail(str(error))
     if config.preset_source != "given":
@@ -542,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target=fv.target,
         gemm=fv.gemm,
         devices=fv.devices,
+        calibration=calibration,
     )
     if not main_process:  # process 0 writes the one result row of a multi-process run
         return 0 if row["status"] == "ok" else 1

@@ -50,7 +50,9 @@ The constants and their sources:
 
 On a CPU the rooflines are this machine's measurements (jaxscale.measure.peaks: the jitted 2048³ matmul
 in the run's dtype, float32 for elementwise work, and a STREAM-like memory bandwidth), with efficiency 1,
-no tile quantization and no launch cost. Nothing here is fitted to a measured step time.
+no tile quantization and no launch cost. Nothing here is fitted to a measured step time, unless a run asks for
+it: `--calibrate RUN_DIR` (jaxscale.plan.calibrate) fits per-group efficiencies and a launch cost to one
+measured run's trace and sets them as Roofline.fitted_efficiency and launch_s; the row then says so.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ LAUNCH_S = 5.8e-6
 BREAKDOWN = ("matmul", "attention", "fusion", "copy_dus", "collective", "launch")  # predicted_<name>_s columns
 _GROUP = {"matmul": "matmul", "attention": "attention", "fusion": "fusion", "copy": "copy_dus",
           "dynamic_update_slice": "copy_dus", "collective": "collective"}  # fmt: skip
+
+
+def breakdown_group(category: str) -> str:
+    """The BREAKDOWN group (predicted_<group>_s) a kernel category counts in: copies and updates in copy_dus."""
+    return _GROUP[category]
 
 
 def collective_factor(op: str, n: int) -> float:
@@ -101,6 +108,9 @@ class Roofline:
     launch_s: float
     source: str
     network_rails: int = 1  # network links per host a collective spreads over (NCCL: one ring per NIC)
+    # Fitted on a measured run (jaxscale.plan.calibrate), by BREAKDOWN group: a kernel of a group listed here
+    # takes its pure-roofline seconds / this efficiency (+ launch_s) instead of the formula above. None: none.
+    fitted_efficiency: dict[str, float] | None = None
 
 
 def gpu_roofline(
@@ -206,7 +216,17 @@ def link_bytes_per_s(roof: Roofline, group: int) -> float:
 
 
 def kernel_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, float]:
-    """(predicted seconds without launch cost, pure-roofline seconds) of one launch of a kernel."""
+    """(predicted seconds without launch cost, pure-roofline seconds) of one launch of a kernel.
+
+    On a calibrated roofline (Roofline.fitted_efficiency names the kernel's group) the prediction is the
+    pure-roofline seconds / the fitted efficiency."""
+    seconds, bound = _roofline_seconds(kernel, roof)
+    fitted = (roof.fitted_efficiency or {}).get(breakdown_group(kernel.category))
+    return (bound / fitted if fitted else seconds), bound
+
+
+def _roofline_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, float]:
+    """kernel_seconds with the published efficiencies (the uncalibrated formula)."""
     if kernel.collective is not None:
         op, group, payload = kernel.collective
         seconds = collective_factor(op, group) * payload / link_bytes_per_s(roof, group)
@@ -381,6 +401,8 @@ def rank_by_predicted_throughput(rows: Iterable[dict], fitting_only: bool = True
 def summary_line(row: dict) -> str:
     """One line for the run summary: the predicted step, its breakdown, and predicted/measured where measured."""
     where = row.get("plan_target") or row.get("backend") or "?"
+    if row.get("prediction_calibrated_on"):
+        where += f", calibrated on {row['prediction_calibrated_on']}"
     gemm = f", {row['predicted_gemm']} GEMMs" if row.get("predicted_gemm") else ""
     parts = " + ".join(f"{name.replace('_', '/')} {row.get(f'predicted_{name}_s') or 0:.3g}" for name in BREAKDOWN)
     text = (

@@ -7,7 +7,8 @@ process, so its peak memory is its own and a crash ends only it. Rows go to
 `--plan [--target a5000]` compiles only (for that GPU, no GPU needed; see docs/gpu_planning.md), and the
 sweep's name says so (seed_table_seed_plan_a5000), so a plan's rows never mix with a run's; `--devices 8`
 plans the variants' meshes on 8 target GPUs (seed_table_seed_plan_a5000_x8; a 1x1x1 variant is planned on one
-GPU, its row says so). `--host_devices N` and the
+GPU, its row says so). `--calibrate RUN_DIR` calibrates every variant's prediction on a run measured here
+(jaxscale.plan.calibrate; the sweep is named <sweep>_calibrated_<run>). `--host_devices N` and the
 multi-process flags (jaxscale.hosts) are passed to every variant's run; with several processes only process 0
 records rows (docs/mesh.md).
 """
@@ -31,6 +32,7 @@ from jaxscale.cli import (
     Usage,
     UsageError,
     define_cache_flag,
+    define_calibrate_flag,
     fail,
     parse_bytes,
     parse_flags,
@@ -38,7 +40,7 @@ from jaxscale.cli import (
     wants_help,
 )
 from jaxscale.config import describe, flatten, mesh_shape
-from jaxscale.plan import gpu_plan, targets
+from jaxscale.plan import calibrate, gpu_plan, targets
 from jaxscale.run import write_row
 from jaxscale.sweep import variant_process
 from jaxscale.sweep.results import ResultsFile, format_table, load_results, read_rows
@@ -52,7 +54,7 @@ __all__ = [
 _RESERVED_RUN_FLAGS = ("--config", "--name", "--run_dir", "--output_root", "--quiet")
 # Run flags that are the sweep's own flags (they name the sweep, so they may not come through run_args).
 _SWEEP_RUN_FLAGS = ("--plan", "--noplan", "--target", "--gemm", "--device_memory", "--device-memory", "--devices",
-                    *(f"--{name}" for name in hosts.FLAG_NAMES))  # fmt: skip
+                    "--calibrate", *(f"--{name}" for name in hosts.FLAG_NAMES))  # fmt: skip
 DEFAULT_TIMEOUT_S = 1800.0
 
 USAGE = Usage(
@@ -64,6 +66,7 @@ USAGE = Usage(
         "python -m jaxscale.sweep --config experiments/seed_table.py:cpu --only 'bf16_*' --rerun",
         "python -m jaxscale.sweep --config experiments/seed_table.py:seed --plan --target a5000",
         "python -m jaxscale.sweep --config experiments/seed_table.py:seed --on_this_device   # on a GPU",
+        "python -m jaxscale.sweep --config experiments/seed_table.py:cpu --calibrate traces/seed_table_cpu/bf16_scan",
         "python -m jaxscale.sweep --config experiments/seed_table.py:cpu --show_config",
     ),
     notes=(
@@ -106,9 +109,10 @@ def _run_args(
     gemm: str,
     devices: int | None = None,
     host_args: Sequence[str] = (),
+    calibrate_dir: str | None = None,
 ) -> list[str]:
     """The run flags of every variant: the sweep's own (--plan, --target, --gemm, --devices, --device_memory,
-    then the jaxscale.hosts flags), then run_args."""
+    --calibrate, then the jaxscale.hosts flags), then run_args."""
     for arg in run_args:
         flag = arg.split("=", 1)[0].split(".", 1)[0]
         if flag in _RESERVED_RUN_FLAGS:
@@ -132,7 +136,26 @@ def _run_args(
     if device_memory is not None:
         budget = device_memory if isinstance(device_memory, int) else parse_bytes(device_memory, "--device-memory")
         args.append(f"--device_memory={budget}")
+    if calibrate_dir is not None:
+        args.append(f"--calibrate={calibrate_dir}")
     return [*args, *host_args, *run_args]
+
+
+def calibration_dir(run_dir: str | os.PathLike, target: str | None) -> str:
+    """A --calibrate run's directory, as given (the variants run in this directory), after the checks this process
+    can make without the device (each variant's run checks the device, jaxscale.plan.calibrate.check_device).
+
+    Raises:
+      UsageError: one line naming --calibrate: with --target, or a run that cannot calibrate (calibrate.read_run).
+    """
+    if target is not None:
+        raise UsageError(f"--calibrate: fits the predictor of this machine's device; --target {target} plans "
+                         "another GPU, whose prediction stays uncalibrated: drop one of the two")  # fmt: skip
+    try:
+        calibrate.read_run(run_dir)
+    except calibrate.CalibrationError as error:
+        raise UsageError(str(error)) from None
+    return str(run_dir)
 
 
 def _is_current(row: dict | None, variant: Variant, run_args: list[str]) -> bool:
@@ -275,6 +298,7 @@ def run_sweep(
     run_args: Sequence[str] = (),
     progress: bool = True,
     on_this_device: bool = False,
+    calibrate_on: str | os.PathLike | None = None,
 ) -> SweepOutcome:
     """Runs a sweep's variants that have no current row yet, each in its own process, recording each row.
 
@@ -299,15 +323,23 @@ def run_sweep(
       progress: show a bar across variants and a line per finished variant.
       on_this_device: name the sweep after the accelerator its variants run on (default name
         <file stem>_<preset>_<device slug>, e.g. seed_table_seed_h100); see device_suffix.
+      calibrate_on: a run measured on this device with a trace: every variant's prediction is calibrated on it
+        (jaxscale.plan.calibrate); the default name gets "_calibrated_<its directory name>".
 
     Returns:
       SweepOutcome: the results path, the selected variants, and the table / DataFrame of all rows.
     """
-    run_args = _run_args(run_args, device_memory, plan, target, gemm, devices, host_args)
+    calibrate_dir = None if calibrate_on is None else calibration_dir(calibrate_on, target)
+    run_args = _run_args(run_args, device_memory, plan, target, gemm, devices, host_args, calibrate_dir)
     suffix = plan_suffix(plan, target, gemm, devices) + (device_suffix(plan) if on_this_device else "")
+    suffix += f"_calibrated_{pathlib.Path(calibrate_dir).name}" if calibrate_dir else ""
     sweep = load_sweep(config, preset, name, suffix)
     selected = select_variants(sweep.variant_names, only, skip)
     output_root = pathlib.Path(output_root)
+    traces_dir = (output_root / "traces" / sweep.name).resolve()
+    if calibrate_dir is not None and pathlib.Path(calibrate_dir).resolve().is_relative_to(traces_dir):
+        raise UsageError(f"--calibrate: {calibrate_on} lies in this sweep's traces ({traces_dir}), which a rerun "
+                         "replaces; calibrate on another sweep's run, or give --name")  # fmt: skip
     store = ResultsFile(output_root / "experiments" / "results" / sweep.name)
     if _process_id(run_args):  # process i > 0: the same variants as process 0 (read from its rows), no records
         recorded = {row.get("variant"): row for row in store.rows()}
@@ -379,6 +411,7 @@ def _flag_values() -> flags.FlagValues:
         "the device_kind shortened), e.g. experiments/results/seed_table_seed_h100/. The device is read in a "
         "short child process; this process never opens the GPU.", flag_values=fv,
     )  # fmt: skip
+    define_calibrate_flag(fv)
     define_cache_flag(fv)
     return fv
 
@@ -432,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_args=fv.run_arg,
             progress=not fv.quiet,
             on_this_device=fv.on_this_device,
+            calibrate_on=fv.calibrate,
         )
     except UsageError as error:
         return fail(str(error))
