@@ -239,7 +239,7 @@ def execute(config, compiled, placement: sharding.Placement, run_dir: pathlib.Pa
             from jaxscale.train.checkpoint import Checkpoints  # orbax is imported only by runs that checkpoint
 
             checkpoints = Checkpoints(run_dir / "checkpoints", config)
-            cleanup.callback(_close_checkpoints, checkpoints, row)
+            cleanup.callback(_close_checkpoints, checkpoints, row, run_dir / "checkpoints")
             if checkpoints.latest_step() is not None:  # meta checked first, then read into the abstract state
                 first, state, data_state = checkpoints.restore(placement.abstract_inputs()[0])
         if state is None:  # a fresh run: the only state ever initialised
@@ -296,9 +296,10 @@ def check_init_from(config: ml_collections.ConfigDict) -> None:
         raise UsageError(str(error)) from None
 
 
-def _close_checkpoints(checkpoints, row: dict) -> None:
+def _close_checkpoints(checkpoints, row: dict, directory: pathlib.Path) -> None:
+    """Waits for the writes; the row names the checkpoints as the run's directory does (relative where it is)."""
     checkpoints.close()
-    row["checkpoint_dir"], row["checkpoint_steps"] = str(checkpoints.directory), checkpoints.saved_steps
+    row["checkpoint_dir"], row["checkpoint_steps"] = str(directory), checkpoints.saved_steps
     row["checkpoint_save_s_total"] = checkpoints.save_s
 
 

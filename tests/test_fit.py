@@ -263,3 +263,26 @@ def test_the_torchtune_lora_plan_holds_what_docs_finetune_says():
     plan = f"{peak:.2f} GiB (XLA's plan, cuBLAS GEMMs)"
     assert f"| peak memory | {plan} | 16.2 GiB (PyTorch's peak) | {peak / 16.2:.2f} |" in doc
     assert f"| tokens/s | {tokens:,.0f} (predicted) | 3,083 | {tokens / 3083:.2f} |" in doc
+
+
+def test_the_committed_cpu_finetune_sweep_holds_what_docs_finetune_says():
+    """docs/finetune.md's CPU table and its reading, recomputed from the committed rows: every method starts from
+    the same loaded model and lowers the validation loss on code; the shares of full fine-tuning's drop."""
+    path = REPO / "experiments" / "results" / "finetune_cpu-llama" / "results.jsonl"
+    rows = {row["variant"]: row for row in (json.loads(line) for line in path.read_text().splitlines())}
+    doc, mib = (REPO / "docs" / "finetune.md").read_text(), 2**20
+    full = rows["full"]["validation_loss_all"]
+    for name in ("full", "full_bf16_state", "lora_attention", "lora_all", "last_block"):
+        row = rows[name]
+        losses = row["validation_loss_all"]
+        assert row["validation_steps"] == [0, 50, 100] and losses[-1] < losses[0] - 0.25, name
+        assert abs(losses[0] - full[0]) < 1e-3  # the loaded model, whatever trains next
+        assert ", ".join(f"{x:.4f}" for x in losses) in doc, name
+        assert f"{row['trainable_params']:,} / {row['params']:,}" in doc
+        parts = [row[f"analytic_{k}_bytes"] / mib for k in ("params", "grads", "optimizer", "activation")]
+        peak = row["compiled_peak_bytes"] / mib
+        assert f"{parts[0]:.2f} + {parts[1]:.2f} + {parts[2]:.2f}, {parts[3]:.2f} | {peak:.1f}" in doc
+    drop = full[0] - full[-1]
+    for name, share in (("lora_all", 64), ("lora_attention", 49), ("last_block", 81)):
+        losses = rows[name]["validation_loss_all"]
+        assert round(100 * (losses[0] - losses[-1]) / drop) == share
