@@ -78,22 +78,16 @@ def test_the_committed_llama_costs_are_what_docs_published_md_says():
         per_gpu = row["predicted_tokens_per_s"] / row["plan_devices"]
         assert f"| {per_gpu:,.0f} ({row['predicted_mfu']:.1%}) | {hours:,.0f} |" in doc
         assert f"| {hours / meta_hours:.2f} |" in doc
-    # docs/models.md quotes the 8B plan beside the older fit row of the same choice at 2 sequences per GPU
-    models = (CONFIGS.parent / "docs" / "models.md").read_text()
+    # the cost's plan is the fit's row of the same choice at 2 sequences per GPU (docs/models.md): the same program
     row = json.loads(
         (CONFIGS.parent / "experiments" / "results" / "training_cost" / "llama3.1-8b_h100_x8.json").read_text()
     )
     fit = CONFIGS.parent / "experiments" / "results" / "fit_bf16_remat_llama3.1-8b_flash_h100_x8" / "results.jsonl"
-    (old,) = [
+    (same,) = [
         r
         for r in map(json.loads, fit.read_text().splitlines())
         if r["variant"] == "block_save_dot_with_context_except_mlp"
     ]
-    assert old["fit_largest_minibatch"] == 2 and row["config.data.batch_size"] == 2 * row["plan_devices"]
-    per_gpu = row["predicted_tokens_per_s"] / row["plan_devices"]
-    quoted = (
-        f"predicts {per_gpu:,.0f} tokens/s per GPU",
-        f"{row['compiled_peak_bytes'] / 2**30:.2f} GiB",
-        f"says {old['compiled_peak_bytes'] / 2**30:.2f}",
-    )
-    assert all(text in " ".join(models.split()) for text in quoted), quoted
+    assert same["fit_largest_minibatch"] == 2 and row["config.data.batch_size"] == 2 * row["plan_devices"]
+    assert same["compiled_peak_bytes"] == pytest.approx(row["compiled_peak_bytes"], rel=1e-6)
+    assert same["predicted_tokens_per_s"] == pytest.approx(row["predicted_tokens_per_s"], rel=1e-6)
