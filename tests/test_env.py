@@ -90,6 +90,7 @@ BAD_STARTS = [
     ("jaxscale.plan.target_compile",),
     ("jaxscale.fit", "--config", "configs/bf16_remat.py:no_such_preset"),
     ("jaxscale.published", "--only", "no_such_run"),
+    ("jaxscale.plan.calibrate", "/nonexistent/run"),
     ("jaxscale.data", "prepare", "--text", "/nonexistent/text", "--out", "/nonexistent/tokens"),
 ]
 
