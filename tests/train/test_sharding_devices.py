@@ -248,7 +248,7 @@ def test_lora_adapters_over_a_frozen_bf16_base_on_a_2x2x2_mesh_equal_one_device(
     """LoRA on every projection of the Llama, the base frozen in bfloat16: adapters split like their projections
     (rank axis whole), no gradient or optimizer state for the frozen half. Two steps, so the second moves A too
     (its gradient is zero while B is): the trained parameters after both, on the mesh and on one device."""
-    changes = {"model.scan_layers": True, "model.remat": ("Block",), "model.lora_rank": 4,
+    changes = {"model.scan_layers": True, "model.lora_rank": 4,
                "model.lora_targets": ("all",), "finetune.train": "adapters"}  # fmt: skip
 
     def two_steps(mesh):
