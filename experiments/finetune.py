@@ -20,10 +20,8 @@ Both texts are bytes-tokenized (vocabulary 256), so one model reads both. `:tiny
 for checking the plumbing.
 """
 
-import pathlib
-
 from jaxscale.config import base_config
-from jaxscale.data import DataError, corpus, prepare_tokens, read
+from jaxscale.data import corpus, prepared_bytes
 
 BASELINE = "full"
 PRETRAIN = "pretrain_english"
@@ -32,23 +30,13 @@ ENGLISH, CODE = "data/pydoc_bytes", "data/python_bytes"
 STEPS = {"cpu-llama": (300, 100, 50), "tiny-llama": (4, 4, 2)}
 
 
-def _prepared(directory: str, text_file: str, write_text) -> None:
-    """`directory` bytes-tokenized from the text `write_text(text_file)` writes, prepared here if missing."""
-    try:
-        read(directory)
-    except DataError:
-        text = write_text(pathlib.Path(text_file))
-        print(f"jaxscale: preparing {text} into {directory} (bytes tokenizer)")
-        prepare_tokens([text], directory, kind="bytes", progress=False)
-
-
 def get_config(preset=None):
     """Llama blocks (unrolled: finetune.train=last_blocks needs them), bf16, remat Block, text of 256 byte ids."""
     preset = preset or "cpu-llama"
     if preset not in STEPS:
         raise ValueError(f"preset: {preset!r}; allowed: {', '.join(STEPS)}")
-    _prepared(ENGLISH, "data/pydoc.txt", corpus.write_pydoc_text)
-    _prepared(CODE, "data/python.txt", lambda path: corpus.write_text(path, corpus.python_source_text()))
+    prepared_bytes(ENGLISH, "data/pydoc.txt", corpus.write_pydoc_text)
+    prepared_bytes(CODE, "data/python.txt", lambda path: corpus.write_text(path, corpus.python_source_text()))
     config = base_config(preset, name="finetune")
     config.model.update(vocab_size=256, scan_layers=False, remat=("Block",), dropout_rate=0.0)
     _, steps, every = STEPS[preset]

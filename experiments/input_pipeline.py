@@ -18,7 +18,7 @@ text, then `python -m jaxscale.data prepare --tokenizer bytes`.
 import pathlib
 
 from jaxscale.config import base_config
-from jaxscale.data import DataError, corpus, prepare_tokens, read
+from jaxscale.data import corpus, prepared_bytes
 
 BASELINE = "synthetic"
 
@@ -33,14 +33,7 @@ HOST_DELAY_S = {"cpu": 3.0, "tiny": 0.05, "seed": 1.0}
 
 def pydoc_bytes() -> pathlib.Path:
     """The pydoc topics as a bytes-tokenized directory (vocab 256), prepared here if missing."""
-    prepared = DATA_DIR / "pydoc_bytes"
-    try:
-        read(prepared)
-    except DataError:
-        text = corpus.write_pydoc_text(DATA_DIR / "pydoc.txt")
-        print(f"jaxscale: preparing {text} into {prepared} (bytes tokenizer)")
-        prepare_tokens([text], prepared, kind="bytes", progress=False)
-    return prepared
+    return prepared_bytes(DATA_DIR / "pydoc_bytes", DATA_DIR / "pydoc.txt", corpus.write_pydoc_text)
 
 
 def get_config(preset=None):

@@ -43,10 +43,6 @@ from jaxscale.sweep.results import ResultsFile
 from jaxscale.sweep.sweep_file import Sweep, Variant
 
 GIB = 2**30
-# What a fine-tuning method (--finetune) sets, read back from its row when the answer is measured.
-_FINETUNE_FIELDS = (
-    "finetune.train", "model.lora_rank", "model.lora_targets", "optimizer.name", "optimizer.state_dtype",
-)  # fmt: skip
 _MEASURED = ("step_s_median", "step_s_p90", "tokens_per_s", "device_peak_bytes", "mfu", "run_dir", "trace_dir")
 
 
@@ -209,7 +205,8 @@ def measure_rows(rows: list[dict], fv: flags.FlagValues, name: str, output_root:
         if row.get("status") != "ok" or row.get("tokens_per_s") is not None:
             continue
         _, remat, policy = fit_search.REMAT_CHOICES[row["fit_choice"]]
-        method = {f: row[f"config.{f}"] for f in _FINETUNE_FIELDS} if row.get("fit_finetune") else {}
+        method = row.get("fit_finetune")  # what a --finetune method set, read back from its row
+        method = {f: row[f"config.{f}"] for f in fit_search.finetune_fields(method)} if method else {}
         changes = {**overrides, **method, "model.remat": remat, "model.remat_policy": policy}
         changes["data.batch_size"] = row["config.data.batch_size"]
         variant = Variant(row["variant"].replace(":", "_"), changes, ml_collections.ConfigDict())

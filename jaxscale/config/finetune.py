@@ -99,6 +99,13 @@ def backward_blocks(config: ml_collections.ConfigDict) -> int:
     return f.last_blocks
 
 
+def in_backward(path: str, config: ml_collections.ConfigDict) -> bool:
+    """Whether the backward pass goes through the parameter at `path`: every one outside the blocks, and those of
+    the top `backward_blocks` blocks."""
+    block = _BLOCK.match(path)
+    return block is None or int(block.group(1)) >= config.model.num_layers - backward_blocks(config)
+
+
 def trains_everything(config: ml_collections.ConfigDict) -> bool:
     """Every parameter trains (the step keeps no frozen tree)."""
     return config.finetune.train == "all"

@@ -6,7 +6,7 @@ with `data.source=text` and `data.path=DIR` trains on them through `make_source`
 
 from jaxscale.data.batch import Batch, make_batch, windows_to_batch
 from jaxscale.data.manifest import DataError, Manifest, read
-from jaxscale.data.prepare import prepare_tokens
+from jaxscale.data.prepare import prepare_tokens, prepared_bytes
 from jaxscale.data.source import (
     BatchPlacement,
     DataSource,
@@ -32,6 +32,7 @@ __all__ = [
     "make_batch",
     "make_source",
     "prepare_tokens",
+    "prepared_bytes",
     "read",
     "unigram_entropy_nats",
     "validation_batches",

@@ -13,7 +13,7 @@ import os
 import pathlib
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -176,3 +176,18 @@ def prepare_tokens(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return manifest.read(out)
+
+
+def prepared_bytes(
+    out: str | os.PathLike, text_file: str | os.PathLike, write_text: Callable[[pathlib.Path], pathlib.Path]
+) -> pathlib.Path:
+    """`out`, a bytes-tokenized directory, prepared here on first use: when it cannot be read, `write_text(text_file)`
+    writes the text (a corpus writer) and `prepare_tokens` tokenizes it (the experiments' corpora). Returns `out`."""
+    out = pathlib.Path(out)
+    try:
+        manifest.read(out)
+    except DataError:
+        text = write_text(pathlib.Path(text_file))
+        print(f"jaxscale: preparing {text} into {out} (bytes tokenizer)")
+        prepare_tokens([text], out, kind="bytes", progress=False)
+    return out

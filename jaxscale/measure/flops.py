@@ -10,7 +10,6 @@ Sources, as named in the result row:
 from __future__ import annotations
 
 import math
-import re
 
 import jax
 import ml_collections
@@ -84,11 +83,7 @@ def backward_params(config: ml_collections.ConfigDict) -> tuple[int, int]:
     gathers = {"pos_emb"} | (set() if m.tie_embeddings else {"embed/embedding"})
     table = {k: math.prod(shape) for k, (shape, _) in params.param_table(m).items() if k not in gathers}
     trained = sum(n for k, n in table.items() if finetune.trainable(k, config))
-    if finetune.backward_blocks(config) == m.num_layers:
-        return sum(table.values()), trained
-    lowest = m.num_layers - finetune.backward_blocks(config)
-    block = re.compile(r"^transformer/block_(\d+)/")
-    through = sum(n for k, n in table.items() if (b := block.match(k)) is None or int(b.group(1)) >= lowest)
+    through = sum(n for k, n in table.items() if finetune.in_backward(k, config))
     return through, trained
 
 
@@ -179,7 +174,7 @@ def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
     out projection neither trains nor has an adapter does not recompute the attention's AV ("values"), which only
     that projection's weight gradient reads; LoRA adapters recompute as `_adapter_recompute` says.
     """
-    m, f = config.model, config.finetune
+    m = config.model
     per_token = forward_matmul_flops_per_token(config)
     sizes = ModelConfig.from_config(m)
     per_token.update(k=2 * sizes.hidden_size * sizes.kv_width, up_only=2 * sizes.hidden_size * sizes.mlp_width)
@@ -187,7 +182,8 @@ def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
     out_adapted = m.lora_rank > 0 and "out" in finetune.lora_projections(m.family, tuple(m.lora_targets))
     total = 0.0
     for layer in range(m.num_layers - finetune.backward_blocks(config), m.num_layers):
-        trained = f.train == "all" or (f.train == "last_blocks" and layer >= m.num_layers - f.last_blocks)
+        block = "transformer/blocks" if m.scan_layers else f"transformer/block_{layer}"
+        trained = finetune.trainable(f"{block}/attn/out/kernel", config)
         for target in m.remat:
             names = tuple(n for n in policy[target] if n != "values" or trained or out_adapted)
             total += sum(per_token[name] for name in names) + _adapter_recompute(config, target, names)

@@ -67,9 +67,6 @@ def host_peak_rss_bytes() -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Analytic estimate: bytes of named tensors, per config (see docs/measurements.md for the derivation).
 
-# Optimizer state in float32 copies of the parameters: Adam's two moments, SGD's momentum trace (Adafactor's
-# factored state is counted per parameter shape, see optimizer_state_bytes).
-OPTIMIZER_STATE_COPIES = {"adam": 2, "adamw": 2, "sgd": 1}
 _FLOAT32 = 4  # params, gradients, optimizer state and LayerNorm statistics are float32
 _BOOL = 1  # a dropout keep-mask element
 
@@ -331,13 +328,11 @@ def sharded_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor:
     final LayerNorm (SH + 2H, embed) and the output bias (V, vocabulary). For a Llama every kernel has both
     axes and the RMSNorm scales only embed.
     """
-    table = params.param_table(model)
-    return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor)) for shape, names in table.values())
+    return _held(params.param_table(model), fsdp, tensor)
 
 
-def layer_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1) -> int:
-    """Parameters of one transformer block on one device (see sharded_param_count)."""
-    table = params.layer_param_table(model)
+def _held(table: dict[str, tuple[tuple[int, ...], tuple]], fsdp: int, tensor: int) -> int:
+    """Elements one device holds of the parameters in `table` (path -> (shape, names)), each split by its names."""
     return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor)) for shape, names in table.values())
 
 
@@ -349,8 +344,7 @@ def trained_table(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[in
 def trained_param_count(config: ml_collections.ConfigDict) -> int:
     """Parameters that train, held by one device (sharded like every parameter, see sharded_param_count)."""
     _, fsdp, tensor = mesh_shape(config)
-    table = trained_table(config)
-    return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor)) for shape, names in table.values())
+    return _held(trained_table(config), fsdp, tensor)
 
 
 def _frozen_itemsize(config: ml_collections.ConfigDict) -> int:

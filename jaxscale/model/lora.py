@@ -11,7 +11,6 @@ the same function with no adapters left.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -96,8 +95,3 @@ def merge(params: dict, cfg: ModelConfig) -> dict:
         return {k: fold(v) for k, v in node.items()}
 
     return fold(params)
-
-
-def base_config(cfg: ModelConfig) -> ModelConfig:
-    """The same model without adapters (what `merge`'s params are for)."""
-    return dataclasses.replace(cfg, lora_rank=0)

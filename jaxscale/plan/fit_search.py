@@ -109,6 +109,11 @@ class Search:
         return self.too_large.minibatch == self.largest.minibatch + 1
 
 
+def finetune_fields(method: str) -> tuple[str, ...]:
+    """The config fields FINETUNE_CHOICES[method] sets through `with_finetune` (its changes and the LoRA rank)."""
+    return (*FINETUNE_CHOICES[method][1], "model.lora_rank")
+
+
 def with_finetune(config: ml_collections.ConfigDict, method: str) -> ml_collections.ConfigDict:
     """A validated copy of `config` fine-tuned by FINETUNE_CHOICES[method] (LoRA at the config's rank, or 16).
 
