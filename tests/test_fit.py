@@ -281,6 +281,23 @@ def test_the_torchtune_lora_plan_holds_what_docs_finetune_says():
     plan = f"{peak:.2f} GiB (XLA's plan, cuBLAS GEMMs)"
     assert f"| peak memory | {plan} | 16.2 GiB (PyTorch's peak) | {peak / 16.2:.2f} |" in doc
     assert f"| tokens/s | {tokens:,.0f} (predicted) | 3,083 | {tokens / 3083:.2f} |" in doc
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"planned at {peak / 16.2:.2f}x its measured peak" in readme
+
+
+def test_the_readme_summary_of_the_rtx4090_answer_is_the_rows():
+    """README's one line on the RTX 4090: the full methods' factors over both budgets and LoRA's largest
+    minibatches, from the committed rows."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    factors, lora = [], []
+    for suffix in ("", "_mem95"):
+        for method, rows in _finetune_rows("rtx4090", suffix).items():
+            if method.startswith("full"):
+                factors.append(min(r["compiled_peak_bytes"] for r in rows) / rows[0]["fit_budget_bytes"])
+            else:
+                lora.append(max(r["fit_largest_minibatch"] or 0 for r in rows))
+    assert f"{min(factors):.1f} to {max(factors):.1f} times over the budget" in readme
+    assert f"LoRA fits {min(lora)} to {max(lora)} sequences of 2048 tokens" in readme
 
 
 def test_the_committed_cpu_finetune_sweep_holds_what_docs_finetune_says():
