@@ -250,7 +250,8 @@ def format_table(rows: list[dict]) -> str:
 def _header(config, settings: dict) -> str:
     source = settings["fit_plan_source"]
     if settings.get("fit_devices", 1) > 1:
-        source += f" x{settings['fit_devices']}, mesh {settings['fit_mesh']} (data x fsdp x tensor); per device"
+        mesh = f"mesh {settings['fit_mesh']} ({mesh_shape(config).axes_text})"
+        source += f" x{settings['fit_devices']}, {mesh}; per device"
     text = (
         f"fit {config.name}:{config.preset}, seq {config.data.seq_len}, {config.train.num_minibatches} minibatch(es) "
         f"per step: {source}; budget {_gib(settings['fit_budget_bytes'])} GiB ({settings['fit_budget_source']}), "

@@ -37,6 +37,7 @@ from jaxscale.cli import (
     wants_help,
 )
 from jaxscale.config import ConfigError, check_mesh_devices, describe, flatten, mesh_shape, mesh_text
+from jaxscale.config.spec import layout_text, mesh_axes_text
 from jaxscale.measure import columns, flops, memory, params, profiling
 from jaxscale.measure.scalars import ScalarWriter
 from jaxscale.plan import calibrate, cost, gpu_plan, predict, targets
@@ -151,8 +152,9 @@ def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path
         "hostname": platform.node(),
         "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "tokens_per_step": config.data.batch_size * config.data.seq_len,
-        "mesh": mesh_text(config),  # data x fsdp x tensor; every memory column is per device
+        "mesh": mesh_text(config),  # data x fsdp x tensor (x context); every memory column is per device
         "mesh_devices": mesh_shape(config).devices,
+        "mesh_layout": layout_text(config),  # e.g. "dp2 zero1x4 tp2+sp cp2"
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
         "analytic_model_flops_per_step": flops.model_flops_per_step(config),
@@ -425,7 +427,8 @@ def summary(row: dict) -> str:
     if cost.cost_text(row):
         lines.append(f"  {cost.cost_text(row)}")
     if row.get("mesh_devices", 1) > 1:
-        lines.insert(1, f"  mesh {row['mesh']} (data x fsdp x tensor) on {row['mesh_devices']} devices, "
+        layout = f"{mesh_axes_text(row['mesh'])}: {row.get('mesh_layout', '')}"
+        lines.insert(1, f"  mesh {row['mesh']} ({layout}) on {row['mesh_devices']} devices, "
                         f"{row['process_count']} process(es); memory figures are per device")  # fmt: skip
     lines += [f"  shape warning: {warning}" for warning in row.get("shape_warnings") or ()]
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]

@@ -31,7 +31,9 @@ from jaxscale.config.spec import (
     mesh_shape,
     mesh_text,
     minibatch_per_device,
+    sequence_parallel,
     step_model,
+    zero_stage,
 )
 from jaxscale.config.validation import check_mesh_devices, validate
 
@@ -61,6 +63,8 @@ __all__ = [
     "mesh_shape",
     "mesh_text",
     "minibatch_per_device",
+    "sequence_parallel",
     "step_model",
     "validate",
+    "zero_stage",
 ]

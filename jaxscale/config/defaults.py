@@ -171,12 +171,15 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = 3  # steps captured with jax.profiler after the timed ones (0 = no trace)
 
-    # The device mesh (jaxscale.train.sharding, docs/mesh.md): data x fsdp x tensor must equal the number of
-    # devices (or --devices of a planned target). 1 x 1 x 1 is the single-device program, on the first device.
+    # The device mesh (jaxscale.train.sharding, docs/mesh.md): data x fsdp x tensor x context must equal the
+    # number of devices (or --devices of a planned target). All 1 is the single-device program, on the first device.
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # data parallel: the batch split over this axis, parameters replicated
-    c.mesh.fsdp = 1  # FSDP (ZeRO-3): parameters, gradients and optimizer state sharded, the batch split too
+    c.mesh.fsdp = 1  # sharded data parallel (ZeRO, mesh.zero_stage): the batch split, model state sharded
     c.mesh.tensor = 1  # Megatron tensor parallel: attention heads, MLP width and vocabulary split
+    c.mesh.context = 1  # context parallel: every activation's sequence split, attention as a ring
+    c.mesh.zero_stage = 3  # what mesh.fsdp shards: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP)
+    c.mesh.sequence_parallel = False  # with mesh.tensor: norms and residuals split along the sequence too
 
     for group, values in all_presets()[preset].items():
         c[group].update(values)

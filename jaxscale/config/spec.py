@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import ml_collections
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")  # the device array's axes, outermost first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,37 +77,84 @@ class ModelConfig:
 
 
 class MeshShape(NamedTuple):
-    """The device mesh, data x fsdp x tensor (jaxscale.train.sharding lays the step out over it)."""
+    """The device mesh's sizes, data x fsdp x tensor x context (jaxscale.train.sharding lays the step out over it).
+
+    The fields are in the order the mesh is written (`text`); the devices are laid out in MESH_AXES's order,
+    tensor fastest (see jaxscale.train.sharding.make_mesh)."""
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    context: int = 1
 
     @property
     def devices(self) -> int:
-        """Devices the mesh uses: data x fsdp x tensor (1 for the single-device program)."""
+        """Devices the mesh uses: data x fsdp x tensor x context (1 for the single-device program)."""
         return math.prod(self)
 
     @property
     def batch_split(self) -> int:
-        """Devices the batch is split over: data x fsdp (tensor-parallel devices share their sequences)."""
+        """Devices the batch is split over: data x fsdp (tensor- and context-parallel devices share sequences)."""
         return self.data * self.fsdp
 
     @property
     def text(self) -> str:
-        """`data x fsdp x tensor`, e.g. "2x2x2"."""
-        return "x".join(str(n) for n in self)
+        """`data x fsdp x tensor`, e.g. "2x2x2", with `x context` appended when it splits: "1x2x1x4"."""
+        sizes = self if self.context > 1 else self[:3]
+        return "x".join(str(n) for n in sizes)
+
+    @property
+    def axes_text(self) -> str:
+        """The names of the sizes in `text`: "data x fsdp x tensor" (x context)."""
+        return " x ".join(MeshShape._fields if self.context > 1 else MeshShape._fields[:3])
+
+    @property
+    def physical(self) -> tuple[int, ...]:
+        """The sizes in MESH_AXES's order, the shape of the device array."""
+        return tuple(getattr(self, axis) for axis in MESH_AXES)
 
 
 def mesh_shape(config: ml_collections.ConfigDict) -> MeshShape:
-    """The config's mesh; 1x1x1 for a config from before the mesh group."""
+    """The config's mesh; 1x1x1 for a config from before the mesh group (and context 1 before that axis)."""
     mesh = config.get("mesh")
-    return MeshShape() if mesh is None else MeshShape(*(int(mesh[axis]) for axis in MESH_AXES))
+    return MeshShape() if mesh is None else MeshShape(*(int(mesh.get(axis, 1)) for axis in MeshShape._fields))
 
 
 def mesh_text(config: ml_collections.ConfigDict) -> str:
-    """The mesh as `data x fsdp x tensor`, e.g. "2x2x2"."""
+    """The mesh as `data x fsdp x tensor` (x context when it splits), e.g. "2x2x2"."""
     return mesh_shape(config).text
+
+
+def mesh_axes_text(text: str) -> str:
+    """The names of the sizes in a mesh's text ("2x2x2": "data x fsdp x tensor"; four sizes: x context)."""
+    return " x ".join(MeshShape._fields[: len(text.split("x"))])
+
+
+def layout_text(config: ml_collections.ConfigDict) -> str:
+    """The config's layout in a few words, each axis that splits: "dp2 zero1x4 tp2+sp cp2" (fsdp8 for ZeRO-3 over
+    8 devices), "single" on one device."""
+    mesh, words = mesh_shape(config), []
+    if mesh.data > 1:
+        words.append(f"dp{mesh.data}")
+    if mesh.fsdp > 1:
+        stage = zero_stage(config)
+        words.append(f"fsdp{mesh.fsdp}" if stage == 3 else f"zero{stage}x{mesh.fsdp}")
+    if mesh.tensor > 1:
+        words.append(f"tp{mesh.tensor}" + ("+sp" if sequence_parallel(config) else ""))
+    if mesh.context > 1:
+        words.append(f"cp{mesh.context}")
+    return " ".join(words) or "single"
+
+
+def zero_stage(config: ml_collections.ConfigDict) -> int:
+    """What the fsdp axis shards (ZeRO's stages, Rajbhandari et al. 2020): 1 the optimizer state, 2 and the
+    gradients, 3 and the parameters (FSDP); 3 for a config from before the field."""
+    return int(config.get("mesh", {}).get("zero_stage", 3))
+
+
+def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
+    """Megatron sequence parallelism: with mesh.tensor > 1, the residual stream split along its sequence too."""
+    return bool(config.get("mesh", {}).get("sequence_parallel", False)) and mesh_shape(config).tensor > 1
 
 
 def step_model(config: ml_collections.ConfigDict) -> ModelConfig:

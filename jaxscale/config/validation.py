@@ -36,8 +36,8 @@ def _positive(config: ml_collections.ConfigDict, *fields: str) -> None:
         _check(isinstance(value, int) and value > 0, field, f"must be a positive integer, got {value!r}")
 
 
-def _one_of(value: object, allowed: tuple[str, ...], field: str) -> None:
-    _check(value in allowed, field, f"unknown {value!r}; allowed: {', '.join(allowed)}")
+def _one_of(value: object, allowed: tuple, field: str) -> None:
+    _check(value in allowed, field, f"unknown {value!r}; allowed: {', '.join(map(str, allowed))}")
 
 
 def _validate_family(m: ml_collections.ConfigDict) -> None:
@@ -207,9 +207,22 @@ def _divisors(n: int) -> str:
 
 def _validate_mesh(config: ml_collections.ConfigDict) -> None:
     """Each mesh axis divides what it splits (JAX shards only evenly): see jaxscale.train.sharding.RULES."""
-    _positive(config, "mesh.data", "mesh.fsdp", "mesh.tensor")
+    _positive(config, "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.context")
     m, sizes, mesh = config.model, ModelConfig.from_config(config.model), mesh_shape(config)
-    (data, fsdp, tensor), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
+    (data, fsdp, tensor, context), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
+    _one_of(config.mesh.zero_stage, (1, 2, 3), "mesh.zero_stage")
+    _check(isinstance(config.mesh.sequence_parallel, bool), "mesh.sequence_parallel",
+           f"must be True or False, got {config.mesh.sequence_parallel!r}")  # fmt: skip
+    _check(not config.mesh.sequence_parallel or tensor > 1, "mesh.sequence_parallel",
+           "splits the residual stream over the tensor axis: set mesh.tensor > 1, or False")  # fmt: skip
+    _validate_context(config, context)
+    seq_split = context * (tensor if config.mesh.sequence_parallel else 1)
+    _check(
+        config.data.seq_len % seq_split == 0,
+        "data.seq_len",
+        f"{config.data.seq_len} is not divisible by the {seq_split} devices its sequence is split over (mesh.context"
+        f"{' x mesh.tensor with sequence parallelism' if config.mesh.sequence_parallel else ''})",
+    )
     _check(
         minibatch % mesh.batch_split == 0,
         "mesh",
@@ -217,10 +230,10 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
         f"(data.batch_size / train.num_minibatches); data x fsdp may be: {_divisors(minibatch)}",
     )
     _check(
-        m.hidden_size % fsdp == 0,
+        m.hidden_size % (fsdp * context) == 0,
         "mesh.fsdp",
-        f"{fsdp} does not divide model.hidden_size={m.hidden_size} (FSDP splits the embed axis); allowed: "
-        f"{_divisors(m.hidden_size)}",
+        f"{fsdp} x mesh.context={context} does not divide model.hidden_size={m.hidden_size} (the model state is "
+        f"split along its embed axis over both); fsdp x context may be: {_divisors(m.hidden_size)}",
     )
     splits = {
         "attention heads (model.hidden_size / model.head_dim)": sizes.num_heads,
@@ -236,6 +249,24 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
             f"{tensor} does not divide the {size} {what}; tensor may be a common divisor of heads, MLP width "
             f"and vocabulary: {_divisors(math.gcd(*splits.values()))}",
         )
+
+
+def _validate_context(config: ml_collections.ConfigDict, context: int) -> None:
+    """Context parallelism runs attention as a ring of chunked blocks over a load-balanced sequence: 2 x context
+    chunks, each a whole number of the kernel's key blocks (jaxscale.model.ring_attention)."""
+    if context == 1:
+        return
+    m, seq = config.model, config.data.seq_len
+    _check(m.attention == "chunked", "model.attention",
+           f"mesh.context={context} runs attention as a ring of chunked blocks; set model.attention=chunked "
+           f"(it is {m.attention!r})")  # fmt: skip
+    _check(seq % (2 * context) == 0, "mesh.context",
+           f"{context}: data.seq_len={seq} must split into 2 x context chunks (the causal load balance); "
+           f"allowed: {', '.join(str(n) for n in range(1, seq // 2 + 1) if seq % (2 * n) == 0)}")  # fmt: skip
+    chunk, block = seq // (2 * context), m.attention_block_k
+    _check(not block or chunk % block == 0, "model.attention_block_k",
+           f"{block} does not divide the ring's chunk of {chunk} positions (data.seq_len / (2 x mesh.context)); "
+           f"allowed: 0 (default) or {_divisors(chunk)}")  # fmt: skip
 
 
 def check_mesh_devices(
@@ -256,7 +287,8 @@ def check_mesh_devices(
     if devices == 1:
         fix = "use 1x1x1"
     raise ConfigError(
-        f"mesh: data x fsdp x tensor = {mesh_text(config)} = {product} devices, but {where} has {devices}; {fix}{hint}"
+        f"mesh: {mesh_shape(config).axes_text} = {mesh_text(config)} = {product} devices, but {where} has {devices}; "
+        f"{fix}{hint}"
     )
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxscale.config import finetune
-from jaxscale.config.spec import ModelConfig, mesh_shape, minibatch_per_device
+from jaxscale.config.spec import ModelConfig, mesh_shape, minibatch_per_device, sequence_parallel, zero_stage
 from jaxscale.measure import params
 
 
@@ -90,6 +90,7 @@ class Dims:
     attention: str  # reference | xla | cudnn | chunked | flash
     family: str  # gpt | llama
     t: int = 1  # tensor-parallel degree (mesh.tensor): heads, K/V heads, MLP width and vocabulary split t ways
+    sp: int = 1  # ways the residual stream's positions are split (t under sequence parallelism, else 1)
     c: int = 0  # positions per chunk of the output head and loss (train.loss_chunk_len); 0: the whole sequence
 
     @property
@@ -101,10 +102,10 @@ class Dims:
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> Dims:
         m, p = config.model, jnp.dtype(config.model.dtype).itemsize
-        sizes, tensor = ModelConfig.from_config(m), mesh_shape(config).tensor
+        sizes, mesh = ModelConfig.from_config(m), mesh_shape(config)
         return cls(
             b=minibatch_per_device(config),
-            s=config.data.seq_len,
+            s=config.data.seq_len // mesh.context,  # context parallelism: each device holds s / context positions
             h=m.hidden_size,
             a=sizes.num_heads,
             k=sizes.kv_width,
@@ -116,14 +117,17 @@ class Dims:
             kernel_casts=p != _FLOAT32,
             attention=m.attention,
             family=m.family,
-            t=tensor,
+            t=mesh.tensor,
+            sp=mesh.tensor if sequence_parallel(config) else 1,
             c=config.train.get("loss_chunk_len", 0),
         )
 
 
-def _split(terms: dict[str, int], names: set[str], t: int) -> dict[str, int]:
-    """The terms with those in `names` divided by the tensor-parallel degree t (Megatron splits them)."""
-    return {name: value // t if name in names else value for name, value in terms.items()}
+def _split(terms: dict[str, int], names: set[str], d: Dims) -> dict[str, int]:
+    """The terms with those in `names` divided by the tensor-parallel degree t (Megatron splits them), the
+    others by d.sp (sequence parallelism splits the rest along the sequence: Korthikanti et al. 2022, Sec. 4.2.2,
+    sbh(34/t + 5as/(ht)) per layer)."""
+    return {name: value // d.t if name in names else value // d.sp for name, value in terms.items()}
 
 
 # Per-layer tensors that tensor parallelism splits: everything between the column-parallel (QKV, up) and
@@ -159,7 +163,7 @@ def attention_residuals(d: Dims, scanned: bool) -> dict[str, int]:
         terms.update(kernel_casts=4 * d.h * d.h * d.p if d.kernel_casts else 0)
     else:
         terms.update(ln_input=d.p * sbh, ln_stats=2 * _FLOAT32 * d.s * d.b)
-    return _split(terms, _ATTN_SPLIT, d.t)
+    return _split(terms, _ATTN_SPLIT, d)
 
 
 def mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
@@ -178,7 +182,7 @@ def mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
         terms.update(kernel_casts=2 * d.f * d.h * d.p if d.kernel_casts else 0)
     else:
         terms.update(ln_input=d.p * sbh, ln_stats=2 * _FLOAT32 * d.s * d.b)
-    return _split(terms, _MLP_SPLIT, d.t)
+    return _split(terms, _MLP_SPLIT, d)
 
 
 def llama_attention_residuals(d: Dims, scanned: bool) -> dict[str, int]:
@@ -202,7 +206,7 @@ def llama_attention_residuals(d: Dims, scanned: bool) -> dict[str, int]:
         terms.update(kernel_casts=(2 * d.h * d.h + 2 * d.h * d.k) * d.p if d.kernel_casts else 0)
     else:
         terms.update(norm_input=d.p * sbh, norm_stats=_FLOAT32 * d.s * d.b)
-    return _split(terms, _ATTN_SPLIT, d.t)
+    return _split(terms, _ATTN_SPLIT, d)
 
 
 def llama_mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
@@ -222,7 +226,7 @@ def llama_mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
         terms.update(kernel_casts=3 * d.f * d.h * d.p if d.kernel_casts else 0)
     else:
         terms.update(norm_input=d.p * sbh, norm_stats=_FLOAT32 * d.s * d.b)
-    return _split(terms, _LLAMA_MLP_SPLIT, d.t)
+    return _split(terms, _LLAMA_MLP_SPLIT, d)
 
 
 def residual_functions(family: str) -> tuple:
@@ -249,7 +253,7 @@ def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
     # dots_saveable keeps the attention's matmul outputs: the logits and the AV output, or only what a
     # fused kernel returns (its einsums are inside it).
     attention = context if d.fused_attention else (d.q * as2b + d.p * sbh) // d.t
-    out = d.p * sbh  # the out projection's output: kept under Block only
+    out = d.p * sbh // d.sp  # the out projection's output: kept under Block only
     if policy == "selective_op":  # gpt: qkv, up; llama: q, v, gate, down (never read)
         attn = (d.p * (sbh + sbk) // d.t if llama else qkv) + context
         return {"Attn": attn, "MLP": d.p * sbf // d.t, "Block": attn + d.p * sbf // d.t}
@@ -288,8 +292,8 @@ def head_residuals(d: Dims, causal_mask: bool) -> dict[str, int]:
     sbh, bsv = d.s * d.b * d.h, d.b * (d.c or d.s) * d.v  # with a chunked loss, one chunk's logits live
     return {
         "tokens": 2 * 4 * d.b * d.s,  # int32 inputs and labels
-        "embedding_dropout_mask": d.mask * sbh,
-        "final_ln": 2 * d.p * sbh,
+        "embedding_dropout_mask": d.mask * sbh // d.sp,
+        "final_ln": 2 * d.p * sbh // d.sp,
         "logits": 2 * d.p * bsv // d.t,  # fitted (see above); split by vocabulary under tensor parallelism
         "causal_mask": _BOOL * d.a * d.s * d.s * d.b // d.t if causal_mask else 0,  # split by heads
     }
@@ -302,7 +306,7 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
     residuals come back during the backward pass as a working set, one unit at a time, fused (XLA
     optimizes the recompute and its backward as one region, so the fused terms apply even when scanned).
     """
-    sbh = d.s * d.b * d.h
+    sbh = d.s * d.b * d.h // d.sp  # a module's input: the residual stream, split by sequence parallelism
     attn, mlp = residual_functions(d.family)
     kept = {"Attn": sum(attn(d, scanned).values()), "MLP": sum(mlp(d, scanned).values())}
     fused = {"Attn": sum(attn(d, False).values()), "MLP": sum(mlp(d, False).values())}
@@ -341,10 +345,20 @@ def trained_table(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[in
     return {k: v for k, v in params.param_table(config.model).items() if finetune.trainable(k, config)}
 
 
-def trained_param_count(config: ml_collections.ConfigDict) -> int:
-    """Parameters that train, held by one device (sharded like every parameter, see sharded_param_count)."""
-    _, fsdp, tensor = mesh_shape(config)
-    return _held(trained_table(config), fsdp, tensor)
+def zero_splits(config: ml_collections.ConfigDict) -> dict[str, int]:
+    """How many ways the fsdp axis splits the parameters, the gradients and the optimizer state at the config's
+    mesh.zero_stage (ZeRO, Rajbhandari et al. 2020): stage 1 the state only, 2 the state and the (accumulated)
+    gradients, 3 all three. The ways are those of the layout (jaxscale.train.sharding.rules)."""
+    mesh, stage = mesh_shape(config), zero_stage(config)
+    fsdp = mesh.fsdp * mesh.context  # the layout shards the model state over both (jaxscale.train.sharding.RULES)
+    return {"params": fsdp if stage == 3 else 1, "grads": fsdp if stage >= 2 else 1, "optimizer": fsdp}
+
+
+def trained_param_count(config: ml_collections.ConfigDict, fsdp: int | None = None) -> int:
+    """Parameters that train, held by one device (sharded like every parameter, see sharded_param_count),
+    split `fsdp` ways on the fsdp axis (default: as the layout splits the parameters, zero_splits)."""
+    fsdp = zero_splits(config)["params"] if fsdp is None else fsdp
+    return _held(trained_table(config), fsdp, mesh_shape(config).tensor)
 
 
 def _frozen_itemsize(config: ml_collections.ConfigDict) -> int:
@@ -357,25 +371,27 @@ def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
     its momentum, (2 or 4) · T; Adafactor 4 × (its factored second moments, params.adafactor_state_elements:
     n/d1 + n/d2 per matrix whose two largest dims are >= 128, n for every other parameter, each split like the
     parameter axes it keeps)."""
-    _, fsdp, tensor = mesh_shape(config)
+    fsdp, tensor = zero_splits(config)["optimizer"], mesh_shape(config).tensor
     if config.optimizer.name == "adafactor":
         table = trained_table(config)
         shapes, names = {k: s for k, (s, _) in table.items()}, {k: n for k, (_, n) in table.items()}
         return _FLOAT32 * params.adafactor_state_elements(shapes, names, fsdp, tensor)
     first = jnp.dtype(config.optimizer.get("state_dtype", "float32")).itemsize
     per_param = {"adam": first + _FLOAT32, "adamw": first + _FLOAT32, "sgd": first}[config.optimizer.name]
-    return per_param * trained_param_count(config)
+    return per_param * trained_param_count(config, fsdp)
 
 
-def _gathered_layer_bytes(config: ml_collections.ConfigDict) -> int:
+def _gathered_layer_bytes(config: ml_collections.ConfigDict, gradient_only: bool = False) -> int:
     """Under FSDP, one block's parameters gathered whole (/ tensor) with their full gradients before the
-    reduce-scatter: 4 + 4 bytes per trained parameter, the frozen dtype's bytes per frozen one (no gradient).
+    reduce-scatter: 4 + 4 bytes per trained parameter, the frozen dtype's bytes per frozen one (no gradient);
+    `gradient_only` (ZeRO-2, whose weights are whole already): 4 bytes per trained parameter.
     The top block is the one counted (with finetune.train=last_blocks it trains)."""
     m, tensor = config.model, mesh_shape(config).tensor
     block = "transformer/blocks" if m.scan_layers else f"transformer/block_{m.num_layers - 1}"
     total = 0
     for key, (shape, names) in params.layer_param_table(m).items():
-        per = 2 * _FLOAT32 if finetune.trainable(f"{block}/{key}", config) else _frozen_itemsize(config)
+        trains = finetune.trainable(f"{block}/{key}", config)
+        per = (1 if gradient_only else 2) * _FLOAT32 if trains else 0 if gradient_only else _frozen_itemsize(config)
         total += per * math.prod(params.shard_shape(shape, names, 1, tensor))
     return total
 
@@ -386,18 +402,23 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     Peak = params + gradients + optimizer state + activations, at the start of the (last minibatch's)
     backward pass, when every layer's saved activations are alive:
       params: 4·N (float32), N the parameters this device holds (sharded_param_count: all of them on one
-        device or under pure data parallelism; ZeRO-3 / FSDP divides by mesh.fsdp, Rajbhandari et al.
-        2020; tensor parallelism divides the split matrices by mesh.tensor, Shoeybi et al. 2019).
-      optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; sharded like the parameters).
+        device or under pure data parallelism; ZeRO-3 / FSDP divides by mesh.fsdp x mesh.context,
+        Rajbhandari et al. 2020; tensor parallelism divides the split matrices by mesh.tensor, Shoeybi et
+        al. 2019). Below ZeRO stage 3 the parameters are whole on the fsdp axis (zero_splits).
+      optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; split over fsdp x context at every
+        ZeRO stage).
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop);
-        sharded like the parameters (the step constrains them so: FSDP reduce-scatters).
+        split like the optimizer state from ZeRO stage 2 on (the step constrains them so: reduce-scatters),
+        whole at stage 1.
       activations: L × per-layer bytes (layer_activation_bytes) + one recomputed unit + head_residuals,
-        for the minibatch's share of this device (/ data·fsdp) with tensor-parallel terms split (Dims.t);
+        for the minibatch's share of this device (/ data·fsdp, and the sequence / context) with
+        tensor-parallel terms split (Dims.t), and every term under sequence parallelism (Dims.sp);
         with accumulate='loop' every minibatch's activations, as both XLA backends schedule the unrolled
         minibatches' forward passes together (measured; see docs/measurements.md). Under FSDP one layer's
         parameters are gathered whole (/ tensor) at a time, with their full gradient before it is
-        reduce-scattered: 2 × 4 × its parameters (analytic_fsdp_gather_bytes, in the activations).
+        reduce-scattered: 2 × 4 × its parameters (analytic_fsdp_gather_bytes, in the activations; at ZeRO
+        stage 2 its whole gradient only, 4 ×).
     Fine-tuning (jaxscale.config.finetune): params are 4 bytes per trained parameter plus
     finetune.frozen_dtype's bytes per frozen one; gradients and optimizer state are the trained parameters'
     only; with finetune.train=last_blocks only the blocks the backward pass goes through keep activations
@@ -405,17 +426,27 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     projection's input is kept only where something below it still needs it.
     """
     m, t = config.model, config.train
-    _, fsdp, tensor = mesh_shape(config)
-    d, n, trained = Dims.from_config(config), sharded_param_count(m, fsdp, tensor), trained_param_count(config)
+    splits, tensor = zero_splits(config), mesh_shape(config).tensor
+    d, n = Dims.from_config(config), sharded_param_count(m, splits["params"], tensor)
+    trained = trained_param_count(config)
     layer, working = layer_activation_bytes(d, tuple(m.remat), m.remat_policy, m.scan_layers)
     causal_mask = m.scan_layers and m.causal and m.attention == "reference"
     # Blocks below the backward pass's lowest (finetune.train=last_blocks) keep nothing for it.
     per_minibatch = finetune.backward_blocks(config) * layer + sum(head_residuals(d, causal_mask).values())
     live = t.num_minibatches if t.accumulate == "loop" else 1
-    gather = _gathered_layer_bytes(config) if fsdp > 1 else 0
+    # Under FSDP one layer's weights are gathered whole with their whole gradient (_gathered_layer_bytes, 4 + 4
+    # bytes a trained parameter); at ZeRO stage 2 the weights are whole already and only one layer's whole
+    # gradient lives before its reduce-scatter (4 bytes). The minibatch's gradients and their accumulator are
+    # split from stage 2 on (XLA reduce-scatters each layer's inside the backward loop, as the compiled plans
+    # show), whole at stage 1 (all-reduced).
+    gather = _gathered_layer_bytes(config) if splits["params"] > 1 else 0
+    if splits["params"] == 1 < splits["grads"]:
+        gather = _gathered_layer_bytes(config, gradient_only=True)
+    minibatch_grads = _FLOAT32 * trained_param_count(config, splits["grads"])
+    accumulator = minibatch_grads if t.num_minibatches > 1 else 0
     row = {
         "analytic_params_bytes": _FLOAT32 * trained + _frozen_itemsize(config) * (n - trained),
-        "analytic_grads_bytes": _FLOAT32 * trained * (2 if t.num_minibatches > 1 else 1),
+        "analytic_grads_bytes": minibatch_grads + accumulator,
         "analytic_optimizer_bytes": optimizer_state_bytes(config),
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,

@@ -1,6 +1,7 @@
 """Attention kernels shared by every family, all with grouped-query attention: the reference einsum (fp32
 logits), jax.nn's (xla, cudnn), the chunked online-softmax loop (plain JAX, .chunked_attention) and the
-Pallas flash kernel (.flash_attention). docs/attention.md compares them."""
+Pallas flash kernel (.flash_attention). docs/attention.md compares them. Under context parallelism (a mesh
+axis "context" of more than one device in context) the chunked kernel runs as a ring over it (.ring_attention)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.config.spec import ModelConfig
+from jaxscale.model.axes import mesh_axis_size
 from jaxscale.model.chunked_attention import chunked_attention, default_key_block
 from jaxscale.model.flash_attention import flash_attention
+from jaxscale.model.ring_attention import ring_attention
 
 
 def _masked(logits: jax.Array, causal: bool) -> jax.Array:
@@ -62,6 +65,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax
     if cfg.attention == "reference":
         return reference_attention(q, k, v, cfg.causal, jnp.dtype(cfg.softmax_dtype))
     if cfg.attention == "chunked":
+        context = mesh_axis_size("context")
+        if context > 1:  # the sequence is split over a mesh axis: a ring over its devices, in the balanced order
+            chunk = k.shape[1] // (2 * context)
+            return ring_attention(q, k, v, cfg.causal, cfg.attention_block_k or default_key_block(chunk))
         return chunked_attention(q, k, v, cfg.causal, cfg.attention_block_k or default_key_block(k.shape[1]))
     if cfg.attention == "flash":
         return flash_attention(q, k, v, cfg.causal, cfg.attention_block_q, cfg.attention_block_k)

@@ -42,6 +42,14 @@ def partitioned(init: Initializer, names: tuple[str, ...]) -> Initializer:
     return init_with_names
 
 
+def mesh_axis_size(name: str) -> int:
+    """The size of mesh axis `name` in the mesh in context (jax.set_mesh); 1 without a mesh or that axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or name not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[name])
+
+
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """A logical sharding constraint on an activation; a no-op unless a mesh's rules are active."""
     return nn.with_logical_constraint(x, names)

@@ -18,7 +18,17 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model.attention import attention
 from jaxscale.model.axes import constrain, partitioned
-from jaxscale.model.stack import ResidualBlock, Transformer, branch_output, dense, embed, output_logits
+from jaxscale.model.stack import (
+    ResidualBlock,
+    Transformer,
+    branch_output,
+    dense,
+    embed,
+    output_logits,
+    to_block_order,
+    to_natural_order,
+    whole_sequence,
+)
 
 
 def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
@@ -42,7 +52,7 @@ class AttnBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("attn"):
-            h = layer_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            h = whole_sequence(layer_norm(cfg, "pre_norm")(x))  # [B, T, H]
             qkv = dense((cfg.num_heads, 3 * cfg.head_dim), ("embed", "heads", "qkv"), cfg, "qkv")(h)
             qkv = constrain(checkpoint_name(qkv, "qkv_proj"), ("batch", "seq", "heads", "qkv"))  # [B, T, nh, 3*hd]
             q, k, v = jnp.split(qkv, 3, axis=-1)  # each [B, T, nh, hd]
@@ -62,7 +72,7 @@ class MLPBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("mlp"):
-            h = layer_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            h = whole_sequence(layer_norm(cfg, "pre_norm")(x))  # [B, T, H]
             h = checkpoint_name(dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up")(h), "mlp_up")  # [B, T, F]
             h = constrain(checkpoint_name(nn.gelu(h), "mlp_hidden"), ("batch", "seq", "mlp"))  # F = 4H by default
             h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down")(h)
@@ -92,12 +102,13 @@ class GPT(nn.Module):
         embed_init = nn.initializers.normal(0.02) if cfg.tie_embeddings else nn.linear.default_embed_init
         with jax.named_scope("embed"):
             token_embed = embed(cfg, embed_init)
-            x = token_embed(tokens)  # [B, T, H]
+            x = token_embed(to_block_order(tokens))  # [B, T, H], in the ring's order under context parallelism
             pos_init = partitioned(nn.initializers.normal(0.02), ("pos", "embed"))
             pos_emb = self.param("pos_emb", pos_init, (cfg.max_seq_len, cfg.hidden_size))
-            x = x + pos_emb[None, :seq].astype(cfg.dtype)
-            x = constrain(nn.Dropout(cfg.dropout_rate)(x, deterministic=not self.train), ("batch", "seq", "embed"))
-        x = Transformer(cfg, self.train, Block, name="transformer")(x)
+            x = x + to_block_order(pos_emb[None, :seq]).astype(cfg.dtype)
+            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not self.train)
+            x = constrain(x, ("batch", "stream_seq", "embed"))
+        x = to_natural_order(Transformer(cfg, self.train, Block, name="transformer")(x))
         with jax.named_scope("head"):
             x = layer_norm(cfg, "post_norm")(x)  # [B, T, H]
             return x if features_only else output_logits(cfg, x, token_embed, self.head_bias)  # [B, T, V]

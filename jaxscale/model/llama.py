@@ -18,7 +18,18 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model.attention import attention
 from jaxscale.model.axes import constrain, partitioned
-from jaxscale.model.stack import ResidualBlock, Transformer, branch_output, dense, embed, output_logits
+from jaxscale.model.stack import (
+    ResidualBlock,
+    Transformer,
+    branch_output,
+    dense,
+    embed,
+    output_logits,
+    to_block_order,
+    to_natural_order,
+    whole_sequence,
+)
+from jaxscale.model.stack import positions as sequence_positions
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -63,14 +74,14 @@ class LlamaAttention(nn.Module):
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
         with jax.named_scope("attn"):
-            h = rms_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            h = whole_sequence(rms_norm(cfg, "pre_norm")(x))  # [B, T, H]
             q = dense((heads, head_dim), ("embed", "heads", "head_dim"), cfg, "q", use_bias=False)(h)
             k = dense((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg, "k", use_bias=False)(h)
             v = dense((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg, "v", use_bias=False)(h)
             q = constrain(checkpoint_name(q, "query_proj"), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
             k = constrain(checkpoint_name(k, "key_proj"), ("batch", "seq", "kv_heads", "head_dim"))  # [B, T, nkv, hd]
             v = constrain(checkpoint_name(v, "value_proj"), ("batch", "seq", "kv_heads", "head_dim"))
-            positions = jnp.arange(x.shape[1])  # [T]
+            positions = sequence_positions(x.shape[1])  # [T]: arange, or the context-parallel ring's order
             q = rotary_embedding(q, positions, cfg.rope_theta)
             k = rotary_embedding(k, positions, cfg.rope_theta)
             h = checkpoint_name(attention(q, k, v, cfg), "context")
@@ -89,7 +100,7 @@ class SwiGLU(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("mlp"):
-            h = rms_norm(cfg, "pre_norm")(x)  # [B, T, H]
+            h = whole_sequence(rms_norm(cfg, "pre_norm")(x))  # [B, T, H]
             gate = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "gate", use_bias=False)(h)  # [B, T, F]
             up = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up", use_bias=False)(h)  # [B, T, F]
             gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
@@ -118,9 +129,10 @@ class Llama(nn.Module):
         cfg = self.config
         with jax.named_scope("embed"):
             token_embed = embed(cfg, nn.initializers.normal(0.02))  # HF's init range
+            tokens = to_block_order(tokens)  # the ring's load-balanced order under context parallelism
             x = nn.Dropout(cfg.dropout_rate)(token_embed(tokens), deterministic=not self.train)  # [B, T, H]
-            x = constrain(x, ("batch", "seq", "embed"))
-        x = Transformer(cfg, self.train, LlamaBlock, name="transformer")(x)
+            x = constrain(x, ("batch", "stream_seq", "embed"))
+        x = to_natural_order(Transformer(cfg, self.train, LlamaBlock, name="transformer")(x))
         with jax.named_scope("head"):
             x = rms_norm(cfg, "post_norm")(x)  # [B, T, H]
             return x if features_only else output_logits(cfg, x, token_embed, self.head_bias)  # [B, T, V]

@@ -19,7 +19,8 @@ CSV_FILE = "results.csv"
 
 # Columns load_results always returns (None where a row lacks them), in this order, before the rest.
 COLUMNS = (
-    "sweep", "variant", "baseline", "status", "error", "params", "tokens_per_step", "mesh", "mesh_devices",
+    "sweep", "variant", "baseline", "status", "error", "params", "tokens_per_step",
+    "mesh", "mesh_layout", "mesh_devices",
     "step_s_median", "step_s_p90", "tokens_per_s", "compile_s",
     "compiled_peak_bytes", "compiled_backend", "device_peak_bytes", "host_peak_rss_bytes",
     "compiled_collective_bytes", "compiled_collective_ring_bytes",

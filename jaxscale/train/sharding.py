@@ -33,7 +33,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.config import MESH_AXES, check_mesh_devices, mesh_shape
+from jaxscale.config import MESH_AXES, check_mesh_devices, mesh_shape, sequence_parallel, zero_stage
 from jaxscale.measure.params import removed_axis
 from jaxscale.train.step import (
     Batch,
@@ -49,24 +49,49 @@ from jaxscale.train.step import abstract_inputs as unsharded_inputs
 
 # Logical axis name -> mesh axes, in order of precedence (Flax's logical_to_mesh_axes): a name takes its
 # mesh axes only when no earlier dimension of the same array took them. So in an activation
-# ("batch", "seq", "embed") the batch takes data and fsdp and "embed" stays whole, while in a parameter
-# ("embed", "mlp") "embed" is split over fsdp. A name not listed (seq, pos, head_dim, qkv, layers) is never
-# split. The names are the lab's conventions, shared by every model family (docs/mesh.md).
+# ("batch", "stream_seq", "embed") the batch takes data and fsdp and "embed" stays whole, while in a parameter
+# ("embed", "mlp") "embed" is split over fsdp. A name mapped to None (pos, head_dim, qkv, layers) is never
+# split. The names are the lab's conventions, shared by every model family (docs/mesh.md). This is the default
+# layout (ZeRO-3 on fsdp, no sequence parallelism); `rules` derives a config's from it.
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),  # activations and tokens: data parallel x FSDP
     ("vocab", "tensor"),  # token embedding, output head, logits
     ("heads", "tensor"),  # QKV, attention output, the attention itself
     ("kv_heads", "tensor"),  # grouped-query K/V (the Llama family)
     ("mlp", "tensor"),  # MLP up (and gate) columns, down rows, the hidden activation
-    ("embed", "fsdp"),  # ZeRO-3: every parameter with an embed axis, and its gradient and optimizer state
+    # ZeRO-3: every parameter with an embed axis, and its gradient and optimizer state, split over fsdp and context
+    # (context-parallel devices hold the same weights and sum their gradients too: torchtitan shards over both)
+    ("embed", ("fsdp", "context")),
+    ("stream_seq", "context"),  # the residual stream's positions (block outputs, norms' inputs, dropout)
+    ("seq", "context"),  # every other activation's positions: context parallelism
     ("layers", None),  # the stacked axis of nn.scan
-    ("seq", None),
     ("pos", None),
     ("head_dim", None),
     ("qkv", None),
 )
 
-BATCH_AXES = ("batch", "seq")  # a token batch [batch, seq]
+
+def rules(config: ml_collections.ConfigDict | None = None, *, params: bool = False) -> tuple:
+    """The logical-to-mesh table of `config`'s layout: RULES with what mesh.zero_stage and
+    mesh.sequence_parallel change.
+
+    Args:
+      config: the run config (None: RULES).
+      params: the table the parameters are laid out with. Below ZeRO stage 3 the parameters stay whole on
+        the fsdp axis (their "embed" is not split there), while the optimizer state (and, at stage 2, the
+        gradients) keep the default table's split.
+    """
+    if config is None:
+        return RULES
+    changes = {}
+    if params and zero_stage(config) < 3:
+        changes["embed"] = None
+    if sequence_parallel(config):  # Korthikanti et al. 2022: norms, dropout and residuals split over tensor
+        changes["stream_seq"] = ("context", "tensor")
+    return tuple((name, changes.get(name, axes)) for name, axes in RULES)
+
+
+BATCH_AXES = ("batch", "seq")  # a token batch [batch, seq]: rows over data x fsdp, positions over context
 
 
 def logical_specs(tree: Any) -> Any:
@@ -113,10 +138,11 @@ def state_specs(state: Any, param_names: Any) -> Any:
 
 
 def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh of `config` over `devices` (default: all of jax.devices()).
+    """The (data, fsdp, context, tensor) mesh of `config` over `devices` (default: all of jax.devices()).
 
     Devices fill the mesh in order, tensor fastest: the tensor-parallel group is made of neighbouring
-    devices (one host's NVLink island on a GPU cluster), data parallel spans the farthest ones.
+    devices (one host's NVLink island on a GPU cluster), then the context-parallel ring, and data parallel
+    spans the farthest ones.
 
     Raises:
       ConfigError: the mesh's product is not the number of devices.
@@ -126,7 +152,7 @@ def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
     if shape.devices == 1:
         devices = devices[:1]
     check_mesh_devices(config, len(devices), f"the device list ({len(devices)} {devices[0].platform} devices)")
-    return Mesh(np.array(devices).reshape(shape), MESH_AXES)
+    return Mesh(np.array(devices).reshape(shape.physical), MESH_AXES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,17 +160,21 @@ class Layout:
     """Where every input and output of the train step lives on a mesh.
 
     Attributes:
-      mesh: the (data, fsdp, tensor) device mesh.
+      mesh: the (data, fsdp, context, tensor) device mesh.
       state: a TrainState of NamedShardings (params, optimizer state, step, dropout key).
       metrics: NamedShardings of the running metric sums (replicated).
-      batch: a Batch of NamedShardings (tokens split along the batch).
-      rules: the logical-to-mesh rules the model's constraints are resolved with.
+      batch: a Batch of NamedShardings (tokens split along the batch, and the sequence over context).
+      grads: NamedShardings of the trained parameters' gradients and their accumulator: the parameters'
+        own layout, except at ZeRO stage 2, where they are split over fsdp (reduce-scattered) while the
+        parameters are whole.
+      rules: the logical-to-mesh rules the model's constraints are resolved with (`rules(config)`).
     """
 
     mesh: Mesh
     state: Any
     metrics: Any
     batch: Any
+    grads: Any = None
     rules: tuple = RULES
 
     @contextlib.contextmanager
@@ -163,7 +193,10 @@ class Layout:
 
 
 def make_layout(config: ml_collections.ConfigDict, mesh: Mesh, init_fn: Callable[[], TrainState]) -> Layout:
-    """The layout of the train step's state, metrics and batch on `mesh`, from the logical names and RULES.
+    """The layout of the train step's state, metrics and batch on `mesh`, from the logical names and `rules`.
+
+    The parameters (trained and frozen) are laid out with `rules(config, params=True)`, everything else with
+    `rules(config)`: below ZeRO stage 3 the optimizer state is split over fsdp while the parameters are not.
 
     Args:
       config: the run config (its model and optimizer decide the state's tree).
@@ -176,11 +209,16 @@ def make_layout(config: ml_collections.ConfigDict, mesh: Mesh, init_fn: Callable
     logical_state = state_specs(jax.eval_shape(init_fn), param_names)
     metrics = jax.tree_util.tree_map(lambda _: PartitionSpec(), jax.eval_shape(init_metrics))
     batch = Batch(inputs=PartitionSpec(*BATCH_AXES), labels=PartitionSpec(*BATCH_AXES))
+    table, param_table = rules(config), rules(config, params=True)
 
-    def named(logical: Any) -> Any:
-        return nn.logical_to_mesh_sharding(logical, mesh, RULES)
+    def named(logical: Any, table: tuple = table) -> Any:
+        return nn.logical_to_mesh_sharding(logical, mesh, table)
 
-    return Layout(mesh=mesh, state=named(logical_state), metrics=named(metrics), batch=named(batch))
+    state = named(logical_state).replace(
+        params=named(logical_state.params, param_table), frozen=named(logical_state.frozen, param_table)
+    )
+    grads = named(logical_state.params) if zero_stage(config) == 2 else state.params
+    return Layout(mesh=mesh, state=state, metrics=named(metrics), batch=named(batch), grads=grads, rules=table)
 
 
 def make_step(config: ml_collections.ConfigDict, layout: Layout | None) -> Any:
@@ -189,7 +227,7 @@ def make_step(config: ml_collections.ConfigDict, layout: Layout | None) -> Any:
     layout, and tracing (`.lower`, a first call) inside `layout.activate()`."""
     if layout is None:
         return make_train_step(config)
-    step = functools.partial(train_step, **step_options(config), grad_shardings=layout.state.params)
+    step = functools.partial(train_step, **step_options(config), grad_shardings=layout.grads)
     shardings = (layout.state, layout.metrics, layout.batch)
     jitted = jax.jit(step, in_shardings=shardings, out_shardings=shardings[:2], donate_argnums=(0, 1))
     return MeshStep(jitted, layout)
@@ -245,14 +283,15 @@ def place_metrics(metrics: Any, layout: Layout) -> Any:
     return jax.tree_util.tree_map(place, metrics, layout.metrics)
 
 
-def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
-    """The rows of a [batch, ...] array that this process's devices hold under `sharding`: its share.
+def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
+    """The rows of a [batch, ...] array of `shape` that this process's devices hold under `sharding`: its share
+    (whole rows: under context parallelism its devices hold parts of each, and the process passes them whole).
 
     Raises:
       ValueError: the process's rows are not one contiguous block (a mesh ordered across hosts).
     """
-    starts, stops = set(), set()
-    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+    starts, stops, batch_size = set(), set(), shape[0]
+    for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
         rows = index[0]
         starts.add(rows.start or 0)
         stops.add(batch_size if rows.stop is None else rows.stop)
@@ -279,7 +318,7 @@ def place_batch(batch: Batch, sharding: NamedSharding | None = None, *, share: b
         host = np.asarray(host)
         if share:
             return jax.make_array_from_process_local_data(sharding, host)
-        local = host[process_rows(sharding, host.shape[0])]
+        local = host[process_rows(sharding, host.shape)]
         return jax.make_array_from_process_local_data(sharding, local, host.shape)
 
     return jax.tree_util.tree_map(place, batch)

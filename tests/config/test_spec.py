@@ -25,11 +25,18 @@ def test_mesh_shape_derives_devices_split_and_text():
     config = load_config("bf16_remat", "tiny")  # batch 8 in 2 minibatches
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 1
     mesh = mesh_shape(config)
-    assert mesh == MeshShape(2, 2, 1) and tuple(mesh) == (2, 2, 1)  # still unpacks as (data, fsdp, tensor)
-    assert (mesh.devices, mesh.batch_split, mesh.text) == (4, 4, "2x2x1")
+    assert mesh == MeshShape(2, 2, 1) and tuple(mesh) == (2, 2, 1, 1)  # (data, fsdp, tensor, context)
+    assert (mesh.devices, mesh.batch_split, mesh.text, mesh.axes_text) == (4, 4, "2x2x1", "data x fsdp x tensor")
     assert minibatch_per_device(config) == 8 // 2 // 4 == 1
     config.mesh.tensor = 2  # tensor-parallel devices share their sequences: the split stays data x fsdp
     assert (mesh_shape(config).devices, mesh_shape(config).batch_split, minibatch_per_device(config)) == (8, 4, 1)
+    config.mesh.context = 4  # so do context-parallel ones; the text names the fourth size only when it splits
+    mesh = mesh_shape(config)
+    assert (mesh.devices, mesh.batch_split, mesh.text) == (32, 4, "2x2x2x4")
+    assert mesh.axes_text == "data x fsdp x tensor x context"
+    assert mesh.physical == (2, 2, 4, 2)  # the device array's order: data, fsdp, context, tensor (fastest)
+    del config.mesh["context"]  # a config from before the context axis
+    assert mesh_shape(config) == MeshShape(2, 2, 2, 1)
 
 
 def test_validation_reads_the_same_derived_sizes():

@@ -264,6 +264,44 @@ def test_fsdp_on_2_target_gpus_splits_the_state_and_compiles_gathers_and_reduce_
     assert row["compiled_collective_all_gather_bytes"] > 0 and row["compiled_collective_reduce_scatter_bytes"] > 0
 
 
+@needs_extra
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_stages_1_and_2_on_2_target_gpus_compile_their_collectives(stage):
+    """ZeRO-1 and ZeRO-2 over 2 deviceless H100s at tiny size: one device's arguments are the whole parameters
+    and half of Adam's moments (hand count), and the GPU program reduces the float32 gradients by an
+    all-reduce (stage 1: no reduce-scatter at all) or a reduce-scatter (stage 2: the all-reduces are only the
+    metrics'), then all-gathers the updated parameters."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "train"))
+    from test_sharding import hand_count_per_device
+
+    config = _tiny("bf16_remat", **{"mesh.fsdp": 2, "mesh.zero_stage": stage, "train.num_minibatches": 1})
+    row = gpu_plan.plan_for_target(config, "h100", gemm="triton", devices=2, in_process=True)
+    whole, half = (hand_count_per_device(config.model, fsdp, 1) for fsdp in (1, 2))
+    tokens = 2 * 4 * config.data.batch_size // 2 * config.data.seq_len
+    assert 0 < row["compiled_argument_bytes"] - 4 * whole - 2 * 4 * half - tokens <= 64
+    gradients = 4 * whole
+    if stage == 1:
+        assert row["compiled_collective_reduce_scatter_count"] == 0
+        assert row["compiled_collective_all_reduce_bytes"] >= 0.85 * gradients
+    else:
+        assert row["compiled_collective_reduce_scatter_bytes"] >= 0.85 * gradients
+        assert row["compiled_collective_all_reduce_bytes"] < 0.01 * gradients
+    assert row["compiled_collective_all_gather_bytes"] >= 4 * half  # at least the updated half, gathered
+
+
+@needs_extra
+def test_sequence_parallelism_on_2_target_gpus_trades_all_reduces_for_gathers_and_scatters():
+    """Megatron sequence parallelism with tensor parallelism over 2 deviceless H100s: the blocks' all-reduces
+    become all-gathers and reduce-scatters (what is left all-reduced is under 2% of the gathered bytes)."""
+    config = _tiny("bf16_remat", **{"mesh.tensor": 2, "mesh.sequence_parallel": True, "train.num_minibatches": 1})
+    row = gpu_plan.plan_for_target(config, "h100", gemm="triton", devices=2, in_process=True)
+    gathered = row["compiled_collective_all_gather_bytes"]
+    assert row["compiled_collective_reduce_scatter_count"] > 0 and gathered > 0
+    assert row["compiled_collective_all_reduce_bytes"] < 0.02 * gathered
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -35,7 +35,8 @@ def _config(mesh=(1, 1, 1), scan_layers=True, preset="tiny", **groups):
 
 def _layout(config):
     """The layout on an abstract mesh of the config's shape: no devices needed."""
-    mesh = AbstractMesh(sharding.mesh_shape(config), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    shape = sharding.mesh_shape(config).physical
+    mesh = AbstractMesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
     init_fn = train.make_init_fn(config)
     return sharding.make_layout(config, mesh, init_fn), init_fn
 
@@ -83,22 +84,25 @@ def _spec(layout, *path):
     return node.spec
 
 
+FS = ("fsdp", "context")  # the model state's split: context-parallel devices shard it too
+
+
 def test_one_table_gives_data_parallel_fsdp_and_tensor_parallel_layouts():
     layout, _ = _layout(_config((2, 2, 2)))
     blocks = ("transformer", "blocks")
-    assert _spec(layout, *blocks, "attn", "qkv", "kernel") == PartitionSpec(None, "fsdp", "tensor", None)
-    assert _spec(layout, *blocks, "attn", "out", "kernel") == PartitionSpec(None, "tensor", None, "fsdp")
-    assert _spec(layout, *blocks, "mlp", "up", "kernel") == PartitionSpec(None, "fsdp", "tensor")
-    assert _spec(layout, *blocks, "mlp", "down", "kernel") == PartitionSpec(None, "tensor", "fsdp")
+    assert _spec(layout, *blocks, "attn", "qkv", "kernel") == PartitionSpec(None, FS, "tensor", None)
+    assert _spec(layout, *blocks, "attn", "out", "kernel") == PartitionSpec(None, "tensor", None, FS)
+    assert _spec(layout, *blocks, "mlp", "up", "kernel") == PartitionSpec(None, FS, "tensor")
+    assert _spec(layout, *blocks, "mlp", "down", "kernel") == PartitionSpec(None, "tensor", FS)
     assert _spec(layout, *blocks, "mlp", "up", "bias") == PartitionSpec(None, "tensor")
-    assert _spec(layout, *blocks, "attn", "pre_norm", "scale") == PartitionSpec(None, "fsdp")
-    assert _spec(layout, "embed", "embedding") == PartitionSpec("tensor", "fsdp")
-    assert _spec(layout, "output", "kernel") == PartitionSpec("fsdp", "tensor")
-    assert _spec(layout, "pos_emb") == PartitionSpec(None, "fsdp")  # "pos" is never split
+    assert _spec(layout, *blocks, "attn", "pre_norm", "scale") == PartitionSpec(None, FS)
+    assert _spec(layout, "embed", "embedding") == PartitionSpec("tensor", FS)
+    assert _spec(layout, "output", "kernel") == PartitionSpec(FS, "tensor")
+    assert _spec(layout, "pos_emb") == PartitionSpec(None, FS)  # "pos" is never split
     # Optimizer moments follow their parameters (ZeRO-3); the batch splits over data x fsdp.
     mu = layout.state.opt_state[0].mu["transformer"]["blocks"]["mlp"]["up"]["kernel"]
-    assert mu.spec == PartitionSpec(None, "fsdp", "tensor")
-    assert layout.batch.inputs.spec == PartitionSpec(("data", "fsdp"), None)
+    assert mu.spec == PartitionSpec(None, FS, "tensor")
+    assert layout.batch.inputs.spec == PartitionSpec(("data", "fsdp"), "context")  # positions: context parallel
     assert layout.state.step.spec == PartitionSpec()
 
 
@@ -107,19 +111,19 @@ def test_the_same_table_splits_the_llamas_parameters():
     fsdp, the tied embedding by vocabulary; the stacked layer axis never."""
     layout, _ = _layout(_config((2, 2, 2), preset="tiny-llama"))
     blocks = ("transformer", "blocks")
-    assert _spec(layout, *blocks, "attn", "q", "kernel") == PartitionSpec(None, "fsdp", "tensor", None)
+    assert _spec(layout, *blocks, "attn", "q", "kernel") == PartitionSpec(None, FS, "tensor", None)
     for name in ("k", "v"):
-        assert _spec(layout, *blocks, "attn", name, "kernel") == PartitionSpec(None, "fsdp", "tensor", None)
-    assert _spec(layout, *blocks, "attn", "out", "kernel") == PartitionSpec(None, "tensor", None, "fsdp")
+        assert _spec(layout, *blocks, "attn", name, "kernel") == PartitionSpec(None, FS, "tensor", None)
+    assert _spec(layout, *blocks, "attn", "out", "kernel") == PartitionSpec(None, "tensor", None, FS)
     for name in ("gate", "up"):
-        assert _spec(layout, *blocks, "mlp", name, "kernel") == PartitionSpec(None, "fsdp", "tensor")
-    assert _spec(layout, *blocks, "mlp", "down", "kernel") == PartitionSpec(None, "tensor", "fsdp")
-    assert _spec(layout, *blocks, "mlp", "pre_norm", "scale") == PartitionSpec(None, "fsdp")
-    assert _spec(layout, "embed", "embedding") == PartitionSpec("tensor", "fsdp")
-    assert _spec(layout, "post_norm", "scale") == PartitionSpec("fsdp")
+        assert _spec(layout, *blocks, "mlp", name, "kernel") == PartitionSpec(None, FS, "tensor")
+    assert _spec(layout, *blocks, "mlp", "down", "kernel") == PartitionSpec(None, "tensor", FS)
+    assert _spec(layout, *blocks, "mlp", "pre_norm", "scale") == PartitionSpec(None, FS)
+    assert _spec(layout, "embed", "embedding") == PartitionSpec("tensor", FS)
+    assert _spec(layout, "post_norm", "scale") == PartitionSpec(FS)
     assert "output" not in layout.state.params  # tied
     nu = layout.state.opt_state[0].nu["transformer"]["blocks"]["attn"]["k"]["kernel"]
-    assert nu.spec == PartitionSpec(None, "fsdp", "tensor", None)
+    assert nu.spec == PartitionSpec(None, FS, "tensor", None)
 
 
 MESHES = {
@@ -182,14 +186,53 @@ def test_analytic_activations_split_by_batch_and_tensor():
     assert 0.25 < ratio < 0.7
 
 
+def test_sequence_parallelism_splits_korthikantis_replicated_10sbh_by_t():
+    """Korthikanti et al. 2022, Sec. 4.2.2: with tensor parallelism alone 10sbh bytes per layer stay replicated
+    (16-bit activations, 1-byte dropout masks: the two LayerNorms' inputs 4sbh and outputs 4sbh, the two
+    dropout masks 2sbh), and sequence parallelism splits them t ways too, all of a layer's activations then being
+    sbh(34/t + 5as/(ht)). Hand count for the unrolled GPT without remat (plus the LayerNorms' float32 mean and
+    rstd, 2 x 2 x 4sb, which the paper leaves out): the difference between the two layouts is
+    (10sbh + 16sb)(1 - 1/t), and the layer under sequence parallelism is the one-device layer divided by t
+    whatever the kernel."""
+    t = 4
+
+    def per_layer(mesh, sp, attention="reference"):
+        config = _config(mesh, False, data__batch_size=16, model__dtype="bfloat16", model__dropout_rate=0.1,
+                         model__attention=attention, mesh__sequence_parallel=sp)  # fmt: skip
+        return memory.analytic_memory(config)["analytic_activation_per_layer_bytes"], config
+
+    plain, config = per_layer((1, 1, t), False)
+    split, _ = per_layer((1, 1, t), True)
+    s, b, h = config.data.seq_len, config.data.batch_size // config.train.num_minibatches, config.model.hidden_size
+    assert plain - split == (10 * s * b * h + 16 * s * b) * (t - 1) // t
+    for attention in ("reference", "chunked"):
+        assert per_layer((1, 1, t), True, attention)[0] * t == per_layer((1, 1, 1), False, attention)[0]
+
+
 @pytest.mark.parametrize(
     "mesh,changes,field,hint",
     [
         ((8, 1, 1), {"data__batch_size": 8}, "mesh:", "may be: 1, 2, 4"),  # minibatch of 4 sequences
-        ((1, 3, 1), {"data__batch_size": 24}, "mesh.fsdp:", "allowed: 1, 2, 4, 8, 16, 32, 64"),  # hidden 64
+        ((1, 3, 1), {"data__batch_size": 24}, "mesh.fsdp:", "may be: 1, 2, 4, 8, 16, 32, 64"),  # hidden 64
         ((1, 1, 8), {}, "mesh.tensor:", "1, 2, 4"),  # 4 heads
         ((1, 1, 2), {"model__vocab_size": 127}, "mesh.tensor:", "model.vocab_size"),
         ((0, 1, 1), {}, "mesh.data:", "positive integer"),
+        ((1, 2, 1), {"mesh__zero_stage": 0}, "mesh.zero_stage:", "allowed: 1, 2, 3"),
+        ((2, 1, 1), {"mesh__sequence_parallel": True}, "mesh.sequence_parallel:", "set mesh.tensor > 1"),
+        (
+            (1, 1, 2),
+            {"mesh__sequence_parallel": True, "data__seq_len": 31, "model__max_seq_len": 32},
+            "data.seq_len:",
+            "not divisible by the 2 devices",
+        ),  # fmt: skip
+        ((1, 1, 1), {"mesh__context": 2}, "model.attention:", "set model.attention=chunked"),
+        ((1, 1, 1), {"mesh__context": 3, "model__attention": "chunked"}, "mesh.context:", "allowed: 1, 2, 4, 8, 16"),
+        (
+            (1, 1, 1),
+            {"mesh__context": 2, "model__attention": "chunked", "model__attention_block_k": 16},
+            "model.attention_block_k:",
+            "chunk of 8 positions",
+        ),  # fmt: skip
     ],
 )
 def test_bad_meshes_name_the_field_and_what_would_work(mesh, changes, field, hint):

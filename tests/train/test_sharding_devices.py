@@ -15,6 +15,7 @@ import pytest
 
 from jaxscale import train
 from jaxscale.config import base_config, validate
+from jaxscale.measure import memory
 from jaxscale.train import sharding
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see tests/train/test_sharding.py)")
@@ -29,7 +30,7 @@ def _config(mesh, preset="tiny", **changes):
     config.model.dropout_rate = 0.0
     config.data.batch_size, config.train.num_minibatches = 16, 2
     config.optimizer.update(name="sgd", warmup_steps=0, learning_rate=0.5, b1=0.0)  # params move by -0.5 * grads
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.mesh.context = tuple(mesh) + (1,) * (4 - len(mesh))
     for dotted, value in changes.items():
         group, field = dotted.split(".")
         config[group][field] = value
@@ -45,11 +46,11 @@ def _gradients(placement, state, batch):
         rng=jax.random.PRNGKey(5),
         num_minibatches=config.train.num_minibatches,
         accumulate=config.train.accumulate,
-        grad_shardings=None if layout is None else layout.state.params,
+        grad_shardings=None if layout is None else layout.grads,
     )
     if layout is None:
         return jax.jit(fn)(state, batch)
-    jitted = jax.jit(fn, in_shardings=(layout.state, layout.batch), out_shardings=(layout.state.params, None))
+    jitted = jax.jit(fn, in_shardings=(layout.state, layout.batch), out_shardings=(layout.grads, None))
     with layout.activate():
         return jitted(state, batch)
 
@@ -73,7 +74,8 @@ def _everything(config, devices=None, step: bool = True):
 
 @functools.cache
 def _one_device(preset: str, changes: tuple, step: bool):
-    return _everything(_config((1, 1, 1), preset, **dict(changes)), step=step)
+    same_function = {key: value for key, value in changes if not key.startswith("mesh.")}  # a layout's fields
+    return _everything(_config((1, 1, 1), preset, **same_function), step=step)
 
 
 def _assert_close(a, b):
@@ -195,6 +197,88 @@ def test_each_device_holds_its_hand_counted_share_of_params_and_adam_state(prese
     assert expected < 1.1 * whole / (mesh[1] * mesh[2])  # split fsdp x tensor ways (norms, some biases aside)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_stages_1_and_2_equal_one_device(stage):
+    """ZeRO-1 and ZeRO-2 over fsdp (x data parallel), with scanned layers, Block remat and 2 minibatches:
+    gradients and the parameters after a whole train step equal one device's."""
+    _assert_same_function(
+        (2, 4, 1),
+        step=True,
+        preset="tiny-llama",
+        **{"mesh.zero_stage": stage, "model.scan_layers": True, "model.remat": ("Block",), "train.num_minibatches": 2},
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_stages_1_and_2_split_the_adam_state_and_keep_the_parameters_whole(stage):
+    """The initial state's real shards under ZeRO-1/2 on 1x4x2: every device holds its tensor-parallel share of
+    the parameters whole over fsdp (4 bytes x hand_count(fsdp=1)), and Adam's two moments split fsdp ways too
+    (2 x 4 bytes x hand_count(fsdp=4)); the gradients' layout is the parameters' at stage 1, the moments' at 2."""
+    from test_sharding import hand_count_per_device
+
+    config = _config((1, 4, 2), "tiny-llama", **{"model.scan_layers": True, "mesh.zero_stage": stage})
+    config.optimizer.name = "adam"
+    placement = sharding.placement(config)
+    state = placement.init_state()
+    whole, split = (4 * hand_count_per_device(config.model, fsdp, 2) for fsdp in (1, 4))
+    assert _bytes_per_device(state.params) == {device.id: whole for device in jax.devices()}
+    assert _bytes_per_device(state.opt_state) == {device.id: 2 * split for device in jax.devices()}
+    row = memory.analytic_memory(config)  # the analytic model's state terms are the real shards
+    assert (row["analytic_params_bytes"], row["analytic_optimizer_bytes"]) == (whole, 2 * split)
+    grads = placement.layout.grads
+    kernel = ("transformer", "blocks", "mlp", "up", "kernel")  # [L, H, F]: (layers, embed, mlp)
+    spec = functools.reduce(lambda node, key: node[key], kernel, grads).spec
+    assert tuple(spec) == ((None, None, "tensor") if stage == 1 else (None, ("fsdp", "context"), "tensor"))
+
+
+def test_sequence_parallel_with_tensor_parallel_equals_one_device():
+    """Megatron sequence parallelism: on 4x1x2 the residual stream (norms, residual adds) is split along the
+    sequence over tensor, with scanned layers, remat of Attn and MLP and 4 minibatches; gradients and the
+    parameters after a step equal one device's."""
+    _assert_same_function(
+        (4, 1, 2),
+        step=True,
+        preset="tiny-llama",
+        **{"mesh.sequence_parallel": True, "model.scan_layers": True, "model.remat": ("MLP", "Attn"),
+           "train.num_minibatches": 4},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gpt_sequence_parallel_with_fsdp_and_dropout_free_equals_one_device():
+    """The GPT family (LayerNorm, biases, learned positions) under 1x2x4 with sequence parallelism, unrolled."""
+    _assert_same_function((1, 2, 4), step=True, **{"mesh.sequence_parallel": True})
+
+
+def test_context_parallel_with_remat_scan_and_accumulation_equals_one_device():
+    """Context parallelism over 4 devices (x 2 data parallel): the sequence split in the balanced order,
+    attention as a ring of chunked blocks, with scanned layers, Block remat and 2 minibatches; gradients and the
+    parameters after a step equal one device's chunked attention in natural order."""
+    _assert_same_function(
+        (2, 1, 1, 4),
+        step=True,
+        preset="tiny-llama",
+        **{"model.attention": "chunked", "model.scan_layers": True, "model.remat": ("Block",)},
+    )
+
+
+def test_fsdp_tensor_sequence_and_context_parallel_at_once_equal_one_device():
+    """1x2x2x2: FSDP over fsdp x context, tensor parallelism with sequence parallelism, and a ring of 2, at
+    ZeRO stage 2; the gradients."""
+    _assert_same_function(
+        (1, 2, 2, 2),
+        preset="tiny-llama",
+        **{"model.attention": "chunked", "mesh.sequence_parallel": True, "mesh.zero_stage": 2,
+           "model.scan_layers": True},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gpt_context_parallel_over_8_equals_one_device():
+    """The GPT family (learned positions, permuted with the tokens) on a ring of 8: chunks of 2 positions."""
+    _assert_same_function((1, 1, 1, 8), step=True, **{"model.attention": "chunked"})
+
+
 def test_fsdp_init_builds_each_shard_where_it_lives():
     """Under 1x8x1 the jitted init writes its outputs in shards: no device's buffers hold the whole state."""
     config = _config((1, 8, 1), **{"model.scan_layers": True})
@@ -216,7 +300,7 @@ def test_place_batch_splits_the_rows_over_data_and_fsdp():
     batch = placement.place_batch(train.make_batch(jax.random.PRNGKey(1), 16, 32, 128))
     shards = {shard.device.id: shard.data.shape for shard in batch.inputs.addressable_shards}
     assert set(shards.values()) == {(4, 32)} and len(shards) == 8  # 16 rows / (data x fsdp = 4), whole over tensor
-    assert sharding.process_rows(placement.layout.batch.inputs, 16) == slice(0, 16)  # one process feeds all rows
+    assert sharding.process_rows(placement.layout.batch.inputs, (16, 32)) == slice(0, 16)  # one process feeds all rows
 
 
 def test_text_data_with_validation_on_a_mesh_gives_the_losses_of_one_device(pydoc_bytes, tmp_path):
