@@ -7,11 +7,12 @@ parallel, and their sensible products.
     python -m jaxscale.sweep --config experiments/layouts_x64.py:llama3.1-8b --plan --target h100 --devices 64
     python -m jaxscale.report experiments/results/layouts_llama3.1-8b_plan_h100_x8
 
-Every variant trains the same global batch (GLOBAL_SEQUENCES sequences per step: two per GPU, torchtitan's
-local batch) with the same kernel: bf16, scanned layers, Block remat (nothing saved), and the chunked attention,
-the one kernel every layout can run (context parallelism runs it as a ring, jaxscale.model.ring_attention).
+Every variant trains the same global batch (two sequences per GPU a step, torchtitan's local batch) with the
+same kernel: bf16, scanned layers, Block remat (nothing saved) and the Pallas flash attention (context
+parallelism runs it as a ring of flash blocks, jaxscale.model.ring_attention; at the CPU presets the chunked
+kernel, as flash runs interpreted there).
 Each variant's minibatch is one sequence per device that splits the batch (data x fsdp), so the accumulation
-count is GLOBAL_SEQUENCES / (data x fsdp): tensor- and context-parallel devices share their sequences. The table
+count is the batch / (data x fsdp): tensor- and context-parallel devices share their sequences. The table
 shows, per variant, the plan's peak per GPU beside the analytic model, the collectives' bytes, and the predicted
 tokens/s per GPU; docs/mesh.md has the answer.
 experiments/layouts_x64.py is the same sweep for 64 GPUs (8 hosts of 8).
@@ -45,7 +46,7 @@ DEVICES = 8  # the GPUs the plans are for (the CPU presets: 8 simulated devices)
 
 
 def config_for(preset, devices: int):
-    """bf16, scanned layers, Block remat, chunked attention; two sequences per device in a step. At the Llama 3.1 8B
+    """bf16, scanned layers, Block remat, flash attention; two sequences per device in a step. At the Llama 3.1 8B
     the sequence is 8192; at cpu-llama (8 simulated devices) 256, 5 steps."""
     config = base_config(preset, name="layouts")
     config.model.scan_layers = True
@@ -70,7 +71,6 @@ def variants_for(config, layouts: dict):
             "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "mesh.context": context,
             "mesh.zero_stage": stage, "mesh.sequence_parallel": sp,
             "train.num_minibatches": config.data.batch_size // (data * fsdp),
-            **({"model.attention": "chunked"} if context > 1 else {}),  # the ring's blocks
         })  # fmt: skip
     return variants
 

@@ -8,7 +8,7 @@ activation checkpointing).
 Every layout at every sequence length: which fit an 80 GB H100 (the plan's peak per GPU against XLA's limit and
 JAX's pool), and the predicted tokens/s per GPU, beside torchtitan's measured figures (docs/mesh.md). One
 sequence per data-parallel rank (fsdp of them a step), bf16, scanned layers, Block remat saving nothing (full
-checkpointing); the Pallas flash kernel without context parallelism, the ring of chunked blocks with it. Their
+checkpointing); the Pallas flash kernel, as a ring of flash blocks under context parallelism. Their
 runs used Float8 matmuls and torch.compile, which this plan does not model.
 """
 
@@ -46,6 +46,5 @@ def get_variants(config):
                 "name": f"{layout}_{seq_name}",
                 "mesh.fsdp": fsdp, "mesh.context": context,
                 "data.seq_len": seq_len, "data.batch_size": fsdp,
-                **({"model.attention": "chunked"} if context > 1 else {}),  # the ring's blocks
-            })  # fmt: skip
+                })  # fmt: skip
     return variants

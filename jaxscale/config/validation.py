@@ -252,21 +252,23 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
 
 
 def _validate_context(config: ml_collections.ConfigDict, context: int) -> None:
-    """Context parallelism runs attention as a ring of chunked blocks over a load-balanced sequence: 2 x context
-    chunks, each a whole number of the kernel's key blocks (jaxscale.model.ring_attention)."""
+    """Context parallelism runs attention as a ring of chunked or flash blocks over a load-balanced sequence:
+    2 x context chunks, each a whole number of the kernel's blocks (jaxscale.model.ring_attention)."""
     if context == 1:
         return
     m, seq = config.model, config.data.seq_len
-    _check(m.attention == "chunked", "model.attention",
-           f"mesh.context={context} runs attention as a ring of chunked blocks; set model.attention=chunked "
-           f"(it is {m.attention!r})")  # fmt: skip
+    _check(m.attention in ("chunked", "flash"), "model.attention",
+           f"mesh.context={context} runs attention as a ring of chunked or flash blocks; set model.attention="
+           f"chunked or flash (it is {m.attention!r})")  # fmt: skip
     _check(seq % (2 * context) == 0, "mesh.context",
            f"{context}: data.seq_len={seq} must split into 2 x context chunks (the causal load balance); "
            f"allowed: {', '.join(str(n) for n in range(1, seq // 2 + 1) if seq % (2 * n) == 0)}")  # fmt: skip
-    chunk, block = seq // (2 * context), m.attention_block_k
-    _check(not block or chunk % block == 0, "model.attention_block_k",
-           f"{block} does not divide the ring's chunk of {chunk} positions (data.seq_len / (2 x mesh.context)); "
-           f"allowed: 0 (default) or {_divisors(chunk)}")  # fmt: skip
+    chunk = seq // (2 * context)
+    for field in ("attention_block_k", "attention_block_q") if m.attention == "flash" else ("attention_block_k",):
+        block = m[field]
+        _check(not block or chunk % block == 0, f"model.{field}",
+               f"{block} does not divide the ring's chunk of {chunk} positions (data.seq_len / (2 x "
+               f"mesh.context)); allowed: 0 (default) or {_divisors(chunk)}")  # fmt: skip
 
 
 def check_mesh_devices(

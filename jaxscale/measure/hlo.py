@@ -219,19 +219,20 @@ class LoopCount:
 def count_matmul_flops(module: Module) -> LoopCount:
     """Matmul FLOPs of one execution of the module, each while body multiplied by its trip count.
 
-    A loop without a known_trip_count is counted once (and reported); every branch of a conditional is
-    counted, an upper bound where branches differ (the GPT step has none).
+    A loop without a known_trip_count is counted once (and reported); a conditional runs one of its n
+    branches, so each is counted 1/n times: exact where the branches do the same work (the context-parallel
+    ring's two, jaxscale.model.ring_attention), their mean otherwise.
     """
     stats = {"while": 0, "matmul_loops": 0, "unknown": 0}
     seen: set[str] = set()
 
     @functools.cache
-    def total(name: str, full: bool) -> int:
+    def total(name: str, full: bool) -> float:
         computation = module.computations.get(name, {})
         flops = sum(matmul_flops(i, computation) for i in computation.values())
         for instruction in computation.values():
             for role, callee in instruction.callees:
-                times = 1
+                times = 1 / len(instruction.callees) if instruction.opcode == "conditional" else 1
                 if instruction.opcode == "while" and role == "body":
                     trip = instruction.trip_count
                     if full and instruction.name not in seen:
@@ -243,8 +244,9 @@ def count_matmul_flops(module: Module) -> LoopCount:
                 flops += times * total(callee, full)
         return flops
 
-    full = total(module.entry, True)
-    return LoopCount(total(module.entry, False), full, stats["while"], stats["matmul_loops"], stats["unknown"])
+    full = round(total(module.entry, True))
+    once = round(total(module.entry, False))
+    return LoopCount(once, full, stats["while"], stats["matmul_loops"], stats["unknown"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,25 +262,30 @@ class Executed:
     instruction: Instruction
     computation: str
     trips: tuple[int | None, ...]
+    share: float = 1.0  # inside a conditional of n branches: 1/n (nested: their product), see executed
 
     @property
-    def times(self) -> int:
-        """How many times it runs per execution of the module (unknown trip counts taken as 1)."""
-        return math.prod(t or 1 for t in self.trips)
+    def times(self) -> float:
+        """How many times it runs per execution of the module (unknown trip counts taken as 1; a conditional's
+        branch its share)."""
+        runs = math.prod(t or 1 for t in self.trips)
+        return runs if self.share == 1 else runs * self.share
 
 
 def executed(module: Module) -> list[Executed]:
     """Every instruction the module executes as a sequence step, in program order, with its loop trips.
 
-    Follows while bodies and conditions, calls and conditional branches (every branch, once each) from
-    the entry; fused computations, the scalar computations of reduces and the computation an async-start
-    runs are left to their caller (one step: the fusion, the reduce, the async-start).
+    Follows while bodies and conditions, calls and conditional branches from the entry; fused computations,
+    the scalar computations of reduces and the computation an async-start runs are left to their caller (one
+    step: the fusion, the reduce, the async-start). A conditional runs one of its n branches: each branch's
+    instructions carry share 1/n (exact where the branches do the same work, as the context-parallel ring's
+    two do; their mean otherwise), so `times` may be fractional there.
     """
     found: list[Executed] = []
 
-    def walk(name: str, trips: tuple[int | None, ...], path: tuple[str, ...]) -> None:
+    def walk(name: str, trips: tuple[int | None, ...], path: tuple[str, ...], share: float = 1.0) -> None:
         for instruction in module.computations.get(name, {}).values():
-            found.append(Executed(instruction, name, trips))
+            found.append(Executed(instruction, name, trips, share))
             if instruction.opcode not in ("while", "call", "conditional"):
                 continue
             n = instruction.trip_count
@@ -286,11 +293,13 @@ def executed(module: Module) -> list[Executed]:
                 if callee in path:
                     continue  # HLO has no recursion; a malformed module must not loop forever
                 if role == "body":
-                    walk(callee, (*trips, n), (*path, callee))
+                    walk(callee, (*trips, n), (*path, callee), share)
                 elif role == "condition":
-                    walk(callee, (*trips, None if n is None else n + 1), (*path, callee))
+                    walk(callee, (*trips, None if n is None else n + 1), (*path, callee), share)
+                elif instruction.opcode == "conditional":
+                    walk(callee, trips, (*path, callee), share / len(instruction.callees))
                 elif instruction.opcode != "while":
-                    walk(callee, trips, (*path, callee))
+                    walk(callee, trips, (*path, callee), share)
 
     walk(module.entry, (), (module.entry,))
     return found

@@ -300,11 +300,14 @@ def kernels(hlo_text: str) -> list[Kernel]:
 
 def resolve_causal(found: list[Kernel], causal: bool) -> list[Kernel]:
     """The kernels with every attention call whose causality the HLO does not say (the Pallas kernels' Triton
-    calls) taken as `causal` (the run's model.causal), and its FLOPs counted accordingly."""
+    calls) taken as `causal` (the run's model.causal) where its queries and keys are equally long, and its
+    FLOPs counted accordingly. A causal model's unequal call is one of the context-parallel ring's unmasked
+    pairs (2c queries x c keys, or c x 2c: jaxscale.model.ring_attention); its square calls are the causal ones."""
     resolved = []
     for k in found:
         if k.attention is not None and k.attention[-1] is None:
-            call = attention_calls.Call.from_tuple(k.attention, k.detail, k.flop_dtype, causal=causal)
+            square = k.attention[3] == k.attention[4]  # as_tuple: (matmuls, batch, heads, q_len, kv_len, ...)
+            call = attention_calls.Call.from_tuple(k.attention, k.detail, k.flop_dtype, causal=causal and square)
             k = dataclasses.replace(k, flops=call.flops, attention=call.as_tuple())
         resolved.append(k)
     return resolved

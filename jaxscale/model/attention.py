@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model.axes import mesh_axis_size
 from jaxscale.model.chunked_attention import chunked_attention, default_key_block
-from jaxscale.model.flash_attention import flash_attention
-from jaxscale.model.ring_attention import ring_attention
+from jaxscale.model.flash_attention import block_sizes, flash_attention
+from jaxscale.model.ring_attention import BlockKernel, ring_attention
 
 
 def _masked(logits: jax.Array, causal: bool) -> jax.Array:
@@ -54,6 +54,15 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, 
     return out.reshape(batch, seq, heads, head_dim)
 
 
+def ring_kernel(cfg: ModelConfig, chunk: int, dtype) -> BlockKernel:
+    """The kernel of the context-parallel ring's blocks (chunked or flash; validation allows only these), its
+    blocks dividing the ring's chunk of `chunk` positions."""
+    if cfg.attention == "flash":
+        blocks = block_sizes(cfg.head_dim, chunk, dtype, cfg.attention_block_q, cfg.attention_block_k)
+        return BlockKernel("flash", flash_blocks=blocks)
+    return BlockKernel("chunked", block_k=cfg.attention_block_k or default_key_block(chunk))
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Dispatches to the configured kernel; all compute the same function (K/V may have fewer heads than q).
 
@@ -64,11 +73,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax
     """
     if cfg.attention == "reference":
         return reference_attention(q, k, v, cfg.causal, jnp.dtype(cfg.softmax_dtype))
+    context = mesh_axis_size("context")
+    if context > 1:  # the sequence is split over a mesh axis: a ring over its devices, in the balanced order
+        return ring_attention(q, k, v, cfg.causal, ring_kernel(cfg, q.shape[1] // (2 * context), q.dtype))
     if cfg.attention == "chunked":
-        context = mesh_axis_size("context")
-        if context > 1:  # the sequence is split over a mesh axis: a ring over its devices, in the balanced order
-            chunk = k.shape[1] // (2 * context)
-            return ring_attention(q, k, v, cfg.causal, cfg.attention_block_k or default_key_block(chunk))
         return chunked_attention(q, k, v, cfg.causal, cfg.attention_block_k or default_key_block(k.shape[1]))
     if cfg.attention == "flash":
         return flash_attention(q, k, v, cfg.causal, cfg.attention_block_q, cfg.attention_block_k)

@@ -40,55 +40,37 @@ def _key_blocks(x: jax.Array, block_k: int) -> jax.Array:
     return jnp.moveaxis(x.astype(F32).reshape(batch, seq // block_k, block_k, heads, head_dim), 1, 0)
 
 
-def _positions(positions: jax.Array | None, length: int) -> jax.Array:
-    return jnp.arange(length) if positions is None else positions
-
-
-def _block_logits(
-    q: jax.Array, k_block: jax.Array, query_pos: jax.Array, key_pos: jax.Array, causal: bool
-) -> jax.Array:
-    """Scaled logits of every query against one key block, [B, nkv, g, T, block_k]; -inf where a key's position
-    is after its query's.
+def _block_logits(q: jax.Array, k_block: jax.Array, start: jax.Array, causal: bool) -> jax.Array:
+    """Scaled logits of every query against one key block, [B, nkv, g, T, block_k]; -inf above the diagonal.
 
     Args:
       q: [B, T, nkv, g, hd] float32, already multiplied by head_dim ** -0.5.
       k_block: [B, block_k, nkv, hd] float32.
-      query_pos: [T] the queries' positions; key_pos: [block_k] the block's keys' positions.
+      start: the block's first key position.
     """
     logits = jnp.einsum("btkgd,bskd->bkgts", q, k_block)
     if not causal:
         return logits
-    return jnp.where(key_pos[None, :] <= query_pos[:, None], logits, -jnp.inf)
+    query_pos = jnp.arange(q.shape[1])[:, None]  # [T, 1]
+    key_pos = start + jnp.arange(k_block.shape[1])[None, :]  # [1, block_k]
+    return jnp.where(key_pos <= query_pos, logits, -jnp.inf)
 
 
-def block_forward(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    causal: bool,
-    block_k: int,
-    query_pos: jax.Array | None = None,
-    key_pos: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """(out [B, T, nh, hd] float32, lse [B, nkv, g, T] float32) by the online softmax over key blocks.
-
-    `query_pos` [T] and `key_pos` [S] (default: 0, 1, ...) are the positions the causal mask compares; every
-    query must see at least one key of the first block (true when both are in increasing order and the first
-    key is the earliest), so its running maximum is finite from the first block on. The context-parallel ring
-    (jaxscale.model.ring_attention) calls it per pair of sequence chunks and merges the partial results by
-    their log-sum-exp.
-    """
+def block_forward(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, block_k: int) -> tuple[jax.Array, jax.Array]:
+    """(out [B, T, nh, hd] float32, lse [B, nkv, g, T] float32) by the online softmax over key blocks. q and k
+    may differ in length (without the causal mask, which compares their indices). The context-parallel ring
+    (jaxscale.model.ring_attention) calls it per pair of sequence chunks and merges the parts by their
+    log-sum-exp."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     qg = _grouped(q, kv_heads) * head_dim**-0.5  # [B, T, nkv, g, hd]
-    query_pos = _positions(query_pos, seq)
-    key_pos = _positions(key_pos, k.shape[1]).reshape(k.shape[1] // block_k, block_k)
+    starts = jnp.arange(k.shape[1] // block_k) * block_k
 
     def visit(carry, block):
         m, total, acc = carry  # [B, nkv, g, T] x 2, [B, nkv, g, T, hd]
-        block_pos, k_block, v_block = block
-        logits = _block_logits(qg, k_block, query_pos, block_pos, causal)
-        m_next = jnp.maximum(m, logits.max(axis=-1))  # finite from the first block on (see above)
+        start, k_block, v_block = block
+        logits = _block_logits(qg, k_block, start, causal)
+        m_next = jnp.maximum(m, logits.max(axis=-1))  # finite from the first block on: key 0 is always visible
         p = jnp.exp(logits - m_next[..., None])  # 0 where masked
         correction = jnp.exp(m - m_next)  # 0 on the first block (m = -inf)
         total = correction * total + p.sum(axis=-1)
@@ -98,7 +80,7 @@ def block_forward(
     group = heads // kv_heads
     stats = jnp.full((batch, kv_heads, group, seq), -jnp.inf, F32), jnp.zeros((batch, kv_heads, group, seq), F32)
     acc = jnp.zeros((batch, kv_heads, group, seq, head_dim), F32)
-    blocks = (key_pos, _key_blocks(k, block_k), _key_blocks(v, block_k))
+    blocks = (starts, _key_blocks(k, block_k), _key_blocks(v, block_k))
     (m, total, acc), _ = jax.lax.scan(visit, (*stats, acc), blocks)
     out = jnp.moveaxis(acc / total[..., None], 3, 1).reshape(batch, seq, heads, head_dim)  # [B, T, nh, hd]
     return out, m + jnp.log(total)
@@ -113,8 +95,6 @@ def block_backward(
     d_out: jax.Array,
     causal: bool,
     block_k: int,
-    query_pos: jax.Array | None = None,
-    key_pos: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) float32 of the queries against the keys k, v: each block's probabilities recomputed as
     exp(logits - lse) (the FlashAttention-2 backward). `out`, `lse` and `d_out` are the queries' whole attention's
@@ -126,19 +106,18 @@ def block_backward(
     qg = _grouped(q, kv_heads) * scale
     d_out = _grouped(d_out, kv_heads)  # [B, T, nkv, g, hd]
     delta = jnp.einsum("btkgd,btkgd->bkgt", d_out, _grouped(out, kv_heads))  # rowsum(dO * O), [B, nkv, g, T]
-    query_pos = _positions(query_pos, seq)
-    key_pos = _positions(key_pos, k.shape[1]).reshape(k.shape[1] // block_k, block_k)
 
     def visit(dq, block):
-        block_pos, k_block, v_block = block
-        p = jnp.exp(_block_logits(qg, k_block, query_pos, block_pos, causal) - lse[..., None])  # [B, nkv, g, T, bk]
+        start, k_block, v_block = block
+        p = jnp.exp(_block_logits(qg, k_block, start, causal) - lse[..., None])  # [B, nkv, g, T, bk]
         dv = jnp.einsum("bkgts,btkgd->bskd", p, d_out)  # the group's query heads summed into their K/V head
         dp = jnp.einsum("btkgd,bskd->bkgts", d_out, v_block)
         ds = p * (dp - delta[..., None])  # d(loss)/d(scaled logits)
         dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg)
         return dq + jnp.einsum("bkgts,bskd->btkgd", ds, k_block), (dk, dv)
 
-    blocks = (key_pos, _key_blocks(k, block_k), _key_blocks(v, block_k))
+    starts = jnp.arange(k.shape[1] // block_k) * block_k
+    blocks = (starts, _key_blocks(k, block_k), _key_blocks(v, block_k))
     dq, (dk, dv) = jax.lax.scan(visit, jnp.zeros_like(qg), blocks)
     dq = (dq * scale).reshape(batch, seq, heads, head_dim)
     dk, dv = (jnp.moveaxis(d, 0, 1).reshape(k.shape) for d in (dk, dv))  # [S / bk, B, bk, ...] -> [B, S, ...]

@@ -30,6 +30,7 @@ recomputes the probabilities from the log-sum-exp. Nothing of size [T, S] is sto
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -109,7 +110,12 @@ def _flash_fwd(q, k, v, causal, blocks):
 
 
 def _flash_bwd(causal, blocks, residuals, d_out):
-    q, k, v, out, lse = residuals
+    return _backward(*residuals, d_out, causal, blocks)
+
+
+def _backward(q, k, v, out, lse, d_out, causal, blocks):
+    """dq, dk, dv (in the inputs' dtypes) by the kernel's backward pair, from q's whole attention's out and
+    base-2 log-sum-exp lse [B, nh, T] (the kernel's own residuals)."""
     batch, seq, kv_heads, head_dim = k.shape
     k_rep, v_rep = _repeat_kv(k, v, q.shape[2])
 
@@ -132,6 +138,58 @@ def _flash_bwd(causal, blocks, residuals, d_out):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+_LN2 = math.log(2.0)  # the kernel's log-sum-exp is base 2: lse_2 = lse / ln 2
+
+
+def block_forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, blocks: pallas_attention.BlockSizes
+) -> tuple[jax.Array, jax.Array]:
+    """One kernel call for a (queries, keys) pair of the context-parallel ring (jaxscale.model.ring_attention):
+    (out [B, T, nh, hd] float32, lse [B, nkv, g, T] natural-log float32). q and k may differ in length;
+    `causal` is the kernel's own mask (query i sees keys 0..i), which the ring uses only where both are the
+    same positions in increasing order."""
+    k_rep, v_rep = _repeat_kv(k, v, q.shape[2])
+
+    def kernel(interpret):
+        return lambda *qkv: pallas_attention.mha(
+            *qkv, None, **_mha_kwargs(q, causal, blocks, interpret), return_residuals=True
+        )
+
+    out, lse = _on_platform(kernel, q, k_rep, v_rep)  # lse: [B, nh, T], base 2
+    batch, seq, heads, _ = q.shape
+    kv_heads = k.shape[2]
+    return out.astype(jnp.float32), (lse * _LN2).reshape(batch, kv_heads, heads // kv_heads, seq)
+
+
+def block_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    causal: bool,
+    blocks: pallas_attention.BlockSizes,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) float32 of the queries against these keys, from the queries' whole attention's `out` and
+    natural-log `lse` [B, nkv, g, T] (block_forward's layout): the kernel's backward pair on the pair."""
+    batch, seq, heads, _ = q.shape
+    lse_2 = (lse / _LN2).reshape(batch, heads, seq)
+    # The fused backward pair needs as many query blocks as key blocks: a pair of unequal lengths (the ring's
+    # 2c x c and c x 2c) scales the longer side's backward blocks by the ratio.
+    keys, shorter = k.shape[1], min(seq, k.shape[1])
+    on_q, on_kv = blocks.block_q_dq * seq // shorter, blocks.block_kv_dq * keys // shorter
+    blocks = dataclasses.replace(blocks, block_q_dq=on_q, block_q_dkv=on_q, block_kv_dq=on_kv, block_kv_dkv=on_kv)
+    grads = _backward(q, k, v, out.astype(q.dtype), lse_2, d_out.astype(q.dtype), causal, blocks)
+    return tuple(g.astype(jnp.float32) for g in grads)
+
+
+def flash_with_blocks(
+    q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, blocks: pallas_attention.BlockSizes
+) -> jax.Array:
+    """The kernel with its custom VJP on one device's arrays (no shard_map), at the given block sizes."""
+    return _flash(q, k, v, causal, blocks)
 
 
 def flash_attention(

@@ -25,10 +25,11 @@ both, unmasked (c x 2c). So every step is 2c²
 query-key pairs on every device (`jax.lax.cond` on s < i), the n-1 steps after the first cost the same
 everywhere and no device idles; the (2c)² of step 0 are computed with the mask as the chunked kernel does.
 
-**Blocks.** Each (queries, keys) pair goes through the plain-JAX chunked kernel
-(`jaxscale.model.chunked_attention.block_forward` / `block_backward`: online softmax over key blocks of
-`block_k`, logits in float32, grouped-query heads without repeating K/V), so nothing of size [T, S] is ever
-held, on any backend.
+**Blocks.** Each (queries, keys) pair goes through a kernel that returns its log-sum-exp (`BlockKernel`): the
+plain-JAX chunked one (`jaxscale.model.chunked_attention.block_forward` / `block_backward`: online softmax over
+key blocks, logits in float32, grouped-query heads without repeating K/V) or the Pallas flash kernel
+(`jaxscale.model.flash_attention.block_forward` / `block_backward`, model.attention=flash), so nothing of size
+[T, S] is ever held. The parts are merged in float32.
 
 **Backward.** A custom VJP around the whole ring keeps only the local q, k, v, the output and its log-sum-exp
 (tagged `attention_out` / `attention_lse` as the other kernels' are, so remat policies naming them apply).
@@ -45,6 +46,7 @@ logical axes (batch over data and fsdp, the sequence over context, heads over te
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -52,7 +54,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
+from jaxscale.model import flash_attention
 from jaxscale.model.chunked_attention import block_backward, block_forward, chunked_attention
 
 AXIS = "context"
@@ -93,10 +97,27 @@ def from_balanced(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
     return jnp.stack([first, last], axis=axis).reshape(x.shape)
 
 
-def _local_positions(index: jax.Array, n: int, chunk: int) -> jax.Array:
-    """[2c] the positions of device `index`'s slots: chunk index, then chunk 2n-1-index."""
-    offsets = jnp.arange(chunk)
-    return jnp.concatenate([index * chunk + offsets, (2 * n - 1 - index) * chunk + offsets])
+@dataclasses.dataclass(frozen=True)
+class BlockKernel:
+    """The kernel each (queries, keys) pair of the ring goes through: "chunked" (plain JAX, key blocks of
+    `block_k`) or "flash" (the Pallas kernel with `flash_blocks`). Both give (out float32, lse [B, nkv, g, T]
+    natural-log float32) forward, and float32 (dq, dk, dv) backward from the queries' whole out and lse. Their
+    causal mask compares indices: the ring uses it only on a device's own 2c positions, which increase in the
+    balanced order, so the indices' order is the positions'."""
+
+    kernel: str
+    block_k: int = 0
+    flash_blocks: pallas_attention.BlockSizes | None = None
+
+    def forward(self, q, k, v, causal):
+        if self.kernel == "flash":
+            return flash_attention.block_forward(q, k, v, causal, self.flash_blocks)
+        return block_forward(q, k, v, causal, self.block_k)
+
+    def backward(self, q, k, v, out, lse, d_out, causal):
+        if self.kernel == "flash":
+            return flash_attention.block_backward(q, k, v, out, lse, d_out, causal, self.flash_blocks)
+        return block_backward(q, k, v, out, lse, d_out, causal, self.block_k)
 
 
 def _merge(out: jax.Array, lse: jax.Array, part_out: jax.Array, part_lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -122,16 +143,15 @@ def _rows(x: jax.Array, start: int, stop: int, axis: int) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, block_k: int, n: int) -> jax.Array:
-    return _ring_fwd(q, k, v, causal, block_k, n)[0]
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, kernel: BlockKernel, n: int) -> jax.Array:
+    return _ring_fwd(q, k, v, causal, kernel, n)[0]
 
 
-def _ring_fwd(q, k, v, causal, block_k, n):
+def _ring_fwd(q, k, v, causal, kernel, n):
     """The local queries against every device's keys, one block a step; returns out in q's dtype."""
     index = jax.lax.axis_index(AXIS)
     chunk = q.shape[1] // 2
-    positions = _local_positions(index, n, chunk)
-    out, lse = block_forward(q, k, v, causal, block_k, positions, positions)  # step 0: its own keys, causal
+    out, lse = kernel.forward(q, k, v, causal)  # step 0: its own keys, causal (local positions increase)
 
     def step(carry, j):
         out, lse, k, v = carry
@@ -140,17 +160,17 @@ def _ring_fwd(q, k, v, causal, block_k, n):
             source = (index - j) % n
 
             def earlier():  # every local query against the received first chunk, unmasked
-                return block_forward(q, _rows(k, 0, chunk, 1), _rows(v, 0, chunk, 1), False, block_k)
+                return kernel.forward(q, _rows(k, 0, chunk, 1), _rows(v, 0, chunk, 1), False)
 
             def later():  # the local second chunk against both received chunks; the first chunk's rows get nothing
-                part_out, part_lse = block_forward(_rows(q, chunk, 2 * chunk, 1), k, v, False, block_k)
+                part_out, part_lse = kernel.forward(_rows(q, chunk, 2 * chunk, 1), k, v, False)
                 none_out = jnp.zeros_like(part_out)
                 none_lse = jnp.full_like(part_lse, -jnp.inf)
                 return jnp.concatenate([none_out, part_out], 1), jnp.concatenate([none_lse, part_lse], 3)
 
             part = jax.lax.cond(source < index, earlier, later)
         else:
-            part = block_forward(q, k, v, False, block_k)
+            part = kernel.forward(q, k, v, False)
         return (*_merge(out, lse, *part), k, v), None
 
     (out, lse, _, _), _ = jax.lax.scan(step, (out, lse, k, v), jnp.arange(1, n))
@@ -159,13 +179,12 @@ def _ring_fwd(q, k, v, causal, block_k, n):
     return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(causal, block_k, n, residuals, d_out):
+def _ring_bwd(causal, kernel, n, residuals, d_out):
     """dq, dk, dv: the ring again, each key/value block travelling with its dk, dv accumulators."""
     q, k, v, out, lse = residuals
     index = jax.lax.axis_index(AXIS)
     chunk = q.shape[1] // 2
-    positions = _local_positions(index, n, chunk)
-    dq, dk, dv = block_backward(q, k, v, out, lse, d_out, causal, block_k, positions, positions)
+    dq, dk, dv = kernel.backward(q, k, v, out, lse, d_out, causal)
 
     def rows(x, start, stop):  # a range of the local queries' rows of q, out, d_out (axis 1) and lse (axis 3)
         return tuple(_rows(a, start, stop, 1) for a in x[:3]) + (_rows(x[3], start, stop, 3),)
@@ -174,7 +193,7 @@ def _ring_bwd(causal, block_k, n, residuals, d_out):
 
     def grads(query_rows, k_block, v_block):
         q_, out_, d_out_, lse_ = query_rows
-        return block_backward(q_, k_block, v_block, out_, lse_, d_out_, False, block_k)
+        return kernel.backward(q_, k_block, v_block, out_, lse_, d_out_, False)
 
     def step(carry, j):
         dq, k, v, dk, dv = carry
@@ -204,26 +223,28 @@ def _ring_bwd(causal, block_k, n, residuals, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, block_k: int) -> jax.Array:
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, kernel: BlockKernel) -> jax.Array:
     """Attention of q over k, v in the balanced order, the sequence split over the mesh axis "context".
 
     Args:
       q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] (kv_heads dividing heads), all in
         the balanced order of `to_balanced` with the context axis's size.
-      block_k: the chunked kernel's key block; it must divide seq / (2 x context).
+      kernel: the blocks' kernel; its blocks must divide seq / (2 x context) (config validation checks it).
     Returns:
       [batch, seq, heads, head_dim] in q's dtype, in the balanced order. Without a mesh in context, or with a
-      context axis of one device: the chunked kernel on the natural order.
+      context axis of one device: the kernel on the natural order.
     """
     mesh = jax.sharding.get_abstract_mesh()
     n = 1 if mesh.empty or AXIS not in mesh.axis_names else int(mesh.shape[AXIS])
     if n == 1:
-        return chunked_attention(q, k, v, causal, block_k)
+        if kernel.kernel == "flash":
+            return flash_attention.flash_with_blocks(q, k, v, causal, kernel.flash_blocks)
+        return chunked_attention(q, k, v, causal, kernel.block_k)
     q_spec = nn.logical_to_mesh_axes(("batch", "seq", "heads", "head_dim"))
     kv_spec = nn.logical_to_mesh_axes(("batch", "seq", "kv_heads", "head_dim"))
 
     def ring(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return _ring(q, k, v, causal, block_k, n)
+        return _ring(q, k, v, causal, kernel, n)
 
     mapped = jax.shard_map(ring, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
     return mapped(q, k, v)

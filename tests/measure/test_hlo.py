@@ -92,3 +92,22 @@ def test_operand_bytes_sums_the_operands_the_computation_defines():
     # the dynamic-update-slice fusion: f32[3,8,4], f32[1,8,4] and the s32[] index
     assert hlo.operand_bytes(main["dus_fusion"], main) == 4 * 3 * 8 * 4 + 4 * 8 * 4 + 4
     assert hlo.operand_bytes(main["a"], main) == 0  # a parameter has no operands
+
+
+def test_a_conditional_counts_one_of_its_branches():
+    """lax.cond between two matmuls of the same size inside a 3-step loop: the program runs one branch a step,
+    so 3 x 2·8·16·32 FLOPs (hand count), not both branches' twice that; each branch's ops run 3 x 1/2 times."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(carry, i):
+        x, w = carry
+        y = jax.lax.cond(i % 2 == 0, lambda: x @ w, lambda: (2 * x) @ w)  # [8, 16] @ [16, 32]
+        return (x + y[:, :16], w), None
+
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+    text = jax.jit(lambda x, w: jax.lax.scan(step, (x, w), jnp.arange(3))[0]).lower(x, w).compile().as_text()
+    module = hlo.parse(text)
+    assert hlo.count_matmul_flops(module).matmul_flops == 3 * 2 * 8 * 16 * 32
+    branch_ops = [s for s in hlo.executed(module) if s.share != 1]
+    assert branch_ops and {s.share for s in branch_ops} == {0.5} and {s.times for s in branch_ops} == {1.5}

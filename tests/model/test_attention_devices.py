@@ -16,6 +16,7 @@ import pytest
 
 from jaxscale import train
 from jaxscale.config import base_config, validate
+from jaxscale.model import flash_attention as flash
 from jaxscale.train import sharding
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see tests/model/test_attention.py)")
@@ -65,8 +66,9 @@ def _ring_mesh(shape):
     return jax.sharding.Mesh(devices, ("data", "fsdp", "context", "tensor"))
 
 
-def _ring_and_reference(shape, causal, block_k=2):
-    """(ring output and input gradients, reference's) for 4 query heads over 2 K/V heads, sequence 32."""
+def _ring_and_reference(shape, causal, kernel="chunked"):
+    """(ring output and input gradients, reference's) for 4 query heads over 2 K/V heads, sequence 32, the
+    blocks through `kernel` (chunked: key blocks of 2; flash: Pallas's interpreter, blocks of 4)."""
     from flax import linen as nn
 
     from jaxscale.model import ring_attention as ring
@@ -78,9 +80,14 @@ def _ring_and_reference(shape, causal, block_k=2):
     cotangent = jax.random.normal(keys[3], q.shape)
     n = shape[2]
 
+    if kernel == "flash":
+        blocks = ring.BlockKernel("flash", flash_blocks=flash.block_sizes(8, 32 // (2 * n), jnp.float32, 4, 4))
+    else:
+        blocks = ring.BlockKernel("chunked", block_k=2)
+
     def attend(q, k, v):  # natural order in and out, the balanced order in between
         balanced = (ring.to_balanced(x, n) for x in (q, k, v))
-        return ring.from_balanced(ring.ring_attention(*balanced, causal, block_k), n)
+        return ring.from_balanced(ring.ring_attention(*balanced, causal, blocks), n)
 
     with jax.set_mesh(_ring_mesh(shape)), nn.logical_axis_rules(RING_RULES):
         jitted = jax.jit(attend)
@@ -91,13 +98,16 @@ def _ring_and_reference(shape, causal, block_k=2):
     return (out, *grads), (ref_out, *ref_vjp(cotangent)), hlo
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 4, 1), (1, 1, 8, 1), (1, 2, 2, 2)])
+@pytest.mark.parametrize(
+    "shape,kernel",
+    [((2, 1, 4, 1), "chunked"), ((1, 1, 8, 1), "chunked"), ((1, 2, 2, 2), "chunked"), ((1, 1, 4, 1), "flash")],
+)
 @pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_equals_the_reference_on_one_device(shape, causal):
+def test_ring_attention_equals_the_reference_on_one_device(shape, kernel, causal):
     """Rings of 4 (x 2 data parallel), of 8 (chunks of 2 positions), and of 2 with FSDP and the heads over
-    tensor: output, dq, dk and dv equal the reference einsum's (the masked halves skipped, the backward's own
-    ring)."""
-    ring, reference, _ = _ring_and_reference(shape, causal)
+    tensor, with chunked blocks; a ring of 4 with flash blocks (Pallas interpreted): output, dq, dk and dv equal
+    the reference einsum's (the masked halves skipped, the backward's own ring)."""
+    ring, reference, _ = _ring_and_reference(shape, causal, kernel)
     for a, b in zip(ring, reference, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=5e-6)
 
@@ -116,7 +126,10 @@ def test_the_ring_passes_blocks_and_gathers_nothing():
     mesh = _ring_mesh((1, 1, 4, 1))
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
     with jax.set_mesh(mesh), nn.logical_axis_rules(RING_RULES):
-        attend = jax.jit(lambda q, k, v: ring.ring_attention(q, k, v, True, 2), in_shardings=split, out_shardings=split)
+        kernel = ring.BlockKernel("chunked", block_k=2)
+        attend = jax.jit(
+            lambda q, k, v: ring.ring_attention(q, k, v, True, kernel), in_shardings=split, out_shardings=split
+        )
         hlo = attend.lower(q, kv, kv).compile().as_text()
     kinds = r"(all-gather|all-reduce|all-to-all|collective-permute)"
     ops = [m.group(1) for m in re.finditer(rf"= \S+ {kinds}(?:-start)?\(", hlo)]

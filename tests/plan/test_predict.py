@@ -182,6 +182,21 @@ def test_a_tiny_flash_compile_for_an_h100_prices_its_pallas_kernels_by_their_sha
     assert columns["predicted_attention_s"] == pytest.approx(bytes_per_step / (3352.32e9 * 0.85), rel=1e-9)
 
 
+def test_the_context_parallel_ring_does_each_devices_share_of_the_causal_attention_work():
+    """The same tiny flash step with its sequences split over a ring of 2 (mesh.context=2, 2 H100s): the ring's
+    Pallas calls on one device (its own 16 positions causally, then, in a conditional whose two branches do the
+    same work, 16 x 8 or 8 x 16 unmasked pairs) add up to exactly half the one-device causal attention's
+    11,534,336 FLOPs of the test above: the load balance and the skipped masked halves leave no device more."""
+    config = load_config("bf16_remat", "tiny")
+    config.model.attention = "flash"
+    config.mesh.context = 2
+    result, _ = gpu_plan.compile_in_process(config, targets.target_config_text(H100), "cublas", devices=2)
+    found = kernels.resolve_causal(kernels.from_dicts(result["kernels"]), config.model.causal)
+    shapes = {k.attention[3:5] for k in found if k.category == "attention" and k.detail != "mha_preprocess_backward"}
+    assert shapes == {(16, 16), (16, 8), (8, 16)}  # (queries, keys): step 0, the two branches
+    assert sum(k.times * k.flops for k in found if k.category == "attention") == 11_534_336 / 2
+
+
 def test_a_target_without_a_datasheet_peak_gets_no_prediction_and_says_why():
     mystery = dataclasses.replace(A5000, name="mystery", device_kind="Mystery GPU 9000")
     columns = predict.target_columns(load_config("bf16", "tiny"), mystery, {"triton": []})

@@ -225,7 +225,7 @@ def test_sequence_parallelism_splits_korthikantis_replicated_10sbh_by_t():
             "data.seq_len:",
             "not divisible by the 2 devices",
         ),  # fmt: skip
-        ((1, 1, 1), {"mesh__context": 2}, "model.attention:", "set model.attention=chunked"),
+        ((1, 1, 1), {"mesh__context": 2}, "model.attention:", "set model.attention=chunked or flash"),
         ((1, 1, 1), {"mesh__context": 3, "model__attention": "chunked"}, "mesh.context:", "allowed: 1, 2, 4, 8, 16"),
         (
             (1, 1, 1),
