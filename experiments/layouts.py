@@ -11,8 +11,10 @@ Every variant trains the same global batch (two sequences per GPU a step, torcht
 same kernel: bf16, scanned layers, Block remat (nothing saved) and the Pallas flash attention (context
 parallelism runs it as a ring of flash blocks, jaxscale.model.ring_attention; at the CPU presets the chunked
 kernel, as flash runs interpreted there).
-Each variant's minibatch is one sequence per device that splits the batch (data x fsdp), so the accumulation
-count is the batch / (data x fsdp): tensor- and context-parallel devices share their sequences. The table
+Each layout runs twice: with a minibatch of one sequence per device that splits the batch (data x fsdp), so
+the accumulation count is the batch / (data x fsdp), as tensor- and context-parallel devices share their
+sequences; and (`_whole`) with the whole batch in one minibatch, which gathers the weights and reduces the
+gradients once a step instead of once a minibatch but keeps more activations. The table
 shows, per variant, the plan's peak per GPU beside the analytic model, the collectives' bytes, and the predicted
 tokens/s per GPU; docs/mesh.md has the answer.
 experiments/layouts_x64.py is the same sweep for 64 GPUs (8 hosts of 8).
@@ -63,15 +65,19 @@ def config_for(preset, devices: int):
 
 
 def variants_for(config, layouts: dict):
-    """One variant per layout; the minibatch is one sequence per device that splits the batch (data x fsdp)."""
+    """Two variants per layout: `<name>`, whose minibatch is one sequence per device that splits the batch
+    (data x fsdp), and `<name>_whole`, the whole batch in one minibatch (fewer weight gathers and gradient
+    reductions, more activations), where the two differ."""
     variants = []
     for name, (data, fsdp, tensor, context, stage, sp) in layouts.items():
-        variants.append({
-            "name": name,
+        mesh = {
             "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "mesh.context": context,
             "mesh.zero_stage": stage, "mesh.sequence_parallel": sp,
-            "train.num_minibatches": config.data.batch_size // (data * fsdp),
-        })  # fmt: skip
+        }  # fmt: skip
+        minibatches = config.data.batch_size // (data * fsdp)
+        variants.append({"name": name, **mesh, "train.num_minibatches": minibatches})
+        if minibatches > 1:
+            variants.append({"name": f"{name}_whole", **mesh, "train.num_minibatches": 1})
     return variants
 
 

@@ -159,11 +159,12 @@ def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
 
 def step_model(config: ml_collections.ConfigDict) -> ModelConfig:
     """The model as the train step builds it: `model.reduce_dtype` is the dtype weight gradients are summed over
-    devices in, so it applies where the batch is split over devices (mesh data x fsdp > 1); on one device (or
-    tensor parallelism alone) nothing is summed over devices and the step is Flax's default program ("compute"),
-    the one the notebook's table was measured with."""
+    devices in, so it applies where the tokens are split over devices (mesh data x fsdp x context > 1); on one
+    device (or tensor parallelism alone) nothing is summed over devices and the step is Flax's default program
+    ("compute"), the one the notebook's table was measured with."""
     model = ModelConfig.from_config(config.model)
-    if mesh_shape(config).batch_split == 1:
+    mesh = mesh_shape(config)
+    if mesh.batch_split * mesh.context == 1:
         model = dataclasses.replace(model, reduce_dtype="compute")
     return model
 

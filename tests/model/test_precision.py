@@ -58,13 +58,14 @@ def test_float32_weight_gradients_equal_the_compute_dtype_ones(family):
 
 def test_the_field_applies_where_the_batch_is_split_over_devices():
     """One device, or tensor parallelism alone, sums nothing over devices: the step builds Flax's default
-    program there (the notebook's), whatever the field says."""
+    program there (the notebook's), whatever the field says. Data, FSDP and context parallelism sum."""
     config = _config("gpt")
     assert step_model(config).reduce_dtype == "compute"
     for mesh, effective in (
         ({"mesh.tensor": 2}, "compute"),
         ({"mesh.data": 2}, "float32"),
         ({"mesh.fsdp": 2}, "float32"),
+        ({"mesh.context": 2, "model.attention": "chunked"}, "float32"),  # a ring sums its devices' gradients too
     ):
         assert step_model(_config("gpt", **mesh)).reduce_dtype == effective, mesh
     assert step_model(_config("gpt", **{"mesh.fsdp": 2, "model.reduce_dtype": "compute"})).reduce_dtype == "compute"
