@@ -276,3 +276,45 @@ def test_slow_mesh_variants_equal_one_device():
     done = _run_device_tests("-m", "slow")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout, done.stdout[-2000:]
+
+
+def _committed(name: str) -> dict[str, dict]:
+    import json
+
+    path = REPO / "experiments" / "results" / name / "results.jsonl"
+    return {row["variant"]: row for row in map(json.loads, path.read_text().splitlines())}
+
+
+def _per_gpu(row: dict) -> float:
+    return row["tokens_per_step"] / row["predicted_step_s"] / row["mesh_devices"]
+
+
+def test_the_committed_layout_answers_hold_as_docs_mesh_md_states():
+    """docs/mesh.md's answers, from the committed deviceless plans of experiments/layouts.py: on 8 H100s the
+    fastest layout that fits is FSDP with the whole batch (8,382 predicted tokens/s per GPU), data parallel, ZeRO-1
+    and ZeRO-2 do not fit and tp8 with the whole batch only with sequence parallelism; on 64, HSDP (8,250), and
+    ZeRO-2 fits there; every 8-GPU plan that fits is within 0.95-1.12 of the analytic model."""
+    eight, sixty_four = (
+        _committed(f"layouts{s}_llama3.1-8b_plan_h100_triton_x{n}") for s, n in (("", 8), ("_x64", 64))
+    )
+    assert len(eight) == 26 and len(sixty_four) == 18
+    fits = {name for name, row in eight.items() if row["plan_fits"]}
+    assert set(eight) - fits == {"dp", "dp_whole", "zero1", "zero1_whole", "zero2", "zero2_whole", "tp8_whole"}
+    best = max(fits, key=lambda name: _per_gpu(eight[name]))
+    assert best == "fsdp_whole" and round(_per_gpu(eight[best])) == 8382
+    assert all(0.95 <= eight[name]["compiled_to_analytic_peak_ratio"] <= 1.12 for name in fits)
+    fits = {name for name, row in sixty_four.items() if row["plan_fits"]}
+    best = max(fits, key=lambda name: _per_gpu(sixty_four[name]))
+    assert best == "hsdp_dp8_fsdp8_whole" and round(_per_gpu(sixty_four[best])) == 8250
+    assert "zero2" in fits and "zero1" not in fits and "zero1_whole" not in fits
+
+
+def test_the_committed_long_context_plans_fit_as_docs_mesh_md_states():
+    """The largest sequence that fits per FSDP x CP layout on 8 H100s: 32k, 64k, 128k, 128k (docs/mesh.md)."""
+    rows = _committed("long_context_llama3.1-8b_plan_h100_triton_x8")
+    largest = {}
+    for name, row in rows.items():
+        layout = name.rsplit("_", 1)[0]
+        if row["plan_fits"]:
+            largest[layout] = max(largest.get(layout, 0), row["config.data.seq_len"])
+    assert largest == {"fsdp8_cp1": 32768, "fsdp4_cp2": 65536, "fsdp2_cp4": 131072, "fsdp1_cp8": 131072}
