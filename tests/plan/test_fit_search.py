@@ -132,7 +132,7 @@ def test_minibatch_is_per_device_and_multiplies_the_data_parallel_axes():
     planned = fit_search.with_minibatch(config, "block", 5)
     assert planned.data.batch_size == 5 * config.train.num_minibatches and planned.model.remat == ("Block",)
     assert config.model.remat == () and mesh_shape(config).batch_split == 1  # the input is not changed
-    config.mesh = {"data": 2, "fsdp": 4, "tensor": 2}  # a mesh group as issue 10 adds it: batch over data x fsdp
+    config.mesh.update(data=2, fsdp=4, tensor=2)  # batch over data x fsdp
     assert mesh_shape(config).batch_split == 8
     assert fit_search.with_minibatch(config, "none", 3).data.batch_size == 3 * config.train.num_minibatches * 8
 
