@@ -69,6 +69,7 @@ class Kernel:
     # the program runs between its start and its -done, which may hide it (first > last: none); None: the
     # collective is synchronous (or its -done was not found), nothing hides it.
     window: tuple[int, int] | None = None
+    dtype: str = ""  # element type of the kernel's largest result array ("bf16", "f32", ...; "" unknown)
 
     @property
     def bytes(self) -> int:
@@ -260,6 +261,14 @@ def _plain(instruction: hlo.Instruction, computation: dict, **fields) -> Kernel:
                   bytes_read=hlo.operand_bytes(instruction, computation), bytes_written=out, **fields)  # fmt: skip
 
 
+def result_dtype(shape: str) -> str:
+    """The element type of the largest array in an instruction's result shape ("" for none)."""
+    found = hlo.arrays(shape)
+    if not found:
+        return ""
+    return max(found, key=lambda a: hlo.DTYPE_BYTES[a[0]] * math.prod(a[1]))[0]
+
+
 def kernels(hlo_text: str) -> list[Kernel]:
     """Every kernel one execution of the compiled program launches, in program order.
 
@@ -283,7 +292,7 @@ def kernels(hlo_text: str) -> list[Kernel]:
         if instruction.opcode in _FREE or instruction.opcode.endswith(_ASYNC_ENDS):
             continue
         computation = module.computations[step.computation]
-        fields = dict(name=instruction.name, trips=step.trips, times=step.times)
+        fields = dict(name=instruction.name, trips=step.trips, times=step.times, dtype=result_dtype(instruction.shape))
         collective = collectives.launched(step, module)
         if collective is not None:
             if instruction.opcode.endswith("-start"):  # async: its -done comes later in this computation

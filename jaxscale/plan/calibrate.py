@@ -18,6 +18,11 @@ the fitted constants are
     launch_s     = s · max(0, T - sum_c M_c) / N         (time in the step that no op covers, per launch)
 
 and a calibrated kernel takes r / efficiency_c + launch_s: the calibration run's own step is then predicted as S.
+By default (by="cell") the same ratio is also fitted per cell k = predict.calibration_cell (group, precision: 16- or
+32-bit, size: floor(log4(bytes per launch))) whose ops take at least MIN_CELL_SHARE of the measured op time,
+efficiency_k = R_k / (s · M_k); a kernel then takes its own cell's efficiency, else the nearest size's of its group
+and precision, else its group's: a fusion of bf16 working sets of 16 MiB runs at what such fusions ran at, not
+at the average of the run's fusions (docs/predict.md, "Calibration").
 The profiled step is one step of a shared machine, so its split is taken from the trace and its level from the
 median of the timed steps (s). The fit is a ratio of sums, so the large ops weigh most, as they do in a step.
 A calibration is only meaningful for other programs on the same device: load() refuses a run from another
@@ -44,12 +49,14 @@ import ml_collections
 from absl import flags
 
 from jaxscale.cli import Usage, UsageError, fail, parse_flags, print_help, wants_help
-from jaxscale.measure import kernels, peaks, traces
+from jaxscale.config import mesh_shape
+from jaxscale.measure import kernels, traces
 from jaxscale.plan import predict
 
 FLAG = "--calibrate"
 GROUPS = tuple(group for group in predict.BREAKDOWN if group != "launch")  # efficiencies are fitted per group
 RESULT_FILE = "result.json"
+MIN_CELL_SHARE = 0.01  # a cell is fitted on its own when its ops take at least this share of the measured op time
 
 
 class CalibrationError(ValueError):
@@ -70,6 +77,10 @@ class Calibration:
     step_s: float  # S
     launches: int  # N
     unmatched_kernels: int = 0  # launches per step of kernels without a measured op (tiny loop scalars on a CPU)
+    # By predict.calibration_cell (group, precision, size), cells holding at least MIN_CELL_SHARE of the measured
+    # op time: the fitted efficiency, and (R, M) of the cell. Empty: fitted by group only (by="group").
+    cells: dict[tuple[str, str, int], float] = dataclasses.field(default_factory=dict)
+    cell_seconds: dict[tuple[str, str, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
     backend: str | None = None
     device_kind: str | None = None
     hostname: str | None = None
@@ -77,12 +88,14 @@ class Calibration:
     def roofline(self, roof: predict.Roofline) -> predict.Roofline:
         """`roof` with the fitted efficiencies and launch cost (predict.Roofline.fitted_efficiency)."""
         fitted = ", ".join(f"{group} {value:.3g}" for group, value in self.efficiency.items())
+        cells = f" and {len(self.cells)} cells of group, precision and size" if self.cells else ""
         return dataclasses.replace(
             roof,
             fitted_efficiency=dict(self.efficiency),
+            fitted_cells=dict(self.cells) or None,
             launch_s=self.launch_s,
-            source=f"{roof.source}; calibrated on {self.run}: fitted efficiencies of the pure roofline {fitted}, "
-            f"launch {self.launch_s * 1e6:.3g} us (jaxscale/plan/calibrate.py)",
+            source=f"{roof.source}; calibrated on {self.run}: fitted efficiencies of the pure roofline {fitted}"
+            f"{cells}, launch {self.launch_s * 1e6:.3g} us (jaxscale/plan/calibrate.py)",
         )
 
     def columns(self) -> dict[str, object]:
@@ -92,6 +105,9 @@ class Calibration:
             **{f"calibrated_{group}_efficiency": self.efficiency.get(group) for group in GROUPS},
             "calibrated_launch_s": self.launch_s,
             "calibrated_step_scale": self.scale,
+            "calibrated_cells": [
+                [*cell, efficiency, *self.cell_seconds[cell]] for cell, efficiency in sorted(self.cells.items())
+            ],
         }
 
 
@@ -102,6 +118,7 @@ def fit(
     trace_step_s: float,
     step_s: float,
     run: str = "",
+    by: str = "cell",
 ) -> Calibration:
     """Fits a Calibration (the formulas of this module's docstring) from a trace's ops and a program's kernels.
 
@@ -112,6 +129,8 @@ def fit(
       trace_step_s: T, the traced step's span.
       step_s: S, the measured step (the timed steps' median).
       run: what to call the run in the row (its directory).
+      by: "cell" (efficiencies per predict.calibration_cell where the cell holds MIN_CELL_SHARE of the measured
+        time, per group for the rest) or "group" (per group only).
     Raises:
       CalibrationError: no kernel of the program has a measured op, or the step times are not positive.
     """
@@ -120,6 +139,8 @@ def fit(
         measured[str(row["op"])] = measured.get(str(row["op"]), 0.0) + float(row["self_s_per_step"])
     ideal = dict.fromkeys(GROUPS, 0.0)
     groups: dict[str, str] = {}
+    cells: dict[str, tuple[str, str, int]] = {}
+    cell_ideal: dict[tuple[str, str, int], float] = {}
     launches, unmatched = 0, 0
     for kernel in found:
         launches += kernel.times
@@ -128,10 +149,15 @@ def fit(
             continue
         group = predict.breakdown_group(kernel.category)
         groups[kernel.name] = group
-        ideal[group] += kernel.times * predict.kernel_seconds(kernel, roof)[1]  # the pure roofline
+        bound = kernel.times * predict.kernel_seconds(kernel, roof)[1]  # the pure roofline
+        ideal[group] += bound
+        cell = cells[kernel.name] = predict.calibration_cell(kernel)
+        cell_ideal[cell] = cell_ideal.get(cell, 0.0) + bound
     spent = dict.fromkeys(GROUPS, 0.0)
+    cell_spent = dict.fromkeys(cell_ideal, 0.0)
     for name, group in groups.items():
         spent[group] += measured[name]
+        cell_spent[cells[name]] += measured[name]
     if not groups:
         raise CalibrationError(f"{FLAG}: {run}: none of the trace's ops is a kernel of the run's compiled step")
     if not (trace_step_s > 0 and step_s > 0):
@@ -139,6 +165,9 @@ def fit(
     total = sum(spent.values())
     scale = step_s / max(trace_step_s, total)
     efficiency = {g: ideal[g] / (scale * spent[g]) for g in GROUPS if ideal[g] > 0 and spent[g] > 0}
+    kept = (
+        [c for c in cell_ideal if cell_ideal[c] > 0 and cell_spent[c] >= MIN_CELL_SHARE * total] if by == "cell" else []
+    )
     launch_s = scale * max(0.0, trace_step_s - total) / launches if launches else 0.0
     return Calibration(
         run=run,
@@ -151,6 +180,8 @@ def fit(
         step_s=step_s,
         launches=launches,
         unmatched_kernels=unmatched,
+        cells={c: cell_ideal[c] / (scale * cell_spent[c]) for c in kept},
+        cell_seconds={c: (cell_ideal[c], cell_spent[c]) for c in kept},
     )
 
 
@@ -197,8 +228,8 @@ def check_device(row: dict, run_dir: str, device: jax.Device) -> None:
             )
 
 
-def calibration(run_dir: str | pathlib.Path, device: jax.Device | None = None) -> Calibration:
-    """Fits the Calibration of a measured run on this device's roofline (predict.local_roofline).
+def calibration(run_dir: str | pathlib.Path, device: jax.Device | None = None, by: str = "cell") -> Calibration:
+    """Fits the Calibration of a measured run on this device's roofline (predict.local_roofline); `by` as in fit.
 
     Raises:
       CalibrationError: the run cannot calibrate (read_run), was measured on another device (check_device), or
@@ -207,7 +238,7 @@ def calibration(run_dir: str | pathlib.Path, device: jax.Device | None = None) -
     row, hlo_text = read_run(run_dir)
     device = device or jax.devices()[0]
     check_device(row, str(run_dir), device)
-    roof = predict.local_roofline(device)
+    roof = predict.local_roofline(device, row.get("mesh_devices") or 1)
     if roof is None:
         raise CalibrationError(f"{FLAG}: no roofline for device_kind {device.device_kind!r} to calibrate")
     try:
@@ -217,7 +248,7 @@ def calibration(run_dir: str | pathlib.Path, device: jax.Device | None = None) -
     if not summary.get("trace_step_s"):
         raise CalibrationError(f"{FLAG}: {run_dir}: its trace has no annotated step to time")
     fitted = fit(rows, _run_kernels(row, hlo_text), roof, summary["trace_step_s"], row["step_s_median"],
-                 run=str(run_dir))  # fmt: skip
+                 run=str(run_dir), by=by)  # fmt: skip
     return dataclasses.replace(fitted, backend=row.get("backend"), device_kind=row.get("device_kind"),
                                hostname=row.get("hostname"))  # fmt: skip
 
@@ -240,11 +271,10 @@ def local_columns(
     config: ml_collections.ConfigDict, hlo_text: str, device: jax.Device, fitted: Calibration
 ) -> dict[str, object]:
     """predict.local_columns, calibrated (step_columns)."""
-    roof = predict.local_roofline(device)
+    roof = predict.local_roofline(device, mesh_shape(config).devices)
     if roof is None:
         return {"predicted_step_s": None, "predicted_error": f"no roofline for device_kind {device.device_kind!r}"}
-    peak, _ = peaks.resolve_peak(config.model.dtype, device)
-    return step_columns(config, kernels.kernels(hlo_text), roof, peak, fitted)
+    return step_columns(config, kernels.kernels(hlo_text), roof, predict.local_peak(config, device), fitted)
 
 
 def roofline_seconds(found: Iterable[kernels.Kernel], roof: predict.Roofline) -> dict[str, float]:
@@ -259,8 +289,10 @@ def _run_kernels(row: dict, hlo_text: str) -> list[kernels.Kernel]:
     return kernels.resolve_causal(kernels.kernels(hlo_text), bool(row.get("config.model.causal", True)))
 
 
-def cross_check(run_dirs: Sequence[str | pathlib.Path], device: jax.Device | None = None) -> list[dict[str, object]]:
-    """Each run calibrates the predictor, which then predicts every *other* run's step (leave-one-in).
+def cross_check(
+    run_dirs: Sequence[str | pathlib.Path], device: jax.Device | None = None, by: str = "cell"
+) -> list[dict[str, object]]:
+    """Each run calibrates the predictor (`by` as in fit), which then predicts every *other* run's step.
 
     Returns:
       One row per (calibration run, predicted run), calibration run != predicted run: `calibrated_on`,
@@ -272,15 +304,15 @@ def cross_check(run_dirs: Sequence[str | pathlib.Path], device: jax.Device | Non
       prediction by hand.
     """
     device = device or jax.devices()[0]
-    roof = predict.local_roofline(device)
     runs = {pathlib.Path(d).name: (str(d), *read_run(d)) for d in run_dirs}
-    fits = {name: calibration(path, device) for name, (path, _, _) in runs.items()}
+    fits = {name: calibration(path, device, by) for name, (path, _, _) in runs.items()}
     out = []
     for on, fitted in fits.items():
-        calibrated = fitted.roofline(roof)
         for name, (_, row, hlo_text) in runs.items():
             if name == on:
                 continue
+            roof = predict.local_roofline(device, row.get("mesh_devices") or 1)
+            calibrated = fitted.roofline(roof)
             found = _run_kernels(row, hlo_text)
             predicted = predict.predict(found, calibrated)
             step = predicted["predicted_step_s"]
@@ -357,13 +389,15 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m jaxscale.plan.calibrate RUN_DIR RUN_DIR ...`: the leave-one-in table; exit 0, or 2 (bad input)."""
     fv = flags.FlagValues()
     flags.DEFINE_string("output", None, "Also write the rows as JSON lines to this file.", flag_values=fv)
+    flags.DEFINE_enum("by", "cell", ["cell", "group"], "Fit an efficiency per cell of group, precision and size "
+                      "(with the group's for the rest), or per group only.", flag_values=fv)  # fmt: skip
     if wants_help(argv):
         return print_help(USAGE, fv)
     try:
         rest = parse_flags(fv, argv)[1:]
         if len(rest) < 2:
             raise UsageError("give two or more RUN_DIRs, e.g. python -m jaxscale.plan.calibrate traces/<sweep>/*")
-        rows = cross_check(rest)
+        rows = cross_check(rest, by=fv.by)
     except (UsageError, CalibrationError) as error:
         return fail(str(error).replace(f"{FLAG}: ", "RUN_DIR: "))
     print(markdown(rows))

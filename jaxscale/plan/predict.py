@@ -64,6 +64,7 @@ from collections.abc import Iterable
 import jax
 import ml_collections
 
+from jaxscale.config import mesh_shape
 from jaxscale.measure import collectives, flops, kernels, peaks
 from jaxscale.plan import targets
 
@@ -80,6 +81,32 @@ _GROUP = {"matmul": "matmul", "attention": "attention", "fusion": "fusion", "cop
 def breakdown_group(category: str) -> str:
     """The BREAKDOWN group (predicted_<group>_s) a kernel category counts in: copies and updates in copy_dus."""
     return _GROUP[category]
+
+
+CELL_BASE = 4  # a calibration cell spans a factor of 4 in bytes per launch
+
+
+def calibration_cell(kernel: kernels.Kernel) -> tuple[str, str, int]:
+    """(group, precision, size) of a kernel, the unit a calibration fits one efficiency for (jaxscale.plan.calibrate).
+
+    precision: "16" for 16-bit (or narrower) floating-point work: the matmul's input dtype (flop_dtype), else the
+    kernel's result dtype; "32" otherwise. size: floor(log4(bytes per launch)), so a cell holds kernels whose
+    working sets are within 4x of each other: a cache level holds them or does not alike.
+    """
+    dtype = kernel.flop_dtype if kernel.category in ("matmul", "attention") else kernel.dtype
+    precision = "16" if dtype in ("bf16", "f16") or dtype.startswith("f8") else "32"
+    return breakdown_group(kernel.category), precision, int(math.log(max(kernel.bytes, 1), CELL_BASE))
+
+
+def fitted_efficiency(kernel: kernels.Kernel, roof: Roofline) -> float | None:
+    """The calibrated efficiency a kernel runs at on `roof` (Roofline.fitted_cells, then fitted_efficiency), or
+    None on an uncalibrated roofline or for a group the calibration did not fit."""
+    if roof.fitted_cells:
+        group, precision, size = calibration_cell(kernel)
+        sizes = [s for g, p, s in roof.fitted_cells if (g, p) == (group, precision)]
+        if sizes:  # the nearest size measured (the larger on a tie: caches are the larger sizes' trouble)
+            return roof.fitted_cells[(group, precision, min(sizes, key=lambda s: (abs(s - size), -s)))]
+    return (roof.fitted_efficiency or {}).get(breakdown_group(kernel.category))
 
 
 def collective_factor(op: str, n: int) -> float:
@@ -111,6 +138,9 @@ class Roofline:
     # Fitted on a measured run (jaxscale.plan.calibrate), by BREAKDOWN group: a kernel of a group listed here
     # takes its pure-roofline seconds / this efficiency (+ launch_s) instead of the formula above. None: none.
     fitted_efficiency: dict[str, float] | None = None
+    # Fitted per calibration_cell (group, precision, size): a kernel takes the efficiency of its own cell, else of
+    # the nearest size of its group and precision, else its group's (fitted_efficiency). None: none.
+    fitted_cells: dict[tuple[str, str, int], float] | None = None
 
 
 def gpu_roofline(
@@ -163,27 +193,33 @@ def gpu_roofline(
     )
 
 
-def cpu_roofline() -> Roofline:
-    """This machine's measured rooflines (cached per machine, see jaxscale.measure.peaks)."""
+def cpu_roofline(shared_by: int = 1) -> Roofline:
+    """This machine's measured rooflines (cached per machine, see jaxscale.measure.peaks).
+
+    Simulated CPU devices (--xla_force_host_platform_device_count) run their programs at once on the same
+    cores and memory: each of `shared_by` devices gets that share of the machine's FLOP/s and bandwidth.
+    """
     f32, f32_source = peaks.measured_peak("float32")
     bf16, _ = peaks.measured_peak("bfloat16")
     bandwidth, bandwidth_source = peaks.measured_bandwidth()
+    share = 1 / max(1, shared_by)
+    shared = f"; one of {shared_by} simulated devices sharing them (1/{shared_by} each)" if shared_by > 1 else ""
     return Roofline(
         name="cpu",
-        matmul_flops_per_s={"bf16": bf16, "f16": bf16, "tf32": f32, "f32": f32},
-        vector_flops_per_s=f32,
-        memory_bytes_per_s=bandwidth,
-        link_bytes_per_s=bandwidth,
+        matmul_flops_per_s={"bf16": bf16 * share, "f16": bf16 * share, "tf32": f32 * share, "f32": f32 * share},
+        vector_flops_per_s=f32 * share,
+        memory_bytes_per_s=bandwidth * share,
+        link_bytes_per_s=bandwidth * share,
         link_devices=1,
-        host_bytes_per_s=bandwidth,
-        network_bytes_per_s=bandwidth,
+        host_bytes_per_s=bandwidth * share,
+        network_bytes_per_s=bandwidth * share,
         devices_per_host=1,
         cores=None,
         gemm_efficiency=1.0,
         attention_efficiency=1.0,
         memory_efficiency=1.0,
         launch_s=0.0,
-        source=f"{f32_source}; {bandwidth_source}; no efficiency factors, no launch cost",
+        source=f"{f32_source}; {bandwidth_source}{shared}; no efficiency factors, no launch cost",
     )
 
 
@@ -218,10 +254,10 @@ def link_bytes_per_s(roof: Roofline, group: int) -> float:
 def kernel_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, float]:
     """(predicted seconds without launch cost, pure-roofline seconds) of one launch of a kernel.
 
-    On a calibrated roofline (Roofline.fitted_efficiency names the kernel's group) the prediction is the
+    On a calibrated roofline (fitted_efficiency: the kernel's cell or group was fitted) the prediction is the
     pure-roofline seconds / the fitted efficiency."""
     seconds, bound = _roofline_seconds(kernel, roof)
-    fitted = (roof.fitted_efficiency or {}).get(breakdown_group(kernel.category))
+    fitted = fitted_efficiency(kernel, roof)
     return (bound / fitted if fitted else seconds), bound
 
 
@@ -353,22 +389,31 @@ def target_columns(
     }
 
 
-def local_roofline(device: jax.Device) -> Roofline | None:
-    """The roofline of the device a run executes on: measured on a CPU; on a GPU the targets-table entry
-    with the same device_kind (None when there is none: the row then has no prediction)."""
+def local_roofline(device: jax.Device, devices: int = 1) -> Roofline | None:
+    """The roofline of the device a run executes on: measured on a CPU (shared by the mesh's `devices` simulated
+    devices, cpu_roofline); on a GPU the targets-table entry with the same device_kind (None when there is none:
+    the row then has no prediction)."""
     if device.platform == "cpu":
-        return cpu_roofline()
+        return cpu_roofline(devices)
     match = next((t for t in targets.TARGETS.values() if t.device_kind == device.device_kind), None)
     return gpu_roofline(match) if match is not None else None
 
 
+def local_peak(config: ml_collections.ConfigDict, device: jax.Device) -> float | None:
+    """The peak predicted MFU divides by, as the row's `mfu` (flops.utilization_columns): a mesh of GPUs has
+    devices x one GPU's; simulated CPU devices share the one machine's measured roofline."""
+    peak, _ = peaks.resolve_peak(config.model.dtype, device)
+    devices = mesh_shape(config).devices
+    return peak * devices if peak is not None and device.platform != "cpu" else peak
+
+
 def local_columns(config: ml_collections.ConfigDict, hlo_text: str, device: jax.Device) -> dict[str, object]:
-    """Predicted columns for a program compiled for this machine's device (see local_roofline)."""
-    roof = local_roofline(device)
+    """Predicted columns for a program compiled for this machine's device (see local_roofline): one device's
+    share of the step, on its share of the machine."""
+    roof = local_roofline(device, mesh_shape(config).devices)
     if roof is None:
         return {"predicted_step_s": None, "predicted_error": f"no roofline for device_kind {device.device_kind!r}"}
-    peak, _ = peaks.resolve_peak(config.model.dtype, device)
-    return step_columns(config, kernels.kernels(hlo_text), roof, peak)
+    return step_columns(config, kernels.kernels(hlo_text), roof, local_peak(config, device))
 
 
 def over_measured(row: dict) -> float | None:

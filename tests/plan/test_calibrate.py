@@ -96,6 +96,40 @@ def test_a_kernel_without_a_measured_op_counts_as_a_launch_only_and_an_unmeasure
     assert predict.predict([ring], fitted.roofline(ROOF))["predicted_step_s"] == pytest.approx(1.0 + 0.04)
 
 
+def _fusion(name: str, nbytes: int, dtype: str = "f32", times: int = 1) -> kernels.Kernel:
+    return dataclasses.replace(_kernel(name, "fusion", bytes_read=nbytes, times=times), dtype=dtype)
+
+
+def test_each_cell_of_precision_and_size_keeps_its_own_efficiency_and_a_new_size_takes_the_nearest():
+    # float32 fusions of 4 KiB (4^6 bytes) launched 1000 times run at their roofline (4.096 ms measured), of
+    # 4 MiB (4^11) at a quarter of it (16.78 ms), a bf16 fusion of 1 MiB (4^10) at half (2.10 ms); 64-byte
+    # fusions launched 10 times take 1 us each (10 us: under 1% of the 22.98 ms measured, so no cell of its own).
+    found = [_fusion("small", 4**6, times=1000), _fusion("large", 4**11), _fusion("half", 4**10, "bf16"),
+             _fusion("tiny", 64, times=10)]  # fmt: skip
+    ops = [_op("small", 4**6 * 1000 / 1e9), _op("large", 4 * 4**11 / 1e9), _op("half", 2 * 4**10 / 1e9),
+           _op("tiny", 10e-6)]  # fmt: skip
+    step = sum(o["self_s_per_step"] for o in ops)
+    fitted = calibrate.fit(ops, found, ROOF, trace_step_s=step, step_s=step)
+    assert fitted.cells == pytest.approx({("fusion", "32", 6): 1.0, ("fusion", "32", 11): 0.25,
+                                          ("fusion", "16", 10): 0.5})  # fmt: skip
+    # The group's one efficiency is the ratio of its sums, by hand: roofline 4.096 + 4.194 + 1.049 + 0.00064 ms
+    # over the measured 22.98 ms.
+    roofline_ms = 4**6 * 1000 / 1e6 + 4**11 / 1e6 + 4**10 / 1e6 + 640 / 1e6
+    assert fitted.efficiency["fusion"] == pytest.approx(roofline_ms / (step * 1e3))
+    # Another program: f32 fusions of 16 MiB (4^12: nearest cell 4^11, 0.25) and 16 KiB (4^7: nearest 4^6, 1.0),
+    # a bf16 one of 256 KiB (the only bf16 cell, 0.5), a 64-byte one (4^3: nearest 4^6, 1.0); a matmul, whose
+    # group has no cell, takes its group's efficiency: none was fitted, so the published formula (1 s).
+    other = [_fusion("a", 4**12), _fusion("b", 4**7), _fusion("c", 4**9, "bf16"), _fusion("d", 64),
+             _kernel("e", "matmul", flops=1e9)]  # fmt: skip
+    by_hand = 4**12 / 1e9 / 0.25 + 4**7 / 1e9 + 4**9 / 1e9 / 0.5 + 64 / 1e9 + 1.0
+    assert predict.predict(other, fitted.roofline(ROOF))["predicted_step_s"] == pytest.approx(by_hand)
+    # Fitted by group only, every fusion takes the group's efficiency.
+    grouped = calibrate.fit(ops, found, ROOF, trace_step_s=step, step_s=step, by="group")
+    assert grouped.cells == {} and grouped.efficiency == pytest.approx(fitted.efficiency)
+    by_group = sum(k.bytes for k in other) / 1e9 / fitted.efficiency["fusion"] + 1.0
+    assert predict.predict(other, grouped.roofline(ROOF))["predicted_step_s"] == pytest.approx(by_group)
+
+
 def test_a_trace_that_names_none_of_the_programs_kernels_is_refused():
     with pytest.raises(calibrate.CalibrationError, match="--calibrate: .*none of the trace's ops"):
         calibrate.fit([_op("other.1", 1.0)], CALIBRATION_KERNELS, ROOF, trace_step_s=1.0, step_s=1.0, run="r")

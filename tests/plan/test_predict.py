@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, load_config
 
 from jaxscale import run
-from jaxscale.measure import kernels
+from jaxscale.measure import kernels, peaks
 from jaxscale.plan import gpu_plan, predict, targets
 from jaxscale.sweep.results import format_table
 from jaxscale.sweep.sweep_file import load_sweep
@@ -323,3 +323,19 @@ def test_an_async_collective_costs_only_what_outlasts_the_kernels_between_its_st
     assert predict.exposed(found[:3], [3.0, 1.0, 1.5]) == pytest.approx([0.5, 1.0, 1.5])
     no_window = [dataclasses.replace(found[0], window=None), *found[1:3]]
     assert predict.exposed(no_window, [3.0, 1.0, 1.5]) == pytest.approx([3.0, 1.0, 1.5])
+
+
+def test_simulated_cpu_devices_share_the_machines_roofline_so_a_mesh_step_is_never_above_its_peak():
+    # Each of 2 simulated devices runs the same 512^3 float32 matmul at once on the same cores: by hand, the step
+    # takes 2 x its FLOPs at the machine's measured matmul rate, and model FLOP/s stay under the machine's peak.
+    n = 512
+    text = jax.jit(lambda a, b: a @ b).lower(*[jax.ShapeDtypeStruct((n, n), jnp.float32)] * 2).compile().as_text()
+    peak, _ = peaks.measured_peak("float32")
+    config = load_config("fp32", "tiny")
+    one = predict.local_columns(config, text, jax.devices()[0])
+    config.mesh.data = 2
+    two = predict.local_columns(config, text, jax.devices()[0])
+    assert one["predicted_step_s"] == pytest.approx(2 * n**3 / peak, rel=0.02)
+    assert two["predicted_step_s"] == pytest.approx(2 * 2 * n**3 / peak, rel=0.02)
+    assert "one of 2 simulated devices" in two["predicted_roofline_source"]
+    assert two["predicted_mfu"] == pytest.approx(one["predicted_mfu"] / 2)
