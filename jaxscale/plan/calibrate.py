@@ -285,6 +285,16 @@ def roofline_seconds(found: Iterable[kernels.Kernel], roof: predict.Roofline) ->
     return totals
 
 
+def roofline_cells(found: Iterable[kernels.Kernel], roof: predict.Roofline) -> list[list]:
+    """Pure-roofline seconds per step of a program's kernels by predict.calibration_cell, as
+    [group, precision, size, seconds] rows (sorted)."""
+    totals: dict[tuple[str, str, int], float] = {}
+    for kernel in found:
+        cell = predict.calibration_cell(kernel)
+        totals[cell] = totals.get(cell, 0.0) + kernel.times * predict.kernel_seconds(kernel, roof)[1]
+    return [[*cell, seconds] for cell, seconds in sorted(totals.items())]
+
+
 def _run_kernels(row: dict, hlo_text: str) -> list[kernels.Kernel]:
     return kernels.resolve_causal(kernels.kernels(hlo_text), bool(row.get("config.model.causal", True)))
 
@@ -298,7 +308,8 @@ def cross_check(
       One row per (calibration run, predicted run), calibration run != predicted run: `calibrated_on`,
       `variant` (the predicted run's directory name), `step_s_median` (measured), `predicted_uncalibrated_step_s`,
       `predicted_step_s` (calibrated), `predicted_over_measured`, the predicted program's pure-roofline seconds
-      per group (roofline_<group>_s, all its kernels) and launches (predicted_kernel_launches), and the
+      per group (roofline_<group>_s, all its kernels) and per cell (roofline_cells), its launches
+      (predicted_kernel_launches), and the
       calibration's constants and sums (R_c as calibration_roofline_<group>_s, M_c as
       calibration_measured_<group>_s, T, S, N, and the launches without a measured op): enough to redo every
       prediction by hand.
@@ -322,6 +333,7 @@ def cross_check(
                 "predicted_step_s": step, "predicted_over_measured": step / row["step_s_median"],
                 "predicted_kernel_launches": predicted["predicted_kernel_launches"],
                 **{f"roofline_{g}_s": v for g, v in roofline_seconds(found, roof).items()},
+                "roofline_cells": roofline_cells(found, roof),
                 **fitted.columns(),
                 **{f"calibration_roofline_{g}_s": fitted.roofline_s.get(g, 0.0) for g in GROUPS},
                 **{f"calibration_measured_{g}_s": fitted.measured_s.get(g, 0.0) for g in GROUPS},
@@ -331,23 +343,56 @@ def cross_check(
     return out
 
 
-def summary(rows: Sequence[dict]) -> list[dict[str, object]]:
+def summary(rows: Sequence[dict], settled: set[frozenset[str]] | None = None) -> list[dict[str, object]]:
     """Per calibration run: max and mean |predicted / measured - 1| over the runs it predicts, whether their
     predicted order (fastest first) is their measured order, and how many of their pairs the prediction orders
-    the other way round (discordant_pairs, of pairs)."""
+    the other way round (discordant_pairs, of pairs). With `settled` (pairs of variants, see settled_pairs),
+    only those pairs are counted."""
     out = []
     for on in dict.fromkeys(r["calibrated_on"] for r in rows):
         mine = [r for r in rows if r["calibrated_on"] == on]
         errors = [abs(r["predicted_over_measured"] - 1) for r in mine]
         measured = [r["variant"] for r in sorted(mine, key=lambda r: r["step_s_median"])]
         predicted = [r["variant"] for r in sorted(mine, key=lambda r: r["predicted_step_s"])]
-        pairs = list(itertools.combinations(mine, 2))
+        pairs = [(a, b) for a, b in itertools.combinations(mine, 2)
+                 if settled is None or frozenset((a["variant"], b["variant"])) in settled]  # fmt: skip
         flipped = sum((a["step_s_median"] - b["step_s_median"]) * (a["predicted_step_s"] - b["predicted_step_s"]) < 0
                       for a, b in pairs)  # fmt: skip
         out.append({"calibrated_on": on, "max_abs_error": max(errors), "mean_abs_error": statistics.mean(errors),
                     "order_kept": measured == predicted, "discordant_pairs": flipped, "pairs": len(pairs),
                     "predicted": len(mine)})  # fmt: skip
     return out
+
+
+def settled_pairs(*measurements: dict[str, float]) -> set[frozenset[str]]:
+    """Pairs of variants that every measurement (variant -> measured step) orders the same way: the order a
+    predictor can be checked against where repeated measurements of the same programs disagree."""
+    names = sorted(set.intersection(*(set(m) for m in measurements)))
+    return {frozenset((a, b)) for a, b in itertools.combinations(names, 2)
+            if len({m[a] < m[b] for m in measurements}) == 1}  # fmt: skip
+
+
+def remeasured(rows: Sequence[dict], steps: dict[str, float]) -> list[dict]:
+    """cross_check rows judged against another measurement of the same programs (variant -> step_s_median, e.g.
+    a later sweep's): the predictions are the same, measured and predicted_over_measured are the new ones'."""
+    return [{**r, "step_s_median": steps[r["variant"]], "predicted_over_measured": r["predicted_step_s"] /
+             steps[r["variant"]]} for r in rows if r["variant"] in steps]  # fmt: skip
+
+
+def read_steps(path: str | pathlib.Path) -> dict[str, float]:
+    """variant -> step_s_median of a sweep's results.jsonl (the ok rows).
+
+    Raises:
+      UsageError: one line naming --against, for a missing or unreadable file or one without measured rows.
+    """
+    try:
+        rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--against: {path} is not a readable results.jsonl ({error})") from None
+    steps = {r["variant"]: r["step_s_median"] for r in rows if r.get("status") == "ok" and r.get("step_s_median")}
+    if not steps:
+        raise UsageError(f"--against: {path} has no measured rows; give a sweep's results.jsonl")
+    return steps
 
 
 def markdown(rows: Sequence[dict]) -> str:
@@ -372,11 +417,35 @@ def markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def against_markdown(rows: Sequence[dict], again: dict[str, dict[str, float]]) -> str:
+    """Each calibration run judged against every later measurement (path -> variant -> step), order counted on
+    the settled pairs (ordered alike by the calibration sweep's measurement and every later one)."""
+    first = {r["variant"]: r["step_s_median"] for r in rows}
+    settled = settled_pairs(first, *again.values())
+    lines = ["", f"Against the same variants measured again; order on the {len(settled)} pairs every measurement "
+             "orders alike:", "", "| calibrated on | measured again in | max abs error | mean abs error | "
+             "error range | settled pairs ordered wrongly |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for path, steps in again.items():
+        judged = remeasured(rows, steps)
+        for s in summary(judged, settled):
+            ratios = [r["predicted_over_measured"] - 1 for r in judged if r["calibrated_on"] == s["calibrated_on"]]
+            error_range = f"{min(ratios):+.0%} to {max(ratios):+.0%}"
+            cells = [s["calibrated_on"], path, f"{s['max_abs_error']:.1%}", f"{s['mean_abs_error']:.1%}",
+                     error_range, f"{s['discordant_pairs']} of {s['pairs']}"]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 USAGE = Usage(
-    command="python -m jaxscale.plan.calibrate RUN_DIR RUN_DIR [...] [--output FILE.jsonl]",
+    command="python -m jaxscale.plan.calibrate RUN_DIR RUN_DIR [...] [--by cell|group] [--against RESULTS.jsonl] "
+    "[--output FILE.jsonl]",
     summary="Calibrates the step-time predictor on each measured run in turn and predicts every other run with "
     "it: the fitted efficiencies, and each prediction against the measured step.",
-    examples=("python -m jaxscale.plan.calibrate traces/seed_table_cpu/*",),
+    examples=(
+        "python -m jaxscale.plan.calibrate traces/seed_table_cpu/*",
+        "python -m jaxscale.plan.calibrate traces/seed_table_cpu/* --against experiments/results/seed_table_cpu_2/"
+        "results.jsonl",
+    ),
     notes=(
         "Each RUN_DIR is a run of python -m jaxscale.run measured on this device with a trace (a sweep's "
         "traces/<sweep>/<variant>). The formula is in jaxscale/plan/calibrate.py and docs/predict.md, "
@@ -389,6 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m jaxscale.plan.calibrate RUN_DIR RUN_DIR ...`: the leave-one-in table; exit 0, or 2 (bad input)."""
     fv = flags.FlagValues()
     flags.DEFINE_string("output", None, "Also write the rows as JSON lines to this file.", flag_values=fv)
+    flags.DEFINE_multi_string(
+        "against",
+        [],
+        "A results.jsonl of the same variants measured again (a later "
+        "sweep): also judge every prediction against its steps; repeatable.",
+        flag_values=fv,
+    )
     flags.DEFINE_enum("by", "cell", ["cell", "group"], "Fit an efficiency per cell of group, precision and size "
                       "(with the group's for the rest), or per group only.", flag_values=fv)  # fmt: skip
     if wants_help(argv):
@@ -397,10 +473,13 @@ def main(argv: list[str] | None = None) -> int:
         rest = parse_flags(fv, argv)[1:]
         if len(rest) < 2:
             raise UsageError("give two or more RUN_DIRs, e.g. python -m jaxscale.plan.calibrate traces/<sweep>/*")
+        again = {path: read_steps(path) for path in fv.against}  # checked first: it is cheap
         rows = cross_check(rest, by=fv.by)
     except (UsageError, CalibrationError) as error:
         return fail(str(error).replace(f"{FLAG}: ", "RUN_DIR: "))
     print(markdown(rows))
+    if again:
+        print(against_markdown(rows, again))
     if fv.output:
         pathlib.Path(fv.output).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import itertools
 import json
 import platform
+import statistics
 
 import jax
 import pytest
@@ -130,6 +132,19 @@ def test_each_cell_of_precision_and_size_keeps_its_own_efficiency_and_a_new_size
     assert predict.predict(other, grouped.roofline(ROOF))["predicted_step_s"] == pytest.approx(by_group)
 
 
+def test_settled_pairs_are_those_every_measurement_orders_alike_and_a_remeasure_rejudges_the_same_predictions():
+    first, again = {"x": 1.0, "y": 2.0, "z": 3.0}, {"x": 1.1, "y": 3.2, "z": 3.0}  # y and z swap, x stays first
+    assert calibrate.settled_pairs(first, again) == {frozenset("xy"), frozenset("xz")}
+    rows = [{"calibrated_on": "x", "variant": v, "step_s_median": first[v], "predicted_step_s": p,
+             "predicted_over_measured": p / first[v]} for v, p in (("y", 2.0), ("z", 4.0))]  # fmt: skip
+    judged = calibrate.remeasured(rows, again)
+    assert [r["predicted_over_measured"] for r in judged] == pytest.approx([2.0 / 3.2, 4.0 / 3.0])
+    (row,) = calibrate.summary(judged)  # y predicted faster than z, measured slower: one pair the other way
+    assert (row["discordant_pairs"], row["pairs"], row["max_abs_error"]) == (1, 1, pytest.approx(1 - 2.0 / 3.2))
+    (row,) = calibrate.summary(judged, calibrate.settled_pairs(first, again))
+    assert (row["discordant_pairs"], row["pairs"]) == (0, 0)  # that pair is not settled
+
+
 def test_a_trace_that_names_none_of_the_programs_kernels_is_refused():
     with pytest.raises(calibrate.CalibrationError, match="--calibrate: .*none of the trace's ops"):
         calibrate.fit([_op("other.1", 1.0)], CALIBRATION_KERNELS, ROOF, trace_step_s=1.0, step_s=1.0, run="r")
@@ -204,6 +219,12 @@ def test_bad_calibrate_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert err.count("\n") == 0 and err.startswith("jaxscale: error: --calibrate: ") and "holds no result.json" in err
     assert runner.main(["sweep", sweep, "--run_arg=--calibrate=x", f"--output_root={tmp_path}"]) == 2
     assert "use the sweep's own --calibrate flag" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text('{"variant": "v", "status": "error"}\n')
+    for against, says in ((tmp_path / "missing.jsonl", "is not a readable results.jsonl"),
+                          (tmp_path / "empty.jsonl", "has no measured rows")):  # fmt: skip
+        assert calibrate.main(["calibrate", "r1", "r2", f"--against={against}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("jaxscale: error: --against: ") and says in err
 
 
 def test_a_tiny_run_calibrates_the_next_runs_prediction(tmp_path, capsys, monkeypatch):
@@ -369,6 +390,95 @@ def test_the_docs_reasons_hold_the_committed_calibration_rows():
     assert f"({noscan['calibration_trace_step_s']:.2f} s) was " \
            f"{1 - noscan['calibration_trace_step_s'] / noscan['calibration_step_s']:.0%} shorter" in text  # fmt: skip
     assert f"runs {span([x - 1 for x in ratios(('bf16_noscan',), four)], '.0%').replace('%-', '-')} slow" in text
+
+
+QUIET = {name: REPO / "experiments" / "results" / f"seed_table_cpu_{name}"
+         for name in ("calibrate_a", "calibrate_b", "calibrated_bf16_remat_batch64")}  # fmt: skip
+
+
+def _steps(directory) -> dict[str, float]:
+    return {r["variant"]: r["step_s_median"] for r in _jsonl(directory / "results.jsonl")}
+
+
+def _cell_efficiency(fitted: dict, group: str, precision: str, size: int, group_efficiency: float | None):
+    """The documented lookup, by hand: the cell's own, else the nearest size (the larger on a tie) of the group
+    and precision, else the group's."""
+    sizes = [c[2] for c in fitted if c[0] == group and c[1] == precision]
+    if sizes:
+        return fitted[(group, precision, min(sizes, key=lambda x: (abs(x - size), -x)))]
+    return group_efficiency
+
+
+def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_tables_of_docs_predict_md():
+    """docs/predict.md, 'Measured again on a machine to itself': every cell-calibrated prediction of sweep A redone
+    by hand from the committed sums; the leave-one-in, out-of-sample and sweep-C tables, the settled pairs and
+    the README's sentence, recomputed from the committed predictions and measured steps."""
+    cells = _jsonl(QUIET["calibrate_a"] / "calibration_cell.jsonl")
+    groups = _jsonl(QUIET["calibrate_a"] / "calibration_group.jsonl")
+    a, b, c = (_steps(QUIET[name]) for name in QUIET)
+    assert len(cells) == len(groups) == 42 and len(a) == len(b) == len(c) == 7
+    for r in cells:
+        measured = sum(r[f"calibration_measured_{g}_s"] for g in calibrate.GROUPS)
+        level = r["calibration_step_s"] / max(r["calibration_trace_step_s"], measured)
+        fitted = {}
+        for group, precision, size, efficiency, roofline_s, measured_s in r["calibrated_cells"]:
+            assert efficiency == pytest.approx(roofline_s / (level * measured_s))
+            fitted[(group, precision, size)] = efficiency
+        by_hand = sum(seconds / _cell_efficiency(fitted, g, p, size, r[f"calibrated_{g}_efficiency"])
+                      for g, p, size, seconds in r["roofline_cells"] if seconds)  # fmt: skip
+        by_hand += r["calibrated_launch_s"] * r["predicted_kernel_launches"]
+        assert r["predicted_step_s"] == pytest.approx(by_hand, rel=1e-9)
+        assert sum(x[3] for x in r["roofline_cells"]) == pytest.approx(
+            sum(r[f"roofline_{g}_s"] for g in calibrate.GROUPS), rel=1e-9)  # fmt: skip
+
+    def predictions(rows, on):
+        return {r["variant"]: r["predicted_step_s"] for r in rows if r["calibrated_on"] == on}
+
+    def errors(pred, measured):
+        return [pred[v] / measured[v] - 1 for v in pred]
+
+    def wrong(pred, measured, pairs=None):
+        return sum((pred[x] - pred[y]) * (measured[x] - measured[y]) < 0
+                   for x, y in itertools.combinations(sorted(pred), 2)
+                   if pairs is None or frozenset((x, y)) in pairs)  # fmt: skip
+
+    def max_mean(values):
+        return f"{max(map(abs, values)):.1%} / {statistics.mean(map(abs, values)):.1%}"
+
+    settled = {frozenset((x, y)) for x, y in itertools.combinations(a, 2) if len({m[x] < m[y] for m in (a, b, c)}) == 1}
+    text = " ".join((REPO / "docs" / "predict.md").read_text().split())
+    assert f"all three sweeps order the same way ({len(settled)} of the 21)" in text
+    leave_one_in = _doc_table("| calibrated on | groups: max / mean abs error |")
+    assert [row[0] for row in leave_one_in] == list(a)
+    for row in leave_one_in:
+        by_cell, by_group = predictions(cells, row[0]), predictions(groups, row[0])
+        assert row[1:4] == [max_mean(errors(by_group, a)), max_mean(errors(by_cell, a)), f"{wrong(by_cell, a)} of 15"]
+    out_of_sample = _doc_table("| calibrated on (sweep A) | vs sweep B")
+    assert [row[0] for row in out_of_sample] == list(a)
+    for row in out_of_sample:
+        pred = predictions(cells, row[0])
+        eb, ec = errors(pred, b), errors(pred, c)
+        spans = f"{min(eb):+.0%} to {max(eb):+.0%}; {min(ec):+.0%} to {max(ec):+.0%}"
+        kept = {p for p in settled if p <= set(pred)}
+        assert wrong(pred, b, kept) == wrong(pred, c, kept)
+        assert row[1:5] == [max_mean(eb), max_mean(ec), spans, f"{wrong(pred, b, kept)} of {len(kept)}"]
+    sweep_c = {r["variant"]: r for r in _jsonl(QUIET["calibrated_bf16_remat_batch64"] / "results.jsonl")}
+    best = predictions(cells, "bf16_remat_batch64")
+    table_c = _doc_table("| variant | measured s (C) |")
+    assert [row[0] for row in table_c] == [v for v in a if v != "bf16_remat_batch64"]
+    for row in table_c:
+        r = sweep_c[row[0]]
+        assert r["prediction_calibrated_on"] == "traces/seed_table_cpu_calibrate_a/bf16_remat_batch64"
+        assert r["predicted_step_s"] == pytest.approx(best[row[0]], rel=1e-6)  # the sweep predicts as the cross check
+        assert row[1:5] == [f"{r['step_s_median']:.3f}", f"{r['predicted_uncalibrated_step_s']:.3f}",
+                            f"{r['predicted_step_s']:.3f}", f"{r['predicted_over_measured']:.2f}"]  # fmt: skip
+    uncalibrated = [r["predicted_uncalibrated_step_s"] / m[r["variant"]] for m in (b, c)
+                    for r in cells if r["calibrated_on"] == "bf16_remat_batch64"]  # fmt: skip
+    assert f"the same predictions are {min(uncalibrated):.2f}-{max(uncalibrated):.2f} of the measured steps" in text
+    eb, ec = errors(best, b), errors(best, c)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    low, high = min(eb + ec), max(eb + ec)
+    assert f"within {low:.0%} to {high:+.0%} of fresh measurements" in readme
 
 
 def test_a_sweep_inside_its_own_traces_is_refused(tmp_path):
