@@ -365,3 +365,34 @@ def test_the_committed_llama1b_flash_fits_hold_what_docs_models_says():
         assert all(r["status"] == "oom" for r in adam.values())
         assert f"{adam['block']['compiled_peak_bytes'] / 2**30:.2f} GiB (was 20.20" in doc
         assert adam["block"]["compiled_peak_bytes"] > adam["block"]["fit_budget_bytes"]
+
+
+def test_the_committed_gpt2_flash_fit_holds_what_docs_models_says():
+    """docs/models.md, gpt2 on an RTX 4090 with flash attention: the table from the committed rows, and the claim
+    that with remat the plans equal the reference attention's within 1 KiB at every minibatch both compiled."""
+
+    def rows(name: str) -> dict[str, dict]:
+        return {r["variant"]: r for r in _rows(REPO, name)}
+
+    def probes(name: str) -> dict[str, int]:
+        return {r["variant"]: r["plan"]["compiled_peak_bytes"] for r in _rows(REPO, name, "probes") if r["plan"]}
+
+    flash, reference = rows("fit_bf16_remat_gpt2_flash_rtx4090"), rows("fit_bf16_remat_gpt2_rtx4090")
+    table = _models_doc_table("| remat | flash: largest minibatch (plan GiB) | predicted tokens/s |")
+    assert [row[0] for row in table] == [r["fit_remat"] for r in flash.values()]
+    for row, (variant, r) in zip(table, flash.items(), strict=True):
+        before = reference.get(variant)
+        assert row[1:] == [
+            f"{r['fit_largest_minibatch']} ({r['compiled_peak_bytes'] / 2**30:.2f})",
+            f"{r['predicted_tokens_per_s']:,.0f}",
+            f"{before['fit_largest_minibatch']} ({before['compiled_peak_bytes'] / 2**30:.2f})" if before else "–",
+        ]
+    a, b = probes("fit_bf16_remat_gpt2_rtx4090"), probes("fit_bf16_remat_gpt2_flash_rtx4090")
+    remat = [k for k in set(a) & set(b) if not k.startswith("none@")]
+    assert len(remat) == 15 and all(a[k] - b[k] == 1024 for k in remat)
+    doc = " ".join((REPO / "docs" / "models.md").read_text().split())
+    assert (
+        f"minibatches with remat that both searches compiled, the flash plan is {a[remat[0]] - b[remat[0]]:,} bytes"
+        in doc
+    )
+    assert f"(MLP+Attn at 41: a {b['mlp_attn@41'] / 2**30:.2f} GiB plan, refused)" in doc

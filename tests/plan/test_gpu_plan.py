@@ -223,6 +223,27 @@ def test_without_the_extra_target_is_one_line_naming_it(monkeypatch, capsys, tmp
     assert "\n" not in err
 
 
+def test_cudnn_attention_is_one_line_on_a_cpu_run_and_without_cudnns_libraries_for_a_plan(monkeypatch, capsys,
+                                                                                          tmp_path):  # fmt: skip
+    """cuDNN attention cannot run on this backend (one line naming model.attention and what runs here), and a plan
+    for a GPU target needs cuDNN's libraries (one line naming the gpu-plan-cudnn extra)."""
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])
+    args = ["jaxscale.run", "--config", "configs/bf16.py:tiny", "--config.model.attention=cudnn",
+            "--output_root", str(tmp_path)]  # fmt: skip
+    assert run.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("jaxscale: error: model.attention: 'cudnn' needs a CUDA GPU backend")
+    assert "allowed here: reference, xla, chunked, flash" in err
+    if gpu_plan.missing_extra() is not None:
+        return  # a base install: --target is refused for the plugin first (the test above)
+    monkeypatch.setattr(gpu_plan, "CUDNN_MODULES", ("nvidia.jaxscale_absent_cudnn",))
+    assert run.main([*args, "--plan", "--target", "h100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("jaxscale: error: model.attention=cudnn: planning cuDNN attention")
+    assert "pip install -e '.[gpu-plan-cudnn]'" in err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 @pytest.mark.slow  # 2 target GPUs by default: tests/test_fit.py plans a mesh per device
 @needs_extra
 def test_a_mesh_is_planned_per_device_on_8_target_gpus(tmp_path):

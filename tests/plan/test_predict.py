@@ -182,6 +182,26 @@ def test_a_tiny_flash_compile_for_an_h100_prices_its_pallas_kernels_by_their_sha
     assert columns["predicted_attention_s"] == pytest.approx(bytes_per_step / (3352.32e9 * 0.85), rel=1e-9)
 
 
+@pytest.mark.skipif(gpu_plan.missing_extra() is not None or gpu_plan.missing_cudnn() is not None,
+                    reason="needs the gpu-plan-cudnn extra (cuDNN's libraries)")  # fmt: skip
+def test_a_tiny_cudnn_compile_for_an_h100_is_planned_and_prices_its_fused_attention_calls_by_their_shapes():
+    """The same step as above with attention=cudnn, planned deviceless with cuDNN's libraries installed: per
+    layer and minibatch cuDNN's forward (twice: remat of Attn) and backward. Counted by hand from B·H·T·S·D =
+    262,144: forward 2 matmuls x 2 x 262,144 / 2 (causal) = 524,288 FLOPs, backward 5 matmuls: 1,310,720.
+    Bytes: forward q, k, v in (3 x 16,384), out and the float32 softmax statistics (2,048) out; backward q, k, v,
+    out, dO and the statistics in, dq, dk, dv out."""
+    config = load_config("bf16_remat", "tiny")
+    config.model.attention = "cudnn"
+    result, _ = gpu_plan.compile_in_process(config, targets.target_config_text(H100), "cublas")
+    found = kernels.resolve_causal(kernels.from_dicts(result["kernels"]), config.model.causal)
+    attention = sorted((k.detail, k.times, k.flops, k.bytes_read, k.bytes_written, k.attention)
+                       for k in found if k.category == "attention")  # fmt: skip
+    forward = ("__cudnn$fmhaSoftmax", 4, 524_288.0, 49_152, 18_432, (2, 4, 4, 32, 32, 16, True))
+    backward = ("__cudnn$fmhaSoftmaxBackward", 4, 1_310_720.0, 5 * 16_384 + 2_048, 49_152, (5, 4, 4, 32, 32, 16, True))
+    assert attention == [forward, forward, backward]
+    assert sum(k.times * k.flops for k in found if k.category == "attention") == 4 * (2 * 524_288 + 1_310_720)
+
+
 def test_the_context_parallel_ring_does_each_devices_share_of_the_causal_attention_work():
     """The same tiny flash step with its sequences split over a ring of 2 (mesh.context=2, 2 H100s): the ring's
     Pallas calls on one device (its own 16 positions causally, then, in a conditional whose two branches do the
