@@ -25,7 +25,7 @@ from absl import flags
 
 from jaxscale import compile_cache, run, train
 from jaxscale.cli import Usage, UsageError, define_cache_flag, fail, parse_flags, print_help, wants_help
-from jaxscale.config import PRESETS, ConfigError, load_config_file, validate
+from jaxscale.config import PRESETS, ConfigError, check_backend, load_config_file, validate
 from jaxscale.measure import columns, memory, peaks
 from jaxscale.plan import predict
 from jaxscale.sweep.sweep_file import apply_overrides
@@ -92,6 +92,7 @@ def load_variant(
     for assignment in overrides:
         _override(config, assignment)
     validate(config)
+    check_backend(config)  # bench runs here
     return config
 
 

@@ -12,7 +12,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxscale import compile_cache
-from jaxscale.config import ConfigError, load_config_file, validate
+from jaxscale.config import ConfigError, check_backend, load_config_file, validate
 
 EXIT_BAD_INPUT = 2
 
@@ -255,6 +255,7 @@ def parse_config_flags(flag_values: flags.FlagValues, argv: Sequence[str], name:
         raise UsageError(f"--{name} is required, e.g. --{name} configs/bf16_remat.py:cpu")
     try:
         validate(config)
+        check_backend(config, gpu_target="target" in flag_values and bool(flag_values["target"].value))
     except ConfigError as error:
         raise UsageError(str(error)) from None
     return config

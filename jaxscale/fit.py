@@ -293,7 +293,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
         raise UsageError(f"--headroom: must be in [0, 1), got {fv.headroom:g}")
     if fv.max_minibatch < 1 or fv.max_compiles < 1:
         raise UsageError("--max_minibatch and --max_compiles: must be >= 1")
-    gpu_plan.check_target_flag(fv.target, plan=True, gemm=fv.gemm)
+    gpu_plan.check_target_flag(fv.target, plan=True, gemm=fv.gemm, attention=config.model.attention)
     check_cost_flags(fv)
     if fv.devices is not None or mesh_shape(config).devices > 1:
         if fv.target is None:

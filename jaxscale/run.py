@@ -534,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(describe(config))
             return 0
         compile_cache.set_enabled(fv.compilation_cache)
-        gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm)
+        gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm, config.model.attention)
         check_cost_flags(fv)
     except (UsageError, gpu_plan.PlanFlagError) as error:  # bad input ends this process before it joins the others
         return fail(str(error))

@@ -35,7 +35,7 @@ from jaxscale.config.spec import (
     step_model,
     zero_stage,
 )
-from jaxscale.config.validation import check_mesh_devices, validate
+from jaxscale.config.validation import check_backend, check_mesh_devices, validate
 
 __all__ = [
     "ACCUMULATE_METHODS",
@@ -53,6 +53,7 @@ __all__ = [
     "ModelConfig",
     "all_presets",
     "base_config",
+    "check_backend",
     "check_mesh_devices",
     "default_preset",
     "describe",

@@ -97,13 +97,6 @@ def _flash_blocks(m: ml_collections.ConfigDict, seq_len: int) -> None:
 def _validate_attention(m: ml_collections.ConfigDict, seq_len: int) -> None:
     """The kernel and its block sizes: chunked's key block divides data.seq_len; flash's see _flash_blocks."""
     _one_of(m.attention, ATTENTION_IMPLS, "model.attention")
-    if m.attention == "cudnn":
-        _check(
-            jax.default_backend() == "gpu",
-            "model.attention",
-            f"'cudnn' needs a CUDA GPU backend, this one is {jax.default_backend()}; allowed here: "
-            "reference, xla, chunked, flash (interpret mode)",
-        )
     for field in ("attention_block_q", "attention_block_k"):
         _non_negative_int(m[field], f"model.{field}")
     if m.attention == "chunked" and m.attention_block_k:
@@ -112,6 +105,20 @@ def _validate_attention(m: ml_collections.ConfigDict, seq_len: int) -> None:
                f"{_divisors(seq_len)}")  # fmt: skip
     if m.attention == "flash":
         _flash_blocks(m, seq_len)
+
+
+def check_backend(config: ml_collections.ConfigDict, gpu_target: bool = False) -> None:
+    """Raises ConfigError when this backend cannot compile what the config asks for: cuDNN attention needs a CUDA
+    GPU backend, or a plan for a GPU target (`gpu_target`: --plan --target, compiled by XLA's GPU compiler with
+    cuDNN's libraries from the gpu-plan-cudnn extra, docs/attention.md). A valid config (validate) can still be
+    one this machine cannot run."""
+    if config.model.attention == "cudnn" and not gpu_target:
+        _check(
+            jax.default_backend() == "gpu",
+            "model.attention",
+            f"'cudnn' needs a CUDA GPU backend, or a plan for a GPU target (--plan --target); this backend is "
+            f"{jax.default_backend()}; allowed here: reference, xla, chunked, flash (interpret mode)",
+        )
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

@@ -55,6 +55,8 @@ from jaxscale.plan import predict, target_compile, targets
 GEMM_MODES = tuple(target_compile.GEMM_OPTIONS)  # ("triton", "cublas")
 GEMM_CHOICES = ("both", *GEMM_MODES)
 EXTRA_HINT = "pip install -e '.[gpu-plan]'"
+CUDNN_HINT = "pip install -e '.[gpu-plan-cudnn]'"
+CUDNN_MODULES = ("nvidia.cudnn", "nvidia.cuda_runtime")  # the wheels' packages (the CUDA 12 builds)
 # The CUDA compiler plugin (any one of them), and ptxas (from the pip CUDA packages, or on the PATH).
 EXTRA_MODULES = _env.CUDA_PLUGINS
 PTXAS_MODULES = ("nvidia.cuda_nvcc", "nvidia.cu13")
@@ -95,8 +97,19 @@ def missing_extra() -> str | None:
     )
 
 
-def check_target_flag(target: str | None, plan: bool, gemm: str = "both") -> None:
-    """Checks `--target` (and `--gemm`) before any work: known target, used with --plan, extra installed.
+def missing_cudnn() -> str | None:
+    """None when cuDNN's libraries are installed (the gpu-plan-cudnn extra), else a one-line message naming it."""
+    if all(_env.installed(m) for m in CUDNN_MODULES):
+        return None
+    return (
+        "model.attention=cudnn: planning cuDNN attention for a GPU target needs cuDNN's libraries, which XLA "
+        f"loads to compile it: {CUDNN_HINT} ({' and '.join(CUDNN_MODULES)} not all installed; docs/attention.md)"
+    )
+
+
+def check_target_flag(target: str | None, plan: bool, gemm: str = "both", attention: str | None = None) -> None:
+    """Checks `--target` (and `--gemm`) before any work: known target, used with --plan, extra installed, and
+    for cuDNN attention (`attention`, the config's model.attention) cuDNN's libraries.
 
     Raises:
       PlanFlagError: one line naming what is wrong (the known targets, or the extra to install).
@@ -113,7 +126,7 @@ def check_target_flag(target: str | None, plan: bool, gemm: str = "both") -> Non
         raise PlanFlagError(str(error)) from None
     if not plan:
         raise PlanFlagError(f"--target {target}: only plans (the GPU is not here); add --plan")
-    missing = missing_extra()
+    missing = missing_extra() or (missing_cudnn() if attention == "cudnn" else None)
     if missing:
         raise PlanFlagError(missing)
 
