@@ -396,3 +396,30 @@ def test_the_committed_gpt2_flash_fit_holds_what_docs_models_says():
         in doc
     )
     assert f"(MLP+Attn at 41: a {b['mlp_attn@41'] / 2**30:.2f} GiB plan, refused)" in doc
+
+
+def test_the_committed_gpt2_chunked_loss_fit_holds_what_docs_models_says():
+    """docs/models.md, gpt2 on an RTX 4090 with flash and the loss in chunks: the table (searches stopped by
+    --max_compiles say so), the factors over the whole-logits fit and the best predictions, from the rows."""
+    chunked = {r["variant"]: r for r in _rows(REPO, "fit_bf16_remat_gpt2_flash_chunked_loss_rtx4090")}
+    whole = {r["variant"]: r for r in _rows(REPO, "fit_bf16_remat_gpt2_flash_rtx4090")}
+    assert all(r["config.train.loss_chunk_len"] == 128 and r["status"] == "ok" for r in chunked.values())
+    table = _models_doc_table("| remat | chunked loss: largest minibatch (plan GiB) |")
+    assert [row[0] for row in table] == [r["fit_remat"] for r in chunked.values()]
+    for row, (variant, r) in zip(table, chunked.items(), strict=True):
+        largest = str(r["fit_largest_minibatch"])
+        if not r["fit_search_complete"]:
+            assert r["fit_compiles"] == 12
+            largest = (
+                f"at least {largest} (search stopped at 12 compiles; {r['fit_first_too_large_minibatch']} does not fit)"
+            )
+        w = whole[variant]
+        assert row[1:] == [f"{largest} ({r['compiled_peak_bytes'] / 2**30:.2f})", f"{r['predicted_tokens_per_s']:,.0f}",
+                           f"{w['fit_largest_minibatch']}, {w['predicted_tokens_per_s']:,.0f}"]  # fmt: skip
+    factors = [chunked[v]["fit_largest_minibatch"] / whole[v]["fit_largest_minibatch"] for v in chunked if v != "none"]
+    doc = " ".join((REPO / "docs" / "models.md").read_text().split())
+    assert f"fits {min(factors):.1f} to {max(factors):.1f} times the sequences with remat" in doc
+    best = max(r["predicted_tokens_per_s"] for r in chunked.values())
+    assert (
+        f"({best:,.0f} tokens/s at best, against {max(r['predicted_tokens_per_s'] for r in whole.values()):,.0f}" in doc
+    )
