@@ -423,3 +423,34 @@ def test_the_committed_gpt2_chunked_loss_fit_holds_what_docs_models_says():
     assert (
         f"({best:,.0f} tokens/s at best, against {max(r['predicted_tokens_per_s'] for r in whole.values()):,.0f}" in doc
     )
+
+
+def test_the_committed_llama8b_cudnn_fit_holds_what_docs_models_says():
+    """docs/models.md, llama3.1-8b on 8 H100s with cuDNN attention beside flash: the table and the comparison
+    (plans within 512 bytes for 8 choices, the others' differences, 1-7% faster predicted at the same batch)."""
+    cudnn = {r["variant"]: r for r in _rows(REPO, "fit_bf16_remat_llama3.1-8b_cudnn_h100_x8")}
+    flash = {r["variant"]: r for r in _rows(REPO, "fit_bf16_remat_llama3.1-8b_flash_h100_x8")}
+    assert all(r["config.model.attention"] == "cudnn" for r in cudnn.values())
+
+    def cells(r):
+        if r["fit_largest_minibatch"] is None:
+            return [f"none ({r['compiled_peak_bytes'] / 2**30:.2f} at 1)", "–"]
+        return [f"{r['fit_largest_minibatch']} ({r['compiled_peak_bytes'] / 2**30:.2f})",
+                f"{r['predicted_tokens_per_s'] / 8:,.0f}"]  # fmt: skip
+
+    table = _models_doc_table("| remat | cuDNN: largest sequences per GPU (plan GiB) |")
+    assert [row[0] for row in table] == [r["fit_remat"] for r in cudnn.values()]
+    for row, variant in zip(table, cudnn, strict=True):
+        assert row[1:] == [*cells(cudnn[variant]), *cells(flash[variant])]
+    near = [v for v in cudnn if abs(cudnn[v]["compiled_peak_bytes"] - flash[v]["compiled_peak_bytes"]) <= 512]
+    assert len(near) == 8
+    at_same_batch = [v for v in cudnn if cudnn[v]["fit_largest_minibatch"] == flash[v]["fit_largest_minibatch"]]
+    same = [v for v in at_same_batch if v not in near]
+    doc = " ".join((REPO / "docs" / "models.md").read_text().split())
+    assert len(same) == 2
+    for v in same:
+        less = (flash[v]["compiled_peak_bytes"] - cudnn[v]["compiled_peak_bytes"]) / 2**30
+        assert f"`{v.removeprefix('block_')}` plans {less:.2f} GiB less" in doc
+    faster = [cudnn[v]["predicted_tokens_per_s"] / flash[v]["predicted_tokens_per_s"] - 1 for v in at_same_batch
+              if cudnn[v]["status"] == "ok"]  # fmt: skip
+    assert f"cuDNN is predicted {min(faster) * 100:.0f}-{max(faster):.0%} faster" in doc
