@@ -50,6 +50,18 @@ NAMED_POLICIES = ("save_out_proj", "save_dot_with_context_except_mlp", "minimal_
                   "qkv_proj_offloaded")  # fmt: skip
 
 
+def doc_table(doc: str, header_start: str) -> list[list[str]]:
+    """The cells (bold marks stripped) of the table in docs/<doc> whose header row starts with `header_start`."""
+    lines = (REPO / "docs" / doc).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().strip("*") for cell in line.strip("|").split("|")])
+    return rows
+
+
 def named_policy_cases(fast: set[tuple[str, str]]) -> list:
     """(policy, attention) for every NAMED_POLICIES x (reference, chunked); the pairs not in `fast` under -m slow."""
     return [

@@ -7,7 +7,7 @@ import json
 import pathlib
 
 import pytest
-from conftest import CONFIGS
+from conftest import CONFIGS, doc_table
 
 from jaxscale import fit as fit_cli
 from jaxscale.plan import fit_search, gpu_plan
@@ -324,14 +324,7 @@ def test_the_committed_cpu_finetune_sweep_holds_what_docs_finetune_says():
 
 
 def _models_doc_table(header_start: str) -> list[list[str]]:
-    lines = (REPO / "docs" / "models.md").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
-    table = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            return table
-        table.append([c.strip() for c in line.strip("|").split("|")])
-    return table
+    return doc_table("models.md", header_start)
 
 
 def test_the_committed_llama1b_flash_fits_hold_what_docs_models_says():

@@ -277,14 +277,6 @@ def local_columns(
     return step_columns(config, kernels.kernels(hlo_text), roof, predict.local_peak(config, device), fitted)
 
 
-def roofline_seconds(found: Iterable[kernels.Kernel], roof: predict.Roofline) -> dict[str, float]:
-    """Pure-roofline seconds per step of a program's kernels, by group (GROUPS)."""
-    totals = dict.fromkeys(GROUPS, 0.0)
-    for kernel in found:
-        totals[predict.breakdown_group(kernel.category)] += kernel.times * predict.kernel_seconds(kernel, roof)[1]
-    return totals
-
-
 def roofline_cells(found: Iterable[kernels.Kernel], roof: predict.Roofline) -> list[list]:
     """Pure-roofline seconds per step of a program's kernels by predict.calibration_cell, as
     [group, precision, size, seconds] rows (sorted)."""
@@ -293,6 +285,14 @@ def roofline_cells(found: Iterable[kernels.Kernel], roof: predict.Roofline) -> l
         cell = predict.calibration_cell(kernel)
         totals[cell] = totals.get(cell, 0.0) + kernel.times * predict.kernel_seconds(kernel, roof)[1]
     return [[*cell, seconds] for cell, seconds in sorted(totals.items())]
+
+
+def roofline_seconds(cells: Iterable[list]) -> dict[str, float]:
+    """Pure-roofline seconds per step by group (GROUPS), summed from roofline_cells' rows."""
+    totals = dict.fromkeys(GROUPS, 0.0)
+    for group, _, _, seconds in cells:
+        totals[group] += seconds
+    return totals
 
 
 def _run_kernels(row: dict, hlo_text: str) -> list[kernels.Kernel]:
@@ -327,13 +327,14 @@ def cross_check(
             found = _run_kernels(row, hlo_text)
             predicted = predict.predict(found, calibrated)
             step = predicted["predicted_step_s"]
+            cells = roofline_cells(found, roof)
             out.append({
                 "calibrated_on": on, "variant": name, "step_s_median": row["step_s_median"],
                 "predicted_uncalibrated_step_s": predict.predict(found, roof)["predicted_step_s"],
                 "predicted_step_s": step, "predicted_over_measured": step / row["step_s_median"],
                 "predicted_kernel_launches": predicted["predicted_kernel_launches"],
-                **{f"roofline_{g}_s": v for g, v in roofline_seconds(found, roof).items()},
-                "roofline_cells": roofline_cells(found, roof),
+                **{f"roofline_{g}_s": v for g, v in roofline_seconds(cells).items()},
+                "roofline_cells": cells,
                 **fitted.columns(),
                 **{f"calibration_roofline_{g}_s": fitted.roofline_s.get(g, 0.0) for g in GROUPS},
                 **{f"calibration_measured_{g}_s": fitted.measured_s.get(g, 0.0) for g in GROUPS},

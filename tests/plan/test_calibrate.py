@@ -12,7 +12,7 @@ import statistics
 
 import jax
 import pytest
-from conftest import REPO
+from conftest import REPO, doc_table
 
 from jaxscale import run
 from jaxscale.measure import kernels, peaks
@@ -259,15 +259,7 @@ def _jsonl(path) -> list[dict]:
 
 
 def _doc_table(header_start: str) -> list[list[str]]:
-    """The cells of the docs/predict.md table whose header row starts with `header_start`."""
-    lines = (REPO / "docs" / "predict.md").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip().strip("*") for cell in line.strip("|").split("|")])
-    return rows
+    return doc_table("predict.md", header_start)
 
 
 def test_the_committed_calibration_rows_redo_by_hand_and_hold_docs_predict_md():
