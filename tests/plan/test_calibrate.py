@@ -440,6 +440,13 @@ def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_table
     settled = {frozenset((x, y)) for x, y in itertools.combinations(a, 2) if len({m[x] < m[y] for m in (a, b, c)}) == 1}
     text = " ".join((REPO / "docs" / "predict.md").read_text().split())
     assert f"all three sweeps order the same way ({len(settled)} of the 21)" in text
+    peak = {
+        r["peak_flops_per_s"] for r in _jsonl(QUIET["calibrate_a"] / "results.jsonl") if r["variant"] == "fp32_scan"
+    }
+    assert f"measured then at {peak.pop() / 1e9:.0f} GFLOP/s" in text
+    moved = max(abs(m[v] / a[v] - 1) for m in (b, c) for v in a)
+    assert f"moved by up to {moved:.0%} from sweep A's" in text
+    assert f"(`bf16_scan` {a['bf16_scan']:.3f}, {b['bf16_scan']:.3f}, {c['bf16_scan']:.3f} s)" in text
     leave_one_in = _doc_table("| calibrated on | groups: max / mean abs error |")
     assert [row[0] for row in leave_one_in] == list(a)
     for row in leave_one_in:
