@@ -257,13 +257,16 @@ def step_columns(
     config: ml_collections.ConfigDict, found: list[kernels.Kernel], roof: predict.Roofline, peak: float | None,
     fitted: Calibration,
 ) -> dict[str, object]:  # fmt: skip
-    """predict.step_columns on the calibrated roofline, with the calibration's columns and
-    predicted_uncalibrated_step_s (the same program on `roof` as it is)."""
+    """predict.step_columns on the calibrated roofline, with the calibration's columns,
+    predicted_uncalibrated_step_s (the same program on `roof` as it is) and how much of the program lies in sizes
+    the calibration did not fit (predict.calibration_reach)."""
     uncalibrated = predict.step_columns(config, found, roof, peak)["predicted_step_s"]
+    calibrated = fitted.roofline(roof)
     return {
-        **predict.step_columns(config, found, fitted.roofline(roof), peak),
+        **predict.step_columns(config, found, calibrated, peak),
         "predicted_uncalibrated_step_s": uncalibrated,
         **fitted.columns(),
+        **predict.calibration_reach(kernels.resolve_causal(found, bool(config.model.causal)), calibrated),
     }
 
 
@@ -336,6 +339,7 @@ def cross_check(
                 **{f"roofline_{g}_s": v for g, v in roofline_seconds(cells).items()},
                 "roofline_cells": cells,
                 **fitted.columns(),
+                **predict.calibration_reach(found, calibrated),
                 **{f"calibration_roofline_{g}_s": fitted.roofline_s.get(g, 0.0) for g in GROUPS},
                 **{f"calibration_measured_{g}_s": fitted.measured_s.get(g, 0.0) for g in GROUPS},
                 "calibration_trace_step_s": fitted.trace_step_s, "calibration_step_s": fitted.step_s,
@@ -409,12 +413,13 @@ def markdown(rows: Sequence[dict]) -> str:
                  f"{r['calibrated_launch_s'] * 1e6:.2f}",
                  *(f"{r[f'calibrated_{g}_efficiency']:.3f}" for g in shown)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| calibrated on | variant | measured s | uncalibrated s | calibrated s | calibrated / measured |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| calibrated on | variant | measured s | uncalibrated s | calibrated s | calibrated / measured | "
+              "roofline time above the calibration's sizes |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
+        above = r.get("calibration_above_share")
         lines.append(f"| {r['calibrated_on']} | {r['variant']} | {r['step_s_median']:.3f} | "
                      f"{r['predicted_uncalibrated_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
-                     f"{r['predicted_over_measured']:.2f} |")  # fmt: skip
+                     f"{r['predicted_over_measured']:.2f} | {'–' if above is None else f'{above:.0%}'} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -98,15 +98,56 @@ def calibration_cell(kernel: kernels.Kernel) -> tuple[str, str, int]:
     return breakdown_group(kernel.category), precision, int(math.log(max(kernel.bytes, 1), CELL_BASE))
 
 
+def fitted_cell(kernel: kernels.Kernel, roof: Roofline) -> tuple[str, str, int] | None:
+    """The fitted cell (Roofline.fitted_cells) whose efficiency a kernel takes: its own cell, else the nearest size
+    fitted for its group and precision (the larger on a tie: caches are the larger sizes' trouble); None where
+    no cell of its group and precision was fitted (it takes its group's efficiency) or none was fitted at all."""
+    if not roof.fitted_cells:
+        return None
+    group, precision, size = calibration_cell(kernel)
+    sizes = [s for g, p, s in roof.fitted_cells if (g, p) == (group, precision)]
+    return (group, precision, min(sizes, key=lambda s: (abs(s - size), -s))) if sizes else None
+
+
 def fitted_efficiency(kernel: kernels.Kernel, roof: Roofline) -> float | None:
-    """The calibrated efficiency a kernel runs at on `roof` (Roofline.fitted_cells, then fitted_efficiency), or
-    None on an uncalibrated roofline or for a group the calibration did not fit."""
-    if roof.fitted_cells:
-        group, precision, size = calibration_cell(kernel)
-        sizes = [s for g, p, s in roof.fitted_cells if (g, p) == (group, precision)]
-        if sizes:  # the nearest size measured (the larger on a tie: caches are the larger sizes' trouble)
-            return roof.fitted_cells[(group, precision, min(sizes, key=lambda s: (abs(s - size), -s)))]
+    """The calibrated efficiency a kernel runs at on `roof` (its fitted_cell's, else its group's
+    Roofline.fitted_efficiency), or None on an uncalibrated roofline or for a group the calibration did not fit."""
+    cell = fitted_cell(kernel, roof)
+    if cell is not None:
+        return roof.fitted_cells[cell]
     return (roof.fitted_efficiency or {}).get(breakdown_group(kernel.category))
+
+
+def calibration_reach(found: Iterable[kernels.Kernel], roof: Roofline) -> dict[str, float | None]:
+    """How far a calibrated prediction of a program lies from what its calibration run measured, as shares of the
+    program's pure-roofline seconds per step (kernels of a group the calibration did not fit left out):
+
+    - calibration_unseen_share: in kernels whose own cell (calibration_cell) the calibration did not fit, so
+      they borrow the nearest size's efficiency or their group's;
+    - calibration_above_share: in kernels larger than every size fitted for their group and precision, the
+      calibration's efficiency carried to working sets it never measured (on a CPU, past a cache it fitted
+      within: docs/predict.md, "Sizes a calibration did not see").
+
+    Both None on a roofline not calibrated by cell.
+    """
+    if not roof.fitted_cells:
+        return {"calibration_unseen_share": None, "calibration_above_share": None}
+    largest: dict[tuple[str, str], int] = {}
+    for group, precision, size in roof.fitted_cells:
+        largest[group, precision] = max(size, largest.get((group, precision), size))
+    total = unseen = above = 0.0
+    for kernel in found:
+        if fitted_efficiency(kernel, roof) is None:
+            continue
+        seconds = kernel.times * _roofline_seconds(kernel, roof)[1]
+        total += seconds
+        cell = calibration_cell(kernel)
+        if cell not in roof.fitted_cells:
+            unseen += seconds
+            if cell[2] > largest.get(cell[:2], cell[2]):
+                above += seconds
+    share = (lambda part: part / total) if total else (lambda part: 0.0)
+    return {"calibration_unseen_share": share(unseen), "calibration_above_share": share(above)}
 
 
 def collective_factor(op: str, n: int) -> float:
@@ -458,6 +499,11 @@ def summary_line(row: dict) -> str:
         text += f"; {row['predicted_collective_hidden_s']:.3g} s of collectives hidden behind compute"
     if row.get("predicted_mfu") is not None:
         text += f"; MFU {row['predicted_mfu']:.1%}"
+    if row.get("calibration_above_share"):
+        text += (
+            f"; {row['calibration_above_share']:.0%} of its roofline time in kernels larger than any its "
+            "calibration run measured (extrapolated)"
+        )
     if row.get("predicted_over_measured") is not None:
         text += f"; predicted/measured {row['predicted_over_measured']:.2f}"
     return text

@@ -132,6 +132,38 @@ def test_each_cell_of_precision_and_size_keeps_its_own_efficiency_and_a_new_size
     assert predict.predict(other, grouped.roofline(ROOF))["predicted_step_s"] == pytest.approx(by_group)
 
 
+def test_a_calibrated_prediction_says_how_much_of_its_roofline_time_lies_beyond_the_sizes_it_fitted():
+    # Cells fitted: float32 fusions of 4^6 and 4^11 bytes, bf16 fusions of 4^10 (as in the test above); the
+    # matmul group by group only.
+    roof = dataclasses.replace(ROOF, fitted_efficiency={"fusion": 0.5, "matmul": 0.8},
+                               fitted_cells={("fusion", "32", 6): 1.0, ("fusion", "32", 11): 0.25,
+                                             ("fusion", "16", 10): 0.5})  # fmt: skip
+    # Pure-roofline seconds, by hand (1 GB/s, 1 GFLOP/s): own cell 4^11 bytes x 2 launches; float32 above the
+    # largest fitted size (4^12, 4^13); bf16 below its only cell (4^9: unseen, not above); a matmul of 1 GFLOP
+    # (its group has no cell: unseen, not above); a copy, whose group was not fitted (left out).
+    found = [_fusion("own", 4**11, times=2), _fusion("up", 4**12), _fusion("way_up", 4**13),
+             _fusion("down", 4**9, "bf16"), _kernel("gemm", "matmul", flops=1e9),
+             _kernel("copy", "copy", bytes_read=10**9)]  # fmt: skip
+    own, up, down, gemm = 2 * 4**11 / 1e9, (4**12 + 4**13) / 1e9, 4**9 / 1e9, 1.0
+    total = own + up + down + gemm
+    assert predict.calibration_reach(found, roof) == pytest.approx(
+        {"calibration_unseen_share": (up + down + gemm) / total, "calibration_above_share": up / total}
+    )
+    # Uncalibrated, or calibrated by group only: nothing to say.
+    nothing = {"calibration_unseen_share": None, "calibration_above_share": None}
+    assert predict.calibration_reach(found, ROOF) == nothing
+    assert predict.calibration_reach(found, dataclasses.replace(ROOF, fitted_efficiency={"fusion": 0.5})) == nothing
+    line = predict.summary_line(
+        {
+            "predicted_step_s": 1.0,
+            "predicted_step_lower_bound_s": 0.5,
+            "calibration_above_share": up / total,
+            "prediction_calibrated_on": "runs/a",
+        }
+    )
+    assert f"; {up / total:.0%} of its roofline time in kernels larger than any its calibration run measured" in line
+
+
 def test_settled_pairs_are_those_every_measurement_orders_alike_and_a_remeasure_rejudges_the_same_predictions():
     first, again = {"x": 1.0, "y": 2.0, "z": 3.0}, {"x": 1.1, "y": 3.2, "z": 3.0}  # y and z swap, x stays first
     assert calibrate.settled_pairs(first, again) == {frozenset("xy"), frozenset("xz")}
@@ -244,6 +276,7 @@ def test_a_tiny_run_calibrates_the_next_runs_prediction(tmp_path, capsys, monkey
     assert row["calibrated_matmul_efficiency"] > 0 and row["calibrated_fusion_efficiency"] > 0
     assert row["calibrated_launch_s"] >= 0 and row["calibrated_attention_efficiency"] is None
     assert row["predicted_uncalibrated_step_s"] > 0 and row["predicted_step_s"] != row["predicted_uncalibrated_step_s"]
+    assert 0 <= row["calibration_above_share"] <= row["calibration_unseen_share"] <= 1
     assert f"calibrated on {first}" in row["predicted_roofline_source"]
     assert f"predicted step (cpu, calibrated on {first})" in capsys.readouterr().out
     uncalibrated = json.loads((first / "result.json").read_text())
@@ -509,3 +542,49 @@ def test_a_sweep_calibrated_on_a_tiny_run_predicts_every_variant_calibrated(tmp_
         assert row["status"] == "ok" and row["prediction_calibrated_on"] == str(first)
         assert row["run_args"] == ["--plan", f"--calibrate={first}"]
         assert row["calibrated_matmul_efficiency"] > 0 and row["predicted_uncalibrated_step_s"] > 0
+
+
+def test_the_sizes_each_committed_calibration_did_not_see_hold_docs_predict_md():
+    """docs/predict.md, 'What the misses have in common': each prediction's calibration_above_share redone from the
+    committed cells (its program's roofline seconds per cell against the cells its calibration fitted), and the
+    doc's counts, ranges and cell figures recomputed from the rows."""
+    rows = _jsonl(QUIET["calibrate_a"] / "calibration_cell.jsonl")
+    for r in rows:
+        fitted = {(g, p): [] for g, p, *_ in r["calibrated_cells"]}
+        for g, p, size, *_ in r["calibrated_cells"]:
+            fitted[g, p].append(size)
+        counted = [c for c in r["roofline_cells"] if r[f"calibrated_{c[0]}_efficiency"] is not None]
+        above = sum(c[3] for c in counted if (c[0], c[1]) in fitted and c[2] > max(fitted[c[0], c[1]]))
+        unseen = sum(c[3] for c in counted if c[2] not in fitted.get((c[0], c[1]), []))
+        total = sum(c[3] for c in counted)
+        assert r["calibration_above_share"] == pytest.approx(above / total, abs=1e-12)
+        assert r["calibration_unseen_share"] == pytest.approx(unseen / total, abs=1e-12)
+    text = " ".join((REPO / "docs" / "predict.md").read_text().split())
+    far = [r for r in rows if r["calibration_above_share"] >= 0.5]
+    assert f"Of the {len(rows)} predictions of sweep A's leave-one-in table, {len(far)} have half or" in text
+    for variant, sequences in (("bf16_remat_batch64", "64 sequences in one minibatch"), ("bf16_remat_1minibatch",
+                                                                                         "16 sequences")):  # fmt: skip
+        mine = [r for r in far if r["variant"] == variant]
+        shares = [r["calibration_above_share"] for r in mine]
+        ratios = [r["predicted_over_measured"] for r in mine]
+        assert (
+            f"{len(mine)} of `{variant}` ({sequences}; shares {min(shares):.2f}-{max(shares):.2f}), predicted "
+            f"at {min(ratios):.2f}-{max(ratios):.2f}"
+        ) in text
+    missed = [r for r in rows if abs(r["predicted_over_measured"] - 1) > 0.15]
+    batch64 = [r for r in missed if r["variant"] == "bf16_remat_batch64"]
+    rest = max(r["calibration_above_share"] for r in missed if r["variant"] != "bf16_remat_batch64")
+    assert len(batch64) * 2 == len(missed) and all(r["calibration_above_share"] >= 0.5 for r in batch64)
+    assert f"Half of the {len(missed)} predictions off by more than 15%" in text
+    assert f"the other half have at most {rest:.0%} of their time above" in text
+    largest = {}
+    for r in rows:
+        cells = [c for c in r["calibrated_cells"] if c[0] == "matmul"]
+        largest[r["calibrated_on"]] = max(cells, key=lambda c: c[2])
+    big, small = largest["bf16_remat_batch64"], largest["bf16_remat_1minibatch"]
+    assert big[2] == 13 and 4**13 / 2**20 == 64  # kernels of 64 MiB and more
+    assert (
+        f"measured {big[5]:.3f} s for {big[4]:.3f} s of roofline work (efficiency {big[3]:.2f}), the largest "
+        f"of `bf16_remat_1minibatch` {small[5]:.3f} s for {small[4]:.3f} s ({small[3]:.2f}): "
+        f"{big[5] / small[5]:.1f}x the time for {big[4] / small[4]:.1f}x the work"
+    ) in text
