@@ -150,6 +150,7 @@ def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path
         "device_kind": device.device_kind,
         "jax_version": jax.__version__,
         "hostname": platform.node(),
+        "host_allocator": memory.host_allocator(),
         "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "tokens_per_step": config.data.batch_size * config.data.seq_len,
         "mesh": mesh_text(config),  # data x fsdp x tensor (x context); every memory column is per device
@@ -432,7 +433,8 @@ def summary(row: dict) -> str:
                         f"{row['process_count']} process(es); memory figures are per device")  # fmt: skip
     lines += [f"  shape warning: {warning}" for warning in row.get("shape_warnings") or ()]
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
-    lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}")
+    malloc = f" (malloc: {row['host_allocator']})" if row.get("host_allocator") else ""
+    lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}{malloc}")
     if row.get("trace_dir"):
         lines.append(
             f"  trace: {row['trace_dir']}  (tensorboard --logdir {pathlib.Path(row['trace_dir']).parent} "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import resource
 import sys
 from collections.abc import Sequence
@@ -62,6 +63,29 @@ def host_peak_rss_bytes() -> int:
     """Peak resident set size of this process (getrusage; kilobytes on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
+
+
+def host_allocator(maps: str | None = None) -> str | None:
+    """The malloc this process runs with: "tcmalloc", "jemalloc" or "mimalloc" where its library is mapped into
+    the process (LD_PRELOAD), else "glibc" on Linux; None where /proc/self/maps cannot be read (not Linux).
+
+    It matters on a CPU: XLA:CPU allocates its large buffers with malloc, and glibc's malloc serves any
+    allocation over its mmap threshold (32 MiB at most) with a fresh mmap that every step faults in again
+    (docs/measurements.md, "The CPU's allocator"). `maps`: the text of /proc/self/maps (read when None).
+    """
+    if maps is None:
+        try:
+            maps = pathlib.Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+    libraries = {line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/" in line}
+    for name in _ALLOCATORS:
+        if any(library.startswith(f"lib{name}") for library in libraries):
+            return name
+    return "glibc"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 from conftest import load_config
@@ -291,3 +295,27 @@ def test_policy_bytes_against_the_compiled_plan(policy):
         peaks[name] = (compiled_peak, memory.analytic_memory(config)["analytic_peak_bytes"])
     (compiled_0, analytic_0), (compiled_1, analytic_1) = peaks["nothing_saveable"], peaks[policy]
     assert compiled_1 - compiled_0 == analytic_1 - analytic_0 > 0
+
+
+def test_the_host_allocator_is_the_malloc_library_mapped_into_the_process():
+    glibc = "7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n7f20-7f30 rw-p 0 0:0 0 [heap]\n"
+    preloaded = glibc + "7f40-7f50 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10\n"
+    assert memory.host_allocator(glibc) == "glibc"
+    assert memory.host_allocator(preloaded) == "tcmalloc"
+    assert memory.host_allocator(glibc + "7f60 r-xp 0 0:0 3 /opt/lib/libjemalloc.so.2\n") == "jemalloc"
+    # A path that only mentions a name is not the library.
+    assert memory.host_allocator(glibc + "7f70 r--p 0 0:0 4 /home/tcmalloc/notes.txt\n") == "glibc"
+
+
+TCMALLOC = pathlib.Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+@pytest.mark.skipif(not TCMALLOC.exists() or not pathlib.Path("/proc/self/maps").exists(),
+                    reason="needs Linux and tcmalloc (apt install libgoogle-perftools4)")  # fmt: skip
+def test_a_process_started_with_tcmalloc_preloaded_says_so():
+    code = "from jaxscale.measure import memory; print(memory.host_allocator())"
+    env = {**os.environ, "LD_PRELOAD": str(TCMALLOC)}
+    said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})  # fmt: skip
+    assert (said.stdout.split()[-1], plain.stdout.split()[-1]) == ("tcmalloc", "glibc")
