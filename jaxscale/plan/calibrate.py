@@ -50,7 +50,7 @@ from absl import flags
 
 from jaxscale.cli import Usage, UsageError, fail, parse_flags, print_help, wants_help
 from jaxscale.config import mesh_shape
-from jaxscale.measure import kernels, traces
+from jaxscale.measure import kernels, memory, traces
 from jaxscale.plan import predict
 
 FLAG = "--calibrate"
@@ -216,10 +216,14 @@ def read_run(run_dir: str | pathlib.Path) -> tuple[dict, str]:
 
 def check_device(row: dict, run_dir: str, device: jax.Device) -> None:
     """Raises CalibrationError unless the run was measured on this device: same backend and device kind, and on
-    a CPU the same host (its roofline is this machine's)."""
+    a CPU the same host (its roofline is this machine's) and the same malloc where the run recorded one (glibc's
+    large allocations cost a CPU step 10-30% more than tcmalloc's: docs/measurements.md, "The CPU's
+    allocator")."""
     here = {"backend": device.platform, "device_kind": device.device_kind}
     if device.platform == "cpu":
         here["hostname"] = platform.node()
+        if row.get("host_allocator"):
+            here["host_allocator"] = memory.host_allocator()
     for field, value in here.items():
         if row.get(field) != value:
             raise CalibrationError(

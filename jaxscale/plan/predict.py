@@ -125,8 +125,8 @@ def calibration_reach(found: Iterable[kernels.Kernel], roof: Roofline) -> dict[s
     - calibration_unseen_share: in kernels whose own cell (calibration_cell) the calibration did not fit, so
       they borrow the nearest size's efficiency or their group's;
     - calibration_above_share: in kernels larger than every size fitted for their group and precision, the
-      calibration's efficiency carried to working sets it never measured (on a CPU, past a cache it fitted
-      within: docs/predict.md, "Sizes a calibration did not see").
+      calibration's efficiency carried to working sets it never measured (on a CPU with glibc's malloc, buffers
+      past 32 MiB are faulted in afresh every step: docs/predict.md, "Sizes a calibration did not see").
 
     Both None on a roofline not calibrated by cell.
     """

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
 import pytest
-from conftest import load_config
+from conftest import REPO, doc_table, load_config
 
 from jaxscale import run
 from jaxscale.measure import flops, memory, params
@@ -319,3 +321,28 @@ def test_a_process_started_with_tcmalloc_preloaded_says_so():
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})  # fmt: skip
     assert (said.stdout.split()[-1], plain.stdout.split()[-1]) == ("tcmalloc", "glibc")
+
+
+def test_docs_allocator_table_holds_the_committed_sweeps():
+    """docs/measurements.md, 'The CPU's allocator': the seven variants' medians with glibc (sweeps A, B, C) and
+    tcmalloc (D, E, F, G), the median change and the 64- over 16-sequence ratios, from the committed rows."""
+    results = REPO / "experiments" / "results"
+
+    def steps(name: str) -> dict[str, float]:
+        lines = (results / name / "results.jsonl").read_text().splitlines()
+        return {r["variant"]: r["step_s_median"] for r in map(json.loads, lines)}
+
+    glibc = [steps(f"seed_table_cpu_{n}") for n in ("calibrate_a", "calibrate_b", "calibrated_bf16_remat_batch64")]
+    tcmalloc = [steps(f"seed_table_cpu_{n}") for n in ("tcmalloc_d", "tcmalloc_e", "tcmalloc_f",
+                                                      "calibrated_bf16_scan_remat_mlp_attn")]  # fmt: skip
+    table = doc_table("measurements.md", "| variant | glibc: A / B / C s |")
+    assert [row[0] for row in table] == list(glibc[0])
+    for variant, old, new, change in table:
+        g, t = [m[variant] for m in glibc], [m[variant] for m in tcmalloc]
+        assert old == " / ".join(f"{x:.3f}" for x in g) and new == " / ".join(f"{x:.3f}" for x in t)
+        assert change == f"{statistics.median(t) / statistics.median(g) - 1:+.0%}"
+        assert statistics.median(t) < statistics.median(g)  # "Every variant is faster"
+    text = " ".join((REPO / "docs" / "measurements.md").read_text().split())
+    ratio = [m["bf16_remat_batch64"] / m["bf16_remat_1minibatch"] for m in (glibc[0], tcmalloc[0])]
+    assert (f"With glibc the 64-sequence step took {ratio[0]:.1f}x the 16-sequence one (`bf16_remat_1minibatch`) "
+            f"for 4x the tokens (sweep A); with tcmalloc {ratio[1]:.1f}x (sweep D)") in text  # fmt: skip

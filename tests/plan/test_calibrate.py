@@ -221,6 +221,16 @@ def test_a_run_from_another_device_is_refused():
         calibrate.check_device({**here, "hostname": "elsewhere"}, "r", device)
 
 
+def test_a_cpu_run_measured_with_another_malloc_is_refused(monkeypatch):
+    device = jax.devices()[0]
+    here = {"backend": device.platform, "device_kind": device.device_kind, "hostname": platform.node()}
+    monkeypatch.setattr(calibrate.memory, "host_allocator", lambda: "glibc")
+    calibrate.check_device({**here, "host_allocator": "glibc"}, "r", device)
+    calibrate.check_device(here, "r", device)  # a row from before the column: not checked
+    with pytest.raises(calibrate.CalibrationError, match="measured with host_allocator 'tcmalloc', this run's is"):
+        calibrate.check_device({**here, "host_allocator": "tcmalloc"}, "r", device)
+
+
 def test_an_unreadable_trace_is_one_line_naming_the_flag(tmp_path, monkeypatch):
     monkeypatch.setattr(peaks, "measured_peak", lambda dtype, *a, **k: (1e10, "test peak"))
     monkeypatch.setattr(peaks, "measured_bandwidth", lambda *a, **k: (1e10, "test bandwidth"))
@@ -434,14 +444,9 @@ def _cell_efficiency(fitted: dict, group: str, precision: str, size: int, group_
     return group_efficiency
 
 
-def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_tables_of_docs_predict_md():
-    """docs/predict.md, 'Measured again on a machine to itself': every cell-calibrated prediction of sweep A redone
-    by hand from the committed sums; the leave-one-in, out-of-sample and sweep-C tables, the settled pairs and
-    the README's sentence, recomputed from the committed predictions and measured steps."""
-    cells = _jsonl(QUIET["calibrate_a"] / "calibration_cell.jsonl")
-    groups = _jsonl(QUIET["calibrate_a"] / "calibration_group.jsonl")
-    a, b, c = (_steps(QUIET[name]) for name in QUIET)
-    assert len(cells) == len(groups) == 42 and len(a) == len(b) == len(c) == 7
+def _redo_cell_predictions_by_hand(cells: list[dict]) -> None:
+    """Every cell-calibrated prediction of a cross check redone from the committed sums (the fit's ratio per
+    cell, the documented lookup, the launches)."""
     for r in cells:
         measured = sum(r[f"calibration_measured_{g}_s"] for g in calibrate.GROUPS)
         level = r["calibration_step_s"] / max(r["calibration_trace_step_s"], measured)
@@ -455,6 +460,17 @@ def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_table
         assert r["predicted_step_s"] == pytest.approx(by_hand, rel=1e-9)
         assert sum(x[3] for x in r["roofline_cells"]) == pytest.approx(
             sum(r[f"roofline_{g}_s"] for g in calibrate.GROUPS), rel=1e-9)  # fmt: skip
+
+
+def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_tables_of_docs_predict_md():
+    """docs/predict.md, 'Measured again on a machine to itself': every cell-calibrated prediction of sweep A redone
+    by hand from the committed sums; the leave-one-in, out-of-sample and sweep-C tables, the settled pairs and
+    the README's sentence, recomputed from the committed predictions and measured steps."""
+    cells = _jsonl(QUIET["calibrate_a"] / "calibration_cell.jsonl")
+    groups = _jsonl(QUIET["calibrate_a"] / "calibration_group.jsonl")
+    a, b, c = (_steps(QUIET[name]) for name in QUIET)
+    assert len(cells) == len(groups) == 42 and len(a) == len(b) == len(c) == 7
+    _redo_cell_predictions_by_hand(cells)
 
     def predictions(rows, on):
         return {r["variant"]: r["predicted_step_s"] for r in rows if r["calibrated_on"] == on}
@@ -588,3 +604,93 @@ def test_the_sizes_each_committed_calibration_did_not_see_hold_docs_predict_md()
         f"of `bf16_remat_1minibatch` {small[5]:.3f} s for {small[4]:.3f} s ({small[3]:.2f}): "
         f"{big[5] / small[5]:.1f}x the time for {big[4] / small[4]:.1f}x the work"
     ) in text
+
+
+TCMALLOC = {name: REPO / "experiments" / "results" / f"seed_table_cpu_{name}"
+            for name in ("tcmalloc_d", "tcmalloc_e", "tcmalloc_f", "calibrated_bf16_scan_remat_mlp_attn")}  # fmt: skip
+
+
+def test_the_tcmalloc_calibration_rows_redo_by_hand_and_hold_docs_predict_md_and_the_readme():
+    """docs/predict.md, 'With a caching malloc': sweep D's cross check redone by hand; its tables, the settled
+    pairs over D, E, F and G, the calibration run's choice and the doc's and README's sentences recomputed from
+    the committed predictions and measured steps."""
+    cells = _jsonl(TCMALLOC["tcmalloc_d"] / "calibration_cell.jsonl")
+    d, e, f, g = (_steps(TCMALLOC[name]) for name in TCMALLOC)
+    assert len(cells) == 42 and len(d) == len(e) == len(f) == len(g) == 7
+    for name in TCMALLOC:
+        assert {r["host_allocator"] for r in _jsonl(TCMALLOC[name] / "results.jsonl")} == {"tcmalloc"}
+    _redo_cell_predictions_by_hand(cells)
+    later = {"E": e, "F": f, "G": g}
+    settled = {
+        frozenset((x, y)) for x, y in itertools.combinations(d, 2) if len({m[x] < m[y] for m in (d, e, f, g)}) == 1
+    }
+    text = " ".join((REPO / "docs" / "predict.md").read_text().split())
+    assert f"Order is judged on the pairs all four sweeps order alike ({len(settled)} of the 21)" in text
+
+    def predictions(on):
+        return {r["variant"]: r["predicted_step_s"] for r in cells if r["calibrated_on"] == on}
+
+    def errors(pred, measured):
+        return [pred[v] / measured[v] - 1 for v in pred]
+
+    def wrong(pred, measured, pairs=None):
+        return sum((pred[x] - pred[y]) * (measured[x] - measured[y]) < 0
+                   for x, y in itertools.combinations(sorted(pred), 2)
+                   if pairs is None or frozenset((x, y)) in pairs)  # fmt: skip
+
+    def max_mean(values):
+        return f"{max(map(abs, values)):.1%} / {statistics.mean(map(abs, values)):.1%}"
+
+    table = _doc_table("| calibrated on (sweep D) | leave-one-in on D")
+    assert [row[0] for row in table] == list(d)
+    in_sample = {}
+    for row in table:
+        pred = predictions(row[0])
+        kept = {p for p in settled if p <= set(pred)}
+        counts = {wrong(pred, m, kept) for m in later.values()}
+        assert len(counts) == 1  # settled pairs: every later sweep orders them alike
+        in_sample[row[0]] = max(map(abs, errors(pred, d)))
+        spans = "; ".join(f"{min(errors(pred, m)):+.0%} to {max(errors(pred, m)):+.0%}" for m in later.values())
+        assert row[1:] == [f"{max_mean(errors(pred, d))}, {wrong(pred, d)} of 15",
+                           *(max_mean(errors(pred, m)) for m in later.values()), spans,
+                           f"{counts.pop()} of {len(kept)}"]  # fmt: skip
+    # The calibration run of sweep G: the smallest largest error in sweep D's own leave-one-in table.
+    chosen = min(in_sample, key=in_sample.get)
+    assert chosen == "bf16_scan_remat_mlp_attn"
+    sweep_g = {r["variant"]: r for r in _jsonl(TCMALLOC["calibrated_bf16_scan_remat_mlp_attn"] / "results.jsonl")}
+    table_g = _doc_table("| variant | measured s (G) |")
+    assert [row[0] for row in table_g] == list(d)
+    best = predictions(chosen)
+    for row in table_g:
+        r = sweep_g[row[0]]
+        assert r["prediction_calibrated_on"] == f"traces/seed_table_cpu_tcmalloc_d/{chosen}"
+        if row[0] != chosen:
+            assert r["predicted_step_s"] == pytest.approx(best[row[0]], rel=1e-6)
+        assert row[1:] == [f"{r['step_s_median']:.3f}", f"{r['predicted_uncalibrated_step_s']:.3f}",
+                           f"{r['predicted_step_s']:.3f}", f"{r['predicted_over_measured']:.2f}"]  # fmt: skip
+    # The sentences.
+    spread = [x for m in later.values() for x in errors(best, m)]
+    means = [statistics.mean(map(abs, errors(best, m))) for m in later.values()]
+    kept = {p for p in settled if p <= set(best)}
+    assert (f"land within {min(spread):.0%} to {max(spread):+.0%} of three later measurements of them (E, F, G; "
+            f"mean {min(means):.1%}-{max(means):.1%}) and every settled pair is in its measured order "
+            f"({wrong(best, e, kept)} of {len(kept)})") in text  # fmt: skip
+    block = predictions("bf16_scan_remat_block")
+    spread_block = [x for m in later.values() for x in errors(block, m)]
+    assert f"`bf16_scan_remat_block` does the same ({min(spread_block):.0%} to {max(spread_block):+.0%}, 0 of" in text
+    assert f"misses by up to {in_sample[chosen]:.1%} and orders {wrong(best, d)} of 15 pairs wrongly" in text
+    flipped = [(x, y) for x, y in itertools.combinations(sorted(best), 2)
+               if (best[x] - best[y]) * (d[x] - d[y]) < 0]  # fmt: skip
+    assert flipped == [("bf16_noscan", "fp32_scan")] and all((m["bf16_noscan"] < m["fp32_scan"]) for m in (e, f, g))
+    under = {round(1 - best["bf16_remat_batch64"] / m["bf16_remat_batch64"], 2) for m in later.values()}
+    assert {round(x, 2) for x in under} <= {0.06} and "predicted 6% under each of its later steps" in text
+    above = next(r["calibration_above_share"] for r in cells
+                 if r["calibrated_on"] == chosen and r["variant"] == "bf16_remat_batch64")  # fmt: skip
+    assert f"({above:.0%} of its roofline time above the calibration's sizes" in text
+    noscan = [x for m in later.values() for x in errors(predictions("bf16_noscan"), m)]
+    assert f"predicts the scanned variants {min(noscan):.0%}-{max(noscan):.0%} slow" in text
+    one_minibatch = [min(x for m in later.values() for x in errors(predictions(on), m))
+                     for on in ("bf16_remat_1minibatch", "bf16_remat_batch64")]  # fmt: skip
+    assert f"predict the others up to {-max(one_minibatch):.0%}-{-min(one_minibatch):.0%} fast" in text
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"predicts the six others within {min(spread):.0%} to {max(spread):+.0%} of three later sweeps" in readme
