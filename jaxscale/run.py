@@ -434,6 +434,8 @@ def summary(row: dict) -> str:
     lines += [f"  shape warning: {warning}" for warning in row.get("shape_warnings") or ()]
     device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
     malloc = f" (malloc: {row['host_allocator']})" if row.get("host_allocator") else ""
+    if row.get("host_allocator") == "glibc" and row.get("backend") == "cpu":
+        malloc = " (malloc: glibc, which maps buffers over 32 MiB afresh each step; see docs/measurements.md)"
     lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}{malloc}")
     if row.get("trace_dir"):
         lines.append(
