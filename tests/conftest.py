@@ -52,7 +52,7 @@ NAMED_POLICIES = ("save_out_proj", "save_dot_with_context_except_mlp", "minimal_
 
 def doc_table(doc: str, header_start: str) -> list[list[str]]:
     """The cells (bold marks stripped) of the table in docs/<doc> whose header row starts with `header_start`."""
-    lines = (REPO / "docs" / doc).read_text().splitlines()
+    lines = [line.strip() for line in (REPO / "docs" / doc).read_text().splitlines()]  # a table in a list is indented
     start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
     rows = []
     for line in lines[start + 2 :]:
