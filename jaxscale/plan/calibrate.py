@@ -216,8 +216,8 @@ def read_run(run_dir: str | pathlib.Path) -> tuple[dict, str]:
 
 def check_device(row: dict, run_dir: str, device: jax.Device) -> None:
     """Raises CalibrationError unless the run was measured on this device: same backend and device kind, and on
-    a CPU the same host (its roofline is this machine's) and the same malloc where the run recorded one (glibc's
-    large allocations cost a CPU step 10-30% more than tcmalloc's: docs/measurements.md, "The CPU's
+    a CPU the same host (its roofline is this machine's) and the same malloc where the run recorded one (the seed
+    table's CPU steps were 6-25% shorter with tcmalloc than with glibc's: docs/measurements.md, "The CPU's
     allocator")."""
     here = {"backend": device.platform, "device_kind": device.device_kind}
     if device.platform == "cpu":

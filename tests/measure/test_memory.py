@@ -342,6 +342,10 @@ def test_docs_allocator_table_holds_the_committed_sweeps():
         assert old == " / ".join(f"{x:.3f}" for x in g) and new == " / ".join(f"{x:.3f}" for x in t)
         assert change == f"{statistics.median(t) / statistics.median(g) - 1:+.0%}"
         assert statistics.median(t) < statistics.median(g)  # "Every variant is faster"
+    changes = [1 - statistics.median([m[v] for m in tcmalloc]) / statistics.median([m[v] for m in glibc])
+               for v in glibc[0]]  # fmt: skip
+    predict_md = " ".join((REPO / "docs" / "predict.md").read_text().split())
+    assert f"steps {min(changes):.0%}-{max(changes):.0%} shorter with tcmalloc".replace("%-", "-") in predict_md
     text = " ".join((REPO / "docs" / "measurements.md").read_text().split())
     ratio = [m["bf16_remat_batch64"] / m["bf16_remat_1minibatch"] for m in (glibc[0], tcmalloc[0])]
     assert (f"With glibc the 64-sequence step took {ratio[0]:.1f}x the 16-sequence one (`bf16_remat_1minibatch`) "
