@@ -238,7 +238,7 @@ def bench(fv: flags.FlagValues) -> tuple[str, list[dict]]:
         "overrides": ", ".join(fv.set) or "none",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs, backend {jax.default_backend()}, "
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, malloc {memory.host_allocator()}",
         "load average at start (1/5/15 min)": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
     best = {dtype: peaks.measure_matmul_flops(dtype, fv.matmul_size) for dtype in ("float32", "bfloat16")}
