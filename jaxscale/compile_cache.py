@@ -40,8 +40,8 @@ _CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # written by an older lab are not read as complete (2: the kernel list for the step-time prediction;
 # 3: collective columns and the topology; 4: the kernel list's collectives parsed as the columns' are;
 # 5: fused attention calls, the Pallas flash and cuDNN fMHA kernels, costed by their shapes; 7: each async
-# collective's window of kernels between its start and its -done).
-PLAN_FORMAT = 7
+# collective's window of kernels between its start and its -done; 8: a scatter's bytes, in place: its updates).
+PLAN_FORMAT = 8
 
 
 def cache_root() -> pathlib.Path:

@@ -14,7 +14,10 @@ nothing and are left out. For each kernel:
   precision), "f32" (a float32 dot at HIGHEST), "vector" (elementwise work, CUDA cores / SIMD units);
 - bytes_read, bytes_written: at the kernel's boundary. A fusion reads a parameter in full unless it only
   slices it (dynamic-slice, slice, gather: the slices' bytes) or updates it in place (the buffer of a
-  dynamic-update-slice: nothing read); a dynamic-update-slice writes only its update;
+  dynamic-update-slice: nothing read; the operand of a scatter: the elements its updates combine with); a
+  dynamic-update-slice or a scatter writes only its update. XLA updates both in place: buffer assignment
+  gives the fusion's output the operand's buffer (HloDataflowAnalysis::CanShareOperandBufferWithUser), and
+  where the operand is still needed it copies it first, a copy listed as its own kernel;
 - collective: (kind, devices per group, full buffer bytes) from jaxscale.measure.collectives.launched, the
   parse behind the row's compiled_collective_* columns, so the predictor costs the collectives the row counts.
 """
@@ -127,16 +130,27 @@ def _users(computation: dict[str, hlo.Instruction]) -> dict[str, list[hlo.Instru
     return users
 
 
-def _read_bytes(name: str, users: dict[str, list[hlo.Instruction]], full: int) -> int:
-    """Bytes a fused computation reads of value `name`: its slices, nothing if updated in place, else all."""
+def _scatter_updates(instruction: hlo.Instruction, computation: dict[str, hlo.Instruction]) -> int | None:
+    """Bytes of a single-operand scatter's updates (operand, indices, updates), else None."""
+    if instruction.opcode != "scatter" or len(instruction.operands) != 3:
+        return None
+    return hlo.shape_bytes(computation[instruction.operands[2]].shape)
+
+
+def _read_bytes(name: str, users: dict[str, list[hlo.Instruction]], full: int, computation: dict) -> int:
+    """Bytes a fused computation reads of value `name`: its slices, nothing if updated in place (what a scatter
+    combines its updates with), else all."""
     total = 0
     for user in users.get(name, []):
+        updates = _scatter_updates(user, computation)
         if user.opcode in ("bitcast", "reshape"):
-            total += _read_bytes(user.name, users, full)
+            total += _read_bytes(user.name, users, full, computation)
         elif user.opcode in _SLICERS and user.operands[0] == name:
             total += hlo.shape_bytes(user.shape)
         elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
             continue  # the buffer updated in place: only the update moves
+        elif updates is not None and user.operands[0] == name:
+            total += updates  # updated in place: the elements the updates combine with
         else:
             return full
     return min(total, full)
@@ -151,13 +165,15 @@ def _written_bytes(name: str, computation: dict[str, hlo.Instruction]) -> int:
         return _written_bytes(instruction.operands[0], computation)
     if instruction.opcode == "dynamic-update-slice":
         return hlo.shape_bytes(computation[instruction.operands[1]].shape)
-    return hlo.shape_bytes(instruction.shape)
+    updates = _scatter_updates(instruction, computation)
+    return hlo.shape_bytes(instruction.shape) if updates is None else updates
 
 
 def fusion_bytes(fused: dict[str, hlo.Instruction]) -> tuple[int, int]:
     """(bytes read, bytes written) at the boundary of a fused computation (see this module's docstring)."""
     users = _users(fused)
-    read = sum(_read_bytes(p.name, users, hlo.shape_bytes(p.shape)) for p in fused.values() if p.opcode == "parameter")
+    read = sum(_read_bytes(p.name, users, hlo.shape_bytes(p.shape), fused) for p in fused.values()
+               if p.opcode == "parameter")  # fmt: skip
     root = list(fused)[-1]  # the ROOT is the computation's last instruction in XLA's text
     return read, _written_bytes(root, fused)
 
@@ -241,7 +257,8 @@ def _fusion(instruction: hlo.Instruction, module: hlo.Module, memo: dict, **fiel
 
 
 def _plain(instruction: hlo.Instruction, computation: dict, **fields) -> Kernel:
-    """An unfused op: a copy or slice moves its result; an update moves its update; others read all, write all."""
+    """An unfused op: a copy or slice moves its result; an update (a dynamic-update-slice, a scatter) moves its
+    update; others read all, write all."""
     op = instruction.opcode.removesuffix("-start")
     out = hlo.shape_bytes(instruction.shape)
     if op in ("copy", "transpose", "dynamic-slice", "slice", "reshape"):
@@ -254,6 +271,11 @@ def _plain(instruction: hlo.Instruction, computation: dict, **fields) -> Kernel:
     if hlo.is_matmul(instruction):
         read = hlo.operand_bytes(instruction, computation)
         return _gemm_kernel(instruction, computation, detail=op, bytes_read=read, bytes_written=out, **fields)
+    updates = _scatter_updates(instruction, computation)
+    if updates is not None:  # in place: the updates and indices in, the elements they combine with, the updates out
+        indices = hlo.shape_bytes(computation[instruction.operands[1]].shape)
+        return Kernel(category="fusion", detail=op, flops=0.0, flop_dtype="vector",
+                      bytes_read=2 * updates + indices, bytes_written=updates, **fields)  # fmt: skip
     flops = vector_flops(
         {instruction.name: instruction, **{o: computation[o] for o in instruction.operands if o in computation}}
     )

@@ -290,3 +290,47 @@ def test_scanned_layers_write_their_residuals_with_dynamic_update_slices_unrolle
         if name == "bf16":
             assert any(len(k.trips) >= 2 for k in dus)  # inside the minibatch loop and the layer loop
     assert written["bf16"] > 0 and written["bf16"] > 3 * written["bf16_noscan"], written
+
+
+# The loss's gradient as XLA's GPU compiler emits it (shortened from an A100 target's optimized HLO): a
+# scatter-add of one value per token into its label's column of the [tokens, vocabulary] gradient, fused, in
+# place on the buffer of its first operand; and the same scatter unfused.
+SCATTER_MODULE = """HloModule scatter, is_scheduled=true
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+%fused_scatter (p0: f32[64,1000], p1: s32[64]) -> f32[64,1000] {
+  %p0 = f32[64,1000]{1,0} parameter(0)
+  %p1 = s32[64]{0} parameter(1)
+  %iota = s32[64,1]{1,0} iota(), iota_dimension=0
+  %labels = s32[64,1]{1,0} bitcast(%p1)
+  %at = s32[64,2]{1,0} concatenate(%iota, %labels), dimensions={1}
+  %c = f32[] constant(-1)
+  %updates = f32[64]{0} broadcast(%c), dimensions={}
+  ROOT %scatter = f32[64,1000]{1,0} scatter(%p0, %at, %updates), update_window_dims={}, inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0,1}, index_vector_dim=1, to_apply=%sum
+}
+
+ENTRY %main (g: f32[64,1000], l: s32[64], at: s32[64,2], u: f32[64]) -> (f32[64,1000], f32[64,1000]) {
+  %g = f32[64,1000]{1,0} parameter(0)
+  %l = s32[64]{0} parameter(1)
+  %at = s32[64,2]{1,0} parameter(2)
+  %u = f32[64]{0} parameter(3)
+  %fused = f32[64,1000]{1,0} fusion(%g, %l), kind=kInput, calls=%fused_scatter
+  %plain = f32[64,1000]{1,0} scatter(%g, %at, %u), update_window_dims={}, inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0,1}, index_vector_dim=1, to_apply=%sum
+  ROOT %t = (f32[64,1000]{1,0}, f32[64,1000]{1,0}) tuple(%fused, %plain)
+}
+"""  # noqa: E501
+
+
+def test_a_scatter_updates_its_operand_in_place_moving_only_its_updates():
+    found = _by_name(kernels.kernels(SCATTER_MODULE))
+    fused, plain = found["fused"], found["plain"]
+    # Fused: the 64 labels in (s32), the 64 gradient elements they add to (f32), those 64 elements out; not the
+    # 64 x 1000 f32 buffer twice (512,000 bytes).
+    assert (fused.bytes_read, fused.bytes_written) == (64 * 4 + 64 * 4, 64 * 4)
+    # Unfused: the 64 updates and the 64 x 2 indices in, the 64 elements they combine with, the 64 out.
+    assert (plain.bytes_read, plain.bytes_written) == (64 * 4 + 64 * 2 * 4 + 64 * 4, 64 * 4)

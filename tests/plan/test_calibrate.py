@@ -694,3 +694,29 @@ def test_the_tcmalloc_calibration_rows_redo_by_hand_and_hold_docs_predict_md_and
     assert f"predict the others up to {-max(one_minibatch):.0%}-{-min(one_minibatch):.0%} fast" in text
     readme = " ".join((REPO / "README.md").read_text().split())
     assert f"predicts the six others within {min(spread):.0%} to {max(spread):+.0%} of three later sweeps" in readme
+
+
+def test_the_tcmalloc_cross_check_redone_after_the_scatter_fix_keeps_its_conclusions():
+    """docs/predict.md: sweep D's cross check computed again after scatters were priced in place (committed beside
+    the first): how far each prediction moved, and the chosen calibration's band and order against E, F, G."""
+    before = _jsonl(TCMALLOC["tcmalloc_d"] / "calibration_cell.jsonl")
+    after = _jsonl(TCMALLOC["tcmalloc_d"] / "calibration_cell_scatter_in_place.jsonl")
+    assert [(r["calibrated_on"], r["variant"]) for r in before] == [(r["calibrated_on"], r["variant"]) for r in after]
+    _redo_cell_predictions_by_hand(after)
+    moved = max(abs(a["predicted_step_s"] / b["predicted_step_s"] - 1) for a, b in zip(after, before, strict=True))
+    uncalibrated = max(abs(a["predicted_uncalibrated_step_s"] / b["predicted_uncalibrated_step_s"] - 1)
+                       for a, b in zip(after, before, strict=True))  # fmt: skip
+    text = " ".join((REPO / "docs" / "predict.md").read_text().split())
+    assert (
+        f"moves the calibrated predictions by at most {moved:.1%} and the uncalibrated by at most {uncalibrated:.1%}"
+        in text
+    )
+    d, e, f, g = (_steps(TCMALLOC[name]) for name in TCMALLOC)
+    settled = {frozenset((x, y)) for x, y in itertools.combinations(d, 2)
+               if len({m[x] < m[y] for m in (d, e, f, g)}) == 1}  # fmt: skip
+    pred = {r["variant"]: r["predicted_step_s"] for r in after if r["calibrated_on"] == "bf16_scan_remat_mlp_attn"}
+    errors = [pred[v] / m[v] - 1 for m in (e, f, g) for v in pred]
+    kept = [p for p in settled if p <= set(pred)]
+    wrong = {sum((pred[x] - pred[y]) * (m[x] - m[y]) < 0 for x, y in map(tuple, kept)) for m in (e, f, g)}
+    assert f"stay within {min(errors):.0%} to {max(errors):+.0%} of E, F and G and {wrong.pop()} of {len(kept)}" in text
+    assert not wrong
