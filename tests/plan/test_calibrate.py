@@ -462,6 +462,33 @@ def _redo_cell_predictions_by_hand(cells: list[dict]) -> None:
             sum(r[f"roofline_{g}_s"] for g in calibrate.GROUPS), rel=1e-9)  # fmt: skip
 
 
+def _predictions(rows: list[dict], on: str) -> dict[str, float]:
+    """variant -> predicted step of the cross-check rows calibrated on `on`."""
+    return {r["variant"]: r["predicted_step_s"] for r in rows if r["calibrated_on"] == on}
+
+
+def _errors(pred: dict[str, float], measured: dict[str, float]) -> list[float]:
+    return [pred[v] / measured[v] - 1 for v in pred]
+
+
+def _wrong(pred: dict[str, float], measured: dict[str, float], pairs: set | None = None) -> int:
+    """Pairs of `pred`'s variants (of `pairs` where given) that the prediction orders against the measurement."""
+    return sum((pred[x] - pred[y]) * (measured[x] - measured[y]) < 0
+               for x, y in itertools.combinations(sorted(pred), 2)
+               if pairs is None or frozenset((x, y)) in pairs)  # fmt: skip
+
+
+def _max_mean(values: list[float]) -> str:
+    return f"{max(map(abs, values)):.1%} / {statistics.mean(map(abs, values)):.1%}"
+
+
+def _settled(*measurements: dict[str, float]) -> set[frozenset[str]]:
+    """Pairs of variants every measurement orders alike (by hand, not calibrate.settled_pairs)."""
+    first = measurements[0]
+    return {frozenset((x, y)) for x, y in itertools.combinations(first, 2)
+            if len({m[x] < m[y] for m in measurements}) == 1}  # fmt: skip
+
+
 def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_tables_of_docs_predict_md():
     """docs/predict.md, 'Measured again on a machine to itself': every cell-calibrated prediction of sweep A redone
     by hand from the committed sums; the leave-one-in, out-of-sample and sweep-C tables, the settled pairs and
@@ -472,21 +499,7 @@ def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_table
     assert len(cells) == len(groups) == 42 and len(a) == len(b) == len(c) == 7
     _redo_cell_predictions_by_hand(cells)
 
-    def predictions(rows, on):
-        return {r["variant"]: r["predicted_step_s"] for r in rows if r["calibrated_on"] == on}
-
-    def errors(pred, measured):
-        return [pred[v] / measured[v] - 1 for v in pred]
-
-    def wrong(pred, measured, pairs=None):
-        return sum((pred[x] - pred[y]) * (measured[x] - measured[y]) < 0
-                   for x, y in itertools.combinations(sorted(pred), 2)
-                   if pairs is None or frozenset((x, y)) in pairs)  # fmt: skip
-
-    def max_mean(values):
-        return f"{max(map(abs, values)):.1%} / {statistics.mean(map(abs, values)):.1%}"
-
-    settled = {frozenset((x, y)) for x, y in itertools.combinations(a, 2) if len({m[x] < m[y] for m in (a, b, c)}) == 1}
+    settled = _settled(a, b, c)
     text = " ".join((REPO / "docs" / "predict.md").read_text().split())
     assert f"all three sweeps order the same way ({len(settled)} of the 21)" in text
     peak = {
@@ -499,19 +512,23 @@ def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_table
     leave_one_in = _doc_table("| calibrated on | groups: max / mean abs error |")
     assert [row[0] for row in leave_one_in] == list(a)
     for row in leave_one_in:
-        by_cell, by_group = predictions(cells, row[0]), predictions(groups, row[0])
-        assert row[1:4] == [max_mean(errors(by_group, a)), max_mean(errors(by_cell, a)), f"{wrong(by_cell, a)} of 15"]
+        by_cell, by_group = _predictions(cells, row[0]), _predictions(groups, row[0])
+        assert row[1:4] == [
+            _max_mean(_errors(by_group, a)),
+            _max_mean(_errors(by_cell, a)),
+            f"{_wrong(by_cell, a)} of 15",
+        ]
     out_of_sample = _doc_table("| calibrated on (sweep A) | vs sweep B")
     assert [row[0] for row in out_of_sample] == list(a)
     for row in out_of_sample:
-        pred = predictions(cells, row[0])
-        eb, ec = errors(pred, b), errors(pred, c)
+        pred = _predictions(cells, row[0])
+        eb, ec = _errors(pred, b), _errors(pred, c)
         spans = f"{min(eb):+.0%} to {max(eb):+.0%}; {min(ec):+.0%} to {max(ec):+.0%}"
         kept = {p for p in settled if p <= set(pred)}
-        assert wrong(pred, b, kept) == wrong(pred, c, kept)
-        assert row[1:5] == [max_mean(eb), max_mean(ec), spans, f"{wrong(pred, b, kept)} of {len(kept)}"]
+        assert _wrong(pred, b, kept) == _wrong(pred, c, kept)
+        assert row[1:5] == [_max_mean(eb), _max_mean(ec), spans, f"{_wrong(pred, b, kept)} of {len(kept)}"]
     sweep_c = {r["variant"]: r for r in _jsonl(QUIET["calibrated_bf16_remat_batch64"] / "results.jsonl")}
-    best = predictions(cells, "bf16_remat_batch64")
+    best = _predictions(cells, "bf16_remat_batch64")
     table_c = _doc_table("| variant | measured s (C) |")
     assert [row[0] for row in table_c] == [v for v in a if v != "bf16_remat_batch64"]
     for row in table_c:
@@ -523,7 +540,7 @@ def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_table
     uncalibrated = [r["predicted_uncalibrated_step_s"] / m[r["variant"]] for m in (b, c)
                     for r in cells if r["calibrated_on"] == "bf16_remat_batch64"]  # fmt: skip
     assert f"the same predictions are {min(uncalibrated):.2f}-{max(uncalibrated):.2f} of the measured steps" in text
-    eb, ec = errors(best, b), errors(best, c)
+    eb, ec = _errors(best, b), _errors(best, c)
     readme = " ".join((REPO / "README.md").read_text().split())
     low, high = min(eb + ec), max(eb + ec)
     assert f"within {low:.0%} to {high:+.0%} of fresh measurements" in readme
@@ -621,38 +638,22 @@ def test_the_tcmalloc_calibration_rows_redo_by_hand_and_hold_docs_predict_md_and
         assert {r["host_allocator"] for r in _jsonl(TCMALLOC[name] / "results.jsonl")} == {"tcmalloc"}
     _redo_cell_predictions_by_hand(cells)
     later = {"E": e, "F": f, "G": g}
-    settled = {
-        frozenset((x, y)) for x, y in itertools.combinations(d, 2) if len({m[x] < m[y] for m in (d, e, f, g)}) == 1
-    }
+    settled = _settled(d, e, f, g)
     text = " ".join((REPO / "docs" / "predict.md").read_text().split())
     assert f"Order is judged on the pairs all four sweeps order alike ({len(settled)} of the 21)" in text
-
-    def predictions(on):
-        return {r["variant"]: r["predicted_step_s"] for r in cells if r["calibrated_on"] == on}
-
-    def errors(pred, measured):
-        return [pred[v] / measured[v] - 1 for v in pred]
-
-    def wrong(pred, measured, pairs=None):
-        return sum((pred[x] - pred[y]) * (measured[x] - measured[y]) < 0
-                   for x, y in itertools.combinations(sorted(pred), 2)
-                   if pairs is None or frozenset((x, y)) in pairs)  # fmt: skip
-
-    def max_mean(values):
-        return f"{max(map(abs, values)):.1%} / {statistics.mean(map(abs, values)):.1%}"
 
     table = _doc_table("| calibrated on (sweep D) | leave-one-in on D")
     assert [row[0] for row in table] == list(d)
     in_sample = {}
     for row in table:
-        pred = predictions(row[0])
+        pred = _predictions(cells, row[0])
         kept = {p for p in settled if p <= set(pred)}
-        counts = {wrong(pred, m, kept) for m in later.values()}
+        counts = {_wrong(pred, m, kept) for m in later.values()}
         assert len(counts) == 1  # settled pairs: every later sweep orders them alike
-        in_sample[row[0]] = max(map(abs, errors(pred, d)))
-        spans = "; ".join(f"{min(errors(pred, m)):+.0%} to {max(errors(pred, m)):+.0%}" for m in later.values())
-        assert row[1:] == [f"{max_mean(errors(pred, d))}, {wrong(pred, d)} of 15",
-                           *(max_mean(errors(pred, m)) for m in later.values()), spans,
+        in_sample[row[0]] = max(map(abs, _errors(pred, d)))
+        spans = "; ".join(f"{min(_errors(pred, m)):+.0%} to {max(_errors(pred, m)):+.0%}" for m in later.values())
+        assert row[1:] == [f"{_max_mean(_errors(pred, d))}, {_wrong(pred, d)} of 15",
+                           *(_max_mean(_errors(pred, m)) for m in later.values()), spans,
                            f"{counts.pop()} of {len(kept)}"]  # fmt: skip
     # The calibration run of sweep G: the smallest largest error in sweep D's own leave-one-in table.
     chosen = min(in_sample, key=in_sample.get)
@@ -660,7 +661,7 @@ def test_the_tcmalloc_calibration_rows_redo_by_hand_and_hold_docs_predict_md_and
     sweep_g = {r["variant"]: r for r in _jsonl(TCMALLOC["calibrated_bf16_scan_remat_mlp_attn"] / "results.jsonl")}
     table_g = _doc_table("| variant | measured s (G) |")
     assert [row[0] for row in table_g] == list(d)
-    best = predictions(chosen)
+    best = _predictions(cells, chosen)
     for row in table_g:
         r = sweep_g[row[0]]
         assert r["prediction_calibrated_on"] == f"traces/seed_table_cpu_tcmalloc_d/{chosen}"
@@ -669,16 +670,16 @@ def test_the_tcmalloc_calibration_rows_redo_by_hand_and_hold_docs_predict_md_and
         assert row[1:] == [f"{r['step_s_median']:.3f}", f"{r['predicted_uncalibrated_step_s']:.3f}",
                            f"{r['predicted_step_s']:.3f}", f"{r['predicted_over_measured']:.2f}"]  # fmt: skip
     # The sentences.
-    spread = [x for m in later.values() for x in errors(best, m)]
-    means = [statistics.mean(map(abs, errors(best, m))) for m in later.values()]
+    spread = [x for m in later.values() for x in _errors(best, m)]
+    means = [statistics.mean(map(abs, _errors(best, m))) for m in later.values()]
     kept = {p for p in settled if p <= set(best)}
     assert (f"land within {min(spread):.0%} to {max(spread):+.0%} of three later measurements of them (E, F, G; "
             f"mean {min(means):.1%}-{max(means):.1%}) and every settled pair is in its measured order "
-            f"({wrong(best, e, kept)} of {len(kept)})") in text  # fmt: skip
-    block = predictions("bf16_scan_remat_block")
-    spread_block = [x for m in later.values() for x in errors(block, m)]
+            f"({_wrong(best, e, kept)} of {len(kept)})") in text  # fmt: skip
+    block = _predictions(cells, "bf16_scan_remat_block")
+    spread_block = [x for m in later.values() for x in _errors(block, m)]
     assert f"`bf16_scan_remat_block` does the same ({min(spread_block):.0%} to {max(spread_block):+.0%}, 0 of" in text
-    assert f"misses by up to {in_sample[chosen]:.1%} and orders {wrong(best, d)} of 15 pairs wrongly" in text
+    assert f"misses by up to {in_sample[chosen]:.1%} and orders {_wrong(best, d)} of 15 pairs wrongly" in text
     flipped = [(x, y) for x, y in itertools.combinations(sorted(best), 2)
                if (best[x] - best[y]) * (d[x] - d[y]) < 0]  # fmt: skip
     assert flipped == [("bf16_noscan", "fp32_scan")] and all((m["bf16_noscan"] < m["fp32_scan"]) for m in (e, f, g))
@@ -687,9 +688,9 @@ def test_the_tcmalloc_calibration_rows_redo_by_hand_and_hold_docs_predict_md_and
     above = next(r["calibration_above_share"] for r in cells
                  if r["calibrated_on"] == chosen and r["variant"] == "bf16_remat_batch64")  # fmt: skip
     assert f"({above:.0%} of its roofline time above the calibration's sizes" in text
-    noscan = [x for m in later.values() for x in errors(predictions("bf16_noscan"), m)]
+    noscan = [x for m in later.values() for x in _errors(_predictions(cells, "bf16_noscan"), m)]
     assert f"predicts the scanned variants {min(noscan):.0%}-{max(noscan):.0%} slow" in text
-    one_minibatch = [min(x for m in later.values() for x in errors(predictions(on), m))
+    one_minibatch = [min(x for m in later.values() for x in _errors(_predictions(cells, on), m))
                      for on in ("bf16_remat_1minibatch", "bf16_remat_batch64")]  # fmt: skip
     assert f"predict the others up to {-max(one_minibatch):.0%}-{-min(one_minibatch):.0%} fast" in text
     readme = " ".join((REPO / "README.md").read_text().split())
@@ -712,11 +713,9 @@ def test_the_tcmalloc_cross_check_redone_after_the_scatter_fix_keeps_its_conclus
         in text
     )
     d, e, f, g = (_steps(TCMALLOC[name]) for name in TCMALLOC)
-    settled = {frozenset((x, y)) for x, y in itertools.combinations(d, 2)
-               if len({m[x] < m[y] for m in (d, e, f, g)}) == 1}  # fmt: skip
-    pred = {r["variant"]: r["predicted_step_s"] for r in after if r["calibrated_on"] == "bf16_scan_remat_mlp_attn"}
-    errors = [pred[v] / m[v] - 1 for m in (e, f, g) for v in pred]
-    kept = [p for p in settled if p <= set(pred)]
-    wrong = {sum((pred[x] - pred[y]) * (m[x] - m[y]) < 0 for x, y in map(tuple, kept)) for m in (e, f, g)}
+    pred = _predictions(after, "bf16_scan_remat_mlp_attn")
+    errors = [x for m in (e, f, g) for x in _errors(pred, m)]
+    kept = {p for p in _settled(d, e, f, g) if p <= set(pred)}
+    wrong = {_wrong(pred, m, kept) for m in (e, f, g)}
     assert f"stay within {min(errors):.0%} to {max(errors):+.0%} of E, F and G and {wrong.pop()} of {len(kept)}" in text
     assert not wrong
