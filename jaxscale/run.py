@@ -36,7 +36,7 @@ from jaxscale.cli import (
     print_help,
     wants_help,
 )
-from jaxscale.config import ConfigError, check_mesh_devices, describe, flatten, mesh_shape, mesh_text
+from jaxscale.config import ConfigError, check_mesh_devices, describe, finetune, flatten, mesh_shape, mesh_text
 from jaxscale.config.spec import layout_text, mesh_axes_text
 from jaxscale.measure import columns, flops, memory, params, profiling
 from jaxscale.measure.scalars import ScalarWriter
@@ -407,6 +407,7 @@ def summary(row: dict) -> str:
             f"  params {row['params']:,}   tokens/step {row['tokens_per_step']:,}   compile {row['compile_s']:.1f} s"
             + _cache_text(row)
         )
+        lines += [line for line in [finetune.summary_line(row)] if line]  # what trains (and what is frozen)
         lines.append(
             f"  compiled plan ({row['compiled_backend']}): peak {_gib(row['compiled_peak_bytes'])} = "
             f"args {_gib(row['compiled_argument_bytes'])} + out {_gib(row['compiled_output_bytes'])} - "
@@ -539,6 +540,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         compile_cache.set_enabled(fv.compilation_cache)
         gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm, config.model.attention)
+        if fv.plan and config.finetune.init_from:  # a plan loads no weights: its program is the same without them
+            raise UsageError(f"finetune.init_from: {config.finetune.init_from!r} cannot be loaded with --plan, which "
+                             "compiles the step and loads no weights (the plan is the same without them); drop "
+                             "--plan or finetune.init_from")  # fmt: skip
         check_cost_flags(fv)
     except (UsageError, gpu_plan.PlanFlagError) as error:  # bad input ends this process before it joins the others
         return fail(str(error))

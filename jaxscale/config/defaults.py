@@ -162,7 +162,9 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
 
     # Fine-tuning (jaxscale.config.finetune, docs/finetune.md): which parameters train; the rest stay frozen.
     c.finetune = ml_collections.ConfigDict()
-    c.finetune.train = "all"  # all; adapters (LoRA's, needs model.lora_rank > 0); last_blocks (finetune.last_blocks)
+    # finetune.train: "auto" trains LoRA's adapters alone when model.lora_rank > 0 (the base frozen, as PEFT and
+    # torchtune do), else every parameter; "all" trains every parameter, adapters included, whatever the rank.
+    c.finetune.train = "auto"  # auto (adapters if model.lora_rank > 0, else all); all; adapters; last_blocks
     c.finetune.last_blocks = 0  # train=last_blocks: the top blocks that train (0 with head: the head alone; unrolled)
     c.finetune.head = False  # train=adapters or last_blocks: the output head and final norm train too
     c.finetune.frozen_dtype = "bfloat16"  # frozen parameters are stored in this dtype (float32 or bfloat16)

@@ -5,7 +5,9 @@ attn/q/lora_a", the '/'-joined keys of Flax's params tree and of jaxscale.measur
 train step differentiates and updates those and keeps the rest frozen in `finetune.frozen_dtype`, and the
 analytic memory model counts the two sides with the same predicate.
 
-- `finetune.train = "all"`: every parameter (pre-training, full fine-tuning).
+- `finetune.train = "auto"` (the default): `"adapters"` when the model has LoRA adapters (`model.lora_rank > 0`),
+  the base frozen as in PEFT and torchtune, else `"all"`; `train_mode` resolves it, and every reader goes through it.
+- `"all"`: every parameter (pre-training, full fine-tuning; with adapters, the base and the adapters).
 - `"adapters"`: the LoRA adapters only (`lora_a`, `lora_b` of the projections in `model.lora_targets`,
   Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", arXiv 2106.09685).
 - `"last_blocks"`: the top `finetune.last_blocks` transformer blocks (with unrolled blocks only: scanned
@@ -28,7 +30,7 @@ PROJECTIONS = {
     "llama": {"attention": ("q", "k", "v", "out"), "mlp": ("gate", "up", "down")},
 }
 TARGET_GROUPS = ("attention", "mlp", "all")
-TRAIN_CHOICES = ("all", "adapters", "last_blocks")
+TRAIN_CHOICES = ("auto", "all", "adapters", "last_blocks")
 LORA_PARAMS = ("lora_a", "lora_b")
 _BLOCK = re.compile(r"^transformer/block_(\d+)/")
 _HEAD = ("output/", "post_norm/")
@@ -77,14 +79,34 @@ def _is_head(path: str, tied: bool) -> bool:
     return path.startswith(_HEAD) or (tied and path == "embed/embedding")
 
 
+def resolve_train(train: str, lora_rank: int) -> str:
+    """finetune.train with "auto" resolved: "adapters" when there are adapters (lora_rank > 0), else "all".
+
+    Args:
+      train: the finetune.train field (one of TRAIN_CHOICES).
+      lora_rank: model.lora_rank.
+
+    Returns:
+      "all", "adapters" or "last_blocks".
+    """
+    if train != "auto":
+        return train
+    return "adapters" if lora_rank > 0 else "all"
+
+
+def train_mode(config: ml_collections.ConfigDict) -> str:
+    """What `config` trains: finetune.train with "auto" resolved (resolve_train)."""
+    return resolve_train(config.finetune.train, config.model.lora_rank)
+
+
 def trainable(path: str, config: ml_collections.ConfigDict) -> bool:
     """Whether the parameter at `path` ('/'-joined keys of the params tree) trains under `config.finetune`."""
-    f = config.finetune
-    if f.train == "all":
+    f, mode = config.finetune, train_mode(config)
+    if mode == "all":
         return True
     if f.head and _is_head(path, config.model.tie_embeddings):
         return True
-    if f.train == "adapters":
+    if mode == "adapters":
         return is_lora_param(path)
     block = _BLOCK.match(path)  # last_blocks: unrolled blocks only (validation refuses scan_layers)
     return block is not None and int(block.group(1)) >= config.model.num_layers - f.last_blocks
@@ -94,7 +116,7 @@ def backward_blocks(config: ml_collections.ConfigDict) -> int:
     """Transformer blocks the backward pass goes through: all, unless only the top finetune.last_blocks train
     and nothing below them does (a trained token embedding, as a tied head is, needs the gradient at the bottom)."""
     f, m = config.finetune, config.model
-    if f.train != "last_blocks" or (f.head and m.tie_embeddings):
+    if train_mode(config) != "last_blocks" or (f.head and m.tie_embeddings):
         return m.num_layers
     return f.last_blocks
 
@@ -108,4 +130,27 @@ def in_backward(path: str, config: ml_collections.ConfigDict) -> bool:
 
 def trains_everything(config: ml_collections.ConfigDict) -> bool:
     """Every parameter trains (the step keeps no frozen tree)."""
-    return config.finetune.train == "all"
+    return train_mode(config) == "all"
+
+
+def summary_line(row: dict) -> str | None:
+    """What a run trains, for its summary, from its result row (None before its parameters were counted):
+    "  trains: all 155,877,376 params" or "  trains: LoRA adapters (9,728 of 116,544 params), base frozen in
+    bfloat16"."""
+    total, trained = row.get("params"), row.get("trainable_params")
+    if total is None or trained is None:
+        return None
+    rank = row.get("config.model.lora_rank", 0)
+    mode = resolve_train(row.get("config.finetune.train", "all"), rank)
+    if mode == "all":
+        return f"  trains: all {total:,} params" + (" (the base and the LoRA adapters)" if rank else "")
+    blocks, parts = row.get("config.finetune.last_blocks", 0), []
+    if mode == "adapters":
+        parts.append("LoRA adapters")
+    elif blocks:
+        parts.append("the top block" if blocks == 1 else f"the top {blocks} blocks")
+    if row.get("config.finetune.head"):
+        parts.append("the head")
+    rest = "base" if mode == "adapters" else "rest"
+    return (f"  trains: {' and '.join(parts)} ({trained:,} of {total:,} params), {rest} frozen in "
+            f"{row.get('config.finetune.frozen_dtype')}")  # fmt: skip

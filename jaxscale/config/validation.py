@@ -196,7 +196,7 @@ def _validate_finetune(config: ml_collections.ConfigDict) -> None:
     _one_of(f.frozen_dtype, STATE_DTYPES, "finetune.frozen_dtype")
     _check(isinstance(f.head, bool), "finetune.head", f"must be True or False, got {f.head!r}")
     _non_negative_int(f.last_blocks, "finetune.last_blocks")
-    if f.train == "adapters":
+    if f.train == "adapters":  # as given: "auto" resolves to adapters only where there are some
         _check(m.lora_rank > 0, "finetune.train", "'adapters' trains the LoRA adapters, and there are none: set "
                "model.lora_rank > 0 (e.g. 16), or finetune.train=all or last_blocks")  # fmt: skip
     if f.train == "last_blocks":
@@ -218,6 +218,7 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
     m, sizes, mesh = config.model, ModelConfig.from_config(config.model), mesh_shape(config)
     (data, fsdp, tensor, context), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
     _one_of(config.mesh.zero_stage, (1, 2, 3), "mesh.zero_stage")
+    _zero_stage_splits(config.mesh.zero_stage, fsdp, context)
     _check(isinstance(config.mesh.sequence_parallel, bool), "mesh.sequence_parallel",
            f"must be True or False, got {config.mesh.sequence_parallel!r}")  # fmt: skip
     _check(not config.mesh.sequence_parallel or tensor > 1, "mesh.sequence_parallel",
@@ -256,6 +257,16 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
             f"{tensor} does not divide the {size} {what}; tensor may be a common divisor of heads, MLP width "
             f"and vocabulary: {_divisors(math.gcd(*splits.values()))}",
         )
+
+
+def _zero_stage_splits(stage: int, fsdp: int, context: int) -> None:
+    """ZeRO stages 1 and 2 split the optimizer state (and the gradients) over fsdp x context, keeping the parameters
+    whole (jaxscale.train.sharding.rules); with both 1 nothing is split and the run is plain data parallelism."""
+    what = "the optimizer state" + (" and the gradients" if stage == 2 else "")
+    _check(stage == 3 or fsdp * context > 1, "mesh.zero_stage",
+           f"{stage} shards {what} over mesh.fsdp (x mesh.context), and mesh.fsdp=1 (context 1) splits "
+           "nothing: it would be plain data parallelism; set mesh.fsdp > 1, or leave mesh.zero_stage at 3 "
+           "(the default)")  # fmt: skip
 
 
 def _validate_context(config: ml_collections.ConfigDict, context: int) -> None:

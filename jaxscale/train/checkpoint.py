@@ -210,7 +210,7 @@ def check_init_from(config: ml_collections.ConfigDict) -> tuple[pathlib.Path, in
     if not isinstance(saved, dict):
         raise CheckpointError(f"finetune.init_from: {directory}/{step} is not a jaxscale checkpoint (no config)")
     where = f"finetune.init_from: {directory}/{step}"
-    if saved.get("finetune.train", "all") != "all" or saved.get("model.lora_rank", 0):
+    if saved.get("finetune.train", "all") not in ("all", "auto") or saved.get("model.lora_rank", 0):
         raise CheckpointError(f"{where} was itself a fine-tuning run (finetune.train={saved.get('finetune.train')}, "
                               f"model.lora_rank={saved.get('model.lora_rank')}); start from a run that trained "
                               "every parameter without adapters")  # fmt: skip

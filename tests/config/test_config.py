@@ -98,3 +98,29 @@ def test_unknown_preset_lists_the_named_models():
     with pytest.raises(ConfigError, match="llama3.1-8b"):
         base_config("llama9", "x")
     assert {"seed", "cpu", "tiny", "gpt2", "llama3.2-1b", "tiny-llama"} <= set(all_presets())
+
+
+@pytest.mark.parametrize("stage,what", [(1, "the optimizer state"), (2, "the optimizer state and the gradients")])
+def test_zero_stage_below_3_without_an_fsdp_axis_is_one_line(stage, what, tmp_path, capsys, monkeypatch):
+    """ZeRO-1/2 split the state over mesh.fsdp (x mesh.context); with both 1 it would be plain data parallelism
+    under another name: exit 2 from the command line, one line naming mesh.zero_stage and what is allowed."""
+    from jaxscale import run
+
+    monkeypatch.chdir(CONFIGS.parent)
+    code = run.main(["jaxscale.run", "--config", "configs/bf16.py:tiny", f"--config.mesh.zero_stage={stage}",
+                     "--plan", "--output_root", str(tmp_path)])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and not any(tmp_path.iterdir())
+    assert err == (f"jaxscale: error: mesh.zero_stage: {stage} shards {what} over mesh.fsdp (x mesh.context), and "
+                   "mesh.fsdp=1 (context 1) splits nothing: it would be plain data parallelism; set mesh.fsdp > 1, "
+                   "or leave mesh.zero_stage at 3 (the default)")  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=2), dict(context=2), dict(fsdp=1, zero_stage=3)], ids=str)
+def test_zero_stage_below_3_with_something_to_split_validates(mesh):
+    """Stage 1 over fsdp=2, or over context=2 alone (the optimizer state splits over fsdp x context: jaxscale.train.
+    sharding.RULES), and the default stage 3 on one device, are valid."""
+    config = base_config("tiny", "zero")
+    config.model.attention = "chunked"  # context parallelism runs attention as a ring of chunks
+    config.mesh.update({"zero_stage": 1, **mesh})
+    validate(config)

@@ -8,6 +8,8 @@ model against the bytes of the real state.
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +17,8 @@ import pytest
 from conftest import assert_trees_close, slow_except
 from flax import traverse_util
 
-from jaxscale import train
-from jaxscale.config import ConfigError, base_config, validate
+from jaxscale import run, train
+from jaxscale.config import ConfigError, base_config, finetune, validate
 from jaxscale.measure import memory, params
 from jaxscale.model import lora
 
@@ -79,7 +81,8 @@ def test_untrained_adapters_leave_the_base_model_unchanged(family, scan):
 @pytest.mark.parametrize("family,scan", slow_except([("gpt", True), ("llama", False)], lambda c: c[0] == "gpt"))
 def test_merged_adapters_compute_the_same_function(family, scan):
     """Trained adapters folded into their kernels (W + alpha/r A B) give the base model the same logits."""
-    adapted = _config(family, scan, model__lora_rank=4, model__lora_targets=("all",), model__lora_alpha=8.0)
+    adapted = _config(family, scan, model__lora_rank=4, model__lora_targets=("all",), model__lora_alpha=8.0,
+                      finetune__frozen_dtype="float32")  # the merged kernels unrounded
     state = _init(adapted)
     trained = _randomize_adapters(train.model_params(state.params, state.frozen))
     merged = lora.merge(trained, train.make_model(adapted).config)
@@ -154,6 +157,66 @@ def test_trainable_counts_by_hand():
     counts = train.param_columns(jax.eval_shape(train.make_init_fn(gpt)))
     head = 64 * 128 + 128 + 2 * 64  # output kernel and bias, final LayerNorm
     assert counts["trainable_params"] == 2 * 4 * (64 + 192 + 64 + 64) + head
+
+
+def test_a_lora_rank_alone_trains_the_adapters_with_the_base_frozen():
+    """model.lora_rank=4 with finetune.train left at its default ("auto"): the adapters train and the base is frozen
+    in bfloat16, as PEFT and torchtune do; tiny-llama's attention adapters by hand: q 4(64+64), k and v 4(64+32),
+    out 4(64+64) per layer, 2 layers = 3,584. finetune.train=all trains the base too; no adapters: everything."""
+    state = jax.eval_shape(train.make_init_fn(_config("llama", model__lora_rank=4)))
+    assert all(path.endswith(("lora_a", "lora_b")) for path in _flat(state.params))
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(state.frozen)} == {jnp.dtype(jnp.bfloat16)}
+    assert train.param_columns(state) == {"params": 106_816 + 3584, "trainable_params": 3584}
+    everything = jax.eval_shape(train.make_init_fn(_config("llama", model__lora_rank=4, finetune__train="all")))
+    assert train.param_columns(everything) == {"params": 106_816 + 3584, "trainable_params": 106_816 + 3584}
+    base = jax.eval_shape(train.make_init_fn(_config("llama")))
+    assert train.param_columns(base) == {"params": 106_816, "trainable_params": 106_816} and not base.frozen
+
+
+def test_the_run_summary_says_what_trains(tmp_path, capsys, monkeypatch):
+    """--plan of the tiny gpt (118,656 parameters) with rank-4 adapters on qkv and out, 4(64+192) + 4(64+64) per
+    layer, 2 layers = 3,072: the summary names the adapters, the count and the frozen base's dtype."""
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])
+    code = run.main(["jaxscale.run", "--config", "configs/bf16.py:tiny", "--config.model.lora_rank=4", "--plan",
+                     "--output_root", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "  trains: LoRA adapters (3,072 of 121,728 params), base frozen in bfloat16\n" in out, out
+
+
+@pytest.mark.parametrize(
+    "fields,line",
+    [
+        ({}, "  trains: all 118,656 params"),
+        ({"config.finetune.train": "all", "config.model.lora_rank": 4},
+         "  trains: all 121,728 params (the base and the LoRA adapters)"),
+        ({"config.finetune.train": "last_blocks", "config.finetune.last_blocks": 1, "config.finetune.head": True,
+          "config.finetune.frozen_dtype": "float32"},
+         "  trains: the top block and the head (1,000 of 118,656 params), rest frozen in float32"),
+        ({"config.finetune.train": "last_blocks", "config.finetune.last_blocks": 0, "config.finetune.head": True},
+         "  trains: the head (1,000 of 118,656 params), rest frozen in bfloat16"),
+        ({"config.finetune.train": "adapters", "config.model.lora_rank": 4, "config.finetune.head": True},
+         "  trains: LoRA adapters and the head (1,000 of 121,728 params), base frozen in bfloat16"),
+    ],
+    ids=["no_adapters", "all_with_adapters", "last_block_and_head", "head_alone", "adapters_and_head"],
+)  # fmt: skip
+def test_the_summary_line_of_each_mode(fields, line):
+    row = {"config.finetune.train": "auto", "config.model.lora_rank": 0, "config.finetune.head": False,
+           "config.finetune.frozen_dtype": "bfloat16", "params": 118_656 + 3072 * bool(fields.get(
+               "config.model.lora_rank")), "trainable_params": 1000, **fields}  # fmt: skip
+    assert finetune.summary_line(row) == line
+
+
+def test_init_from_with_plan_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """--plan compiles the step and loads no weights, so finetune.init_from would be silently ignored: exit 2, one
+    line naming both, nothing written."""
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])
+    code = run.main(["jaxscale.run", "--config", "configs/bf16.py:tiny", "--plan", "--output_root", str(tmp_path),
+                     f"--config.finetune.init_from={tmp_path / 'base'}"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("jaxscale: error: finetune.init_from: ") and "--plan" in err, err
+    assert not any(tmp_path.iterdir())
 
 
 def test_the_head_alone_trains_with_no_backward_through_the_blocks():
