@@ -173,6 +173,9 @@ def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
     Fine-tuning: only blocks the backward pass goes through recompute (finetune.backward_blocks); a block whose
     out projection neither trains nor has an adapter does not recompute the attention's AV ("values"), which only
     that projection's weight gradient reads; LoRA adapters recompute as `_adapter_recompute` says.
+
+    The chunked loss (train.loss_chunk_len > 0) runs each chunk's output head under jax.checkpoint, so the backward
+    pass recomputes its logits: the head's forward matmul once more, 2·H·V per token (`chunked_loss_recompute`).
     """
     m = config.model
     per_token = forward_matmul_flops_per_token(config)
@@ -187,7 +190,22 @@ def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
         for target in m.remat:
             names = tuple(n for n in policy[target] if n != "values" or trained or out_adapted)
             total += sum(per_token[name] for name in names) + _adapter_recompute(config, target, names)
-    return float(config.data.batch_size * config.data.seq_len * total)
+    return float(config.data.batch_size * config.data.seq_len * total) + chunked_loss_recompute(config)
+
+
+def chunked_loss_recompute(config: ml_collections.ConfigDict) -> float:
+    """FLOPs of the output head the chunked loss recomputes in the backward pass (0 without train.loss_chunk_len).
+
+    Args:
+      config: the run's config.
+
+    Returns:
+      tokens per step x the head's forward matmul per token (2·H·V): every chunk's logits once more.
+    """
+    if not config.train.get("loss_chunk_len", 0):
+        return 0.0
+    head = forward_matmul_flops_per_token(config)["head"]
+    return float(config.data.batch_size * config.data.seq_len * head)
 
 
 def hardware_flops_per_step(config: ml_collections.ConfigDict) -> float:
@@ -198,15 +216,16 @@ def hardware_flops_per_step(config: ml_collections.ConfigDict) -> float:
     layers the backward pass goes through; weight gradients only of trained kernels (LoRA's adapters, whose
     forward is 2·r·(in + out) per token and projection, train; their frozen kernels do not); the head's
     input gradient always, its weight gradient when finetune.head; remat recomputes as recompute_flops_per_step
-    says. With everything trained this is 3 × forward + recompute.
+    says (the chunked loss's head included). With everything trained this is 3 × forward + recompute.
     """
     m, f = config.model, config.finetune
     per_token = forward_matmul_flops_per_token(config)
     kernels = sum(per_token[k] for k in ("qkv", "out", "up", "down"))
     attention, adapters = per_token["logits"] + per_token["values"], 2 * params.adapter_params(m)
     layers, through = m.num_layers, finetune.backward_blocks(config)
-    trained_kernel_layers = {"all": layers, "adapters": 0, "last_blocks": f.last_blocks}[f.train]
-    head_trained = f.train == "all" or f.head
+    mode = finetune.train_mode(config)  # finetune.train with "auto" resolved
+    trained_kernel_layers = {"all": layers, "adapters": 0, "last_blocks": f.last_blocks}[mode]
+    head_trained = mode == "all" or f.head
     forward = layers * (kernels + attention + adapters) + per_token["head"]
     backward_input = through * (kernels + 2 * attention + adapters) + per_token["head"]
     weights = trained_kernel_layers * kernels + layers * adapters + (per_token["head"] if head_trained else 0)

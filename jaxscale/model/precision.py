@@ -67,11 +67,29 @@ def weight_dot_general(cfg: ModelConfig, names: tuple[str | None, ...]) -> Calla
         x, w = residuals
         w_compute = compute_weight(cfg, w, names)
         _, x_vjp = jax.vjp(lambda x_: lax.dot_general(x_, w_compute, dims, precision=precision), x)
-        return x_vjp(g)[0], weight_gradient(x, g, w.ndim, dims, precision)
+        return x_vjp(g)[0], cotangent_like(weight_gradient(x, g, w.ndim, dims, precision), w)
 
     dot.defvjp(dot_fwd, dot_bwd)
     chosen = dot if _reduces_in_float32(cfg) else forward
     return lambda x, w, dims, precision=None, **_: chosen(x, w, dims, precision)
+
+
+def cotangent_like(grad: jax.Array, w: jax.Array) -> jax.Array:
+    """A custom VJP's cotangent for the weight `w`, in `w`'s dtype, as JAX requires of a bwd rule.
+
+    A trained weight is float32, so its float32 gradient is unchanged (no convert is emitted). A frozen weight
+    (jaxscale.config.finetune, stored in finetune.frozen_dtype, bfloat16 by default) is a constant of the step:
+    its cotangent is computed and dropped, and a float32 one would pass only through JAX's
+    `_temporary_dtype_exception`, marked for removal. Cast to the weight's dtype it is the primal's type.
+
+    Args:
+      grad: the weight gradient (float32, from weight_gradient).
+      w: the weight as the primal function received it.
+
+    Returns:
+      `grad` in `w`'s dtype.
+    """
+    return grad.astype(w.dtype)
 
 
 def weight_gradient(x: jax.Array, g: jax.Array, w_ndim: int, dims: Any, precision: Any) -> jax.Array:

@@ -17,12 +17,14 @@ the fitted constants are
     efficiency_c = R_c / (s · M_c)                       (a group with no measured op keeps the published cost)
     launch_s     = s · max(0, T - sum_c M_c) / N         (time in the step that no op covers, per launch)
 
-and a calibrated kernel takes r / efficiency_c + launch_s: the calibration run's own step is then predicted as S.
+and a calibrated kernel takes r / efficiency_c + launch_s: fitted by group, the calibration run's own step is then
+predicted as S (plus the calibrated time of its kernels without a measured op).
 By default (by="cell") the same ratio is also fitted per cell k = predict.calibration_cell (group, precision: 16- or
 32-bit, size: floor(log4(bytes per launch))) whose ops take at least MIN_CELL_SHARE of the measured op time,
 efficiency_k = R_k / (s · M_k); a kernel then takes its own cell's efficiency, else the nearest size's of its group
 and precision, else its group's: a fusion of bf16 working sets of 16 MiB runs at what such fusions ran at, not
-at the average of the run's fusions (docs/predict.md, "Calibration").
+at the average of the run's fusions (docs/predict.md, "Calibration"). Fitted by cell, the run's own step is not
+predicted exactly: its kernels in cells under MIN_CELL_SHARE take a neighbouring cell's efficiency.
 The profiled step is one step of a shared machine, so its split is taken from the trace and its level from the
 median of the timed steps (s). The fit is a ratio of sums, so the large ops weigh most, as they do in a step.
 A calibration is only meaningful for other programs on the same device: load() refuses a run from another

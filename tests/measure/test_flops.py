@@ -175,5 +175,23 @@ def test_fine_tuning_compiled_matmuls_equal_the_analytic_hardware_flops(family, 
     full = base_config(config.preset, "full")
     full.model.update(lora_rank=fields["lora_rank"], lora_targets=fields["lora_targets"], remat=fields["remat"])
     full.model.remat_policy = config.model.remat_policy
+    full.finetune.train = "all"  # the base and the adapters (with adapters, "auto" would train them alone)
     assert analytic["analytic_hardware_flops_per_step"] < flops.hardware_flops_per_step(full)
     assert compiled["compiled_matmul_flops_per_step"] == pytest.approx(analytic["analytic_hardware_flops_per_step"])
+
+
+def test_chunked_loss_recomputed_head_is_in_the_hardware_flops():
+    """train.loss_chunk_len runs each chunk's head under jax.checkpoint: the backward pass computes the logits again.
+    The compiled step's dots (loop-aware) equal the analytic hardware FLOPs with it, and the chunked step has exactly
+    one more head forward than the whole-sequence step: 2·H·V per token, counted here by hand."""
+    counts = {}
+    for chunk_len in (0, 8):
+        config = base_config("tiny", "flops")
+        config.model.update(remat=("Block",), scan_layers=True)
+        config.train.loss_chunk_len = chunk_len
+        analytic, compiled, _ = _columns(config)
+        assert compiled["compiled_matmul_flops_per_step"] == pytest.approx(analytic["analytic_hardware_flops_per_step"])
+        counts[chunk_len] = compiled["compiled_matmul_flops_per_step"]
+    m, d = config.model, config.data
+    assert (d.batch_size, d.seq_len, m.hidden_size, m.vocab_size) == (8, 32, 64, 128)  # the hand count's sizes
+    assert counts[8] - counts[0] == 2 * 64 * 128 * (8 * 32)  # one head forward more, per token of the step

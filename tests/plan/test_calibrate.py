@@ -132,6 +132,26 @@ def test_each_cell_of_precision_and_size_keeps_its_own_efficiency_and_a_new_size
     assert predict.predict(other, grouped.roofline(ROOF))["predicted_step_s"] == pytest.approx(by_group)
 
 
+def test_by_group_the_calibration_run_predicts_its_own_step_and_by_cell_a_small_cell_borrows_a_neighbour():
+    """calibrate.py and docs/predict.md: fitted by group, the run's own program comes back at S; fitted by cell, a
+    kernel in a cell under MIN_CELL_SHARE takes the nearest fitted cell's efficiency, so it does not."""
+    # The fitting run of the cell test below: 64-byte fusions launched 10 times measured 10 us (under 1%), costed by
+    # hand at the nearest cell's (4^6 bytes, efficiency 1.0): 10 x 64 bytes at 1 GB/s = 0.64 us.
+    found = [_fusion("small", 4**6, times=1000), _fusion("large", 4**11), _fusion("half", 4**10, "bf16"),
+             _fusion("tiny", 64, times=10)]  # fmt: skip
+    ops = [_op("small", 4**6 * 1000 / 1e9), _op("large", 4 * 4**11 / 1e9), _op("half", 2 * 4**10 / 1e9),
+           _op("tiny", 10e-6)]  # fmt: skip
+    step = sum(o["self_s_per_step"] for o in ops)
+    grouped = calibrate.fit(ops, found, ROOF, trace_step_s=step, step_s=step, by="group")
+    assert predict.predict(found, grouped.roofline(ROOF))["predicted_step_s"] == pytest.approx(step, rel=1e-12)
+    by_cell = calibrate.fit(ops, found, ROOF, trace_step_s=step, step_s=step)
+    own = predict.predict(found, by_cell.roofline(ROOF))["predicted_step_s"]
+    assert own == pytest.approx(step - 10e-6 + 0.64e-6, rel=1e-12) and own != pytest.approx(step, rel=1e-4)
+    # The published run's kernels, with a launch cost: by group still exactly S (16.65 s, the trace's span).
+    fitted = calibrate.fit(CALIBRATION_OPS, CALIBRATION_KERNELS, ROOF, trace_step_s=16.65, step_s=16.65, by="group")
+    assert predict.predict(CALIBRATION_KERNELS, fitted.roofline(ROOF))["predicted_step_s"] == pytest.approx(16.65)
+
+
 def test_a_calibrated_prediction_says_how_much_of_its_roofline_time_lies_beyond_the_sizes_it_fitted():
     # Cells fitted: float32 fusions of 4^6 and 4^11 bytes, bf16 fusions of 4^10 (as in the test above); the
     # matmul group by group only.
@@ -433,6 +453,34 @@ QUIET = {name: REPO / "experiments" / "results" / f"seed_table_cpu_{name}"
 
 def _steps(directory) -> dict[str, float]:
     return {r["variant"]: r["step_s_median"] for r in _jsonl(directory / "results.jsonl")}
+
+
+def test_each_committed_calibration_predicts_its_own_run_as_docs_predict_md_says():
+    """docs/predict.md, 'Calibration': the row of the calibration variant in each sweep calibrated on it, over that
+    run's measured step S (its own sweep's results.jsonl and the cross check's calibration_step_s): by group to
+    1e-4, by cell within 1%, and the doc's figures."""
+    text = " ".join((REPO / "docs" / "predict.md").read_text().split())
+    results = REPO / "experiments" / "results"
+    assert "predict their own runs within 1% of `S`" in text
+    for calibrated, source, cross_check, by_cell, said in (
+        ("calibrated_bf16_scan", "calibrate", "calibration.jsonl", False, "`bf16_scan` of `seed_table_cpu_calibrate`"),
+        ("calibrated_bf16_remat_batch64", "calibrate_a", "calibration_cell.jsonl", True, "A's `bf16_remat_batch64`"),
+        ("calibrated_bf16_scan_remat_mlp_attn", "tcmalloc_d", "calibration_cell.jsonl", True,
+         "D's `bf16_scan_remat_mlp_attn`"),
+    ):
+        rows = _jsonl(results / f"seed_table_cpu_{calibrated}" / "results.jsonl")
+        on = rows[0]["prediction_calibrated_on"]
+        assert on.startswith(f"traces/seed_table_cpu_{source}/")
+        variant = on.rsplit("/", 1)[1]
+        (own,) = [r for r in rows if r["variant"] == variant]
+        assert bool(own.get("calibrated_cells")) == by_cell
+        step = _steps(results / f"seed_table_cpu_{source}")[variant]
+        fits = {r["calibration_step_s"] for r in _jsonl(results / f"seed_table_cpu_{source}" / cross_check)
+                if r["calibrated_on"] == variant}  # fmt: skip
+        assert fits == {step}  # the calibration's S is that run's measured step
+        ratio = own["predicted_step_s"] / step
+        assert ratio == pytest.approx(1.0, abs=0.01 if by_cell else 1e-4)
+        assert f"{said} at {ratio:.4f}" in text
 
 
 def _cell_efficiency(fitted: dict, group: str, precision: str, size: int, group_efficiency: float | None):
