@@ -16,23 +16,33 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+import ml_collections
 from absl import flags
 
 from jaxscale import run
 from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
 from jaxscale.config import ConfigError, load_config_file, validate
-from jaxscale.plan import gpu_plan
+from jaxscale.plan import gpu_plan, targets
 from jaxscale.sweep.results import ResultsFile
+from jaxscale.sweep.sweep_file import apply_overrides
 
 GIB = 2**30
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUNS_FILE = REPO / "experiments" / "published_runs.json"
 RESULTS_NAME = "published"
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a run's id names its directory under runs/
+# the fields this command reads, and their JSON types (positive for numbers, non-empty for text and lists)
+RUN_FIELDS = {"id": str, "project": str, "source": str, "model": str, "gpu": str, "n_gpus": int, "seq_len": int,
+              "global_batch": int, "measured": dict, "lab": dict}  # fmt: skip
+LAB_FIELDS = {"config": str, "preset": str, "overrides": dict, "target": str, "devices": int, "differences": list}
+MEASURED_FIELDS = ("step_time_s", "tokens_per_s_per_gpu", "sequences_per_s", "peak_memory_gib")  # a number or null
+_KINDS = {str: "a non-empty string", int: "a positive integer", dict: "an object", list: "a non-empty list"}
 
 
 def load_runs(path: pathlib.Path = RUNS_FILE) -> list[dict]:
@@ -49,7 +59,47 @@ def load_runs(path: pathlib.Path = RUNS_FILE) -> list[dict]:
         raise UsageError(f"--runs: {path} is not JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(runs, list) or not all(isinstance(r, dict) and "id" in r and "lab" in r for r in runs):
         raise UsageError(f"--runs: {path} must be a list of runs, each with an 'id' and a 'lab' configuration")
+    for index, published in enumerate(runs):
+        check_fields(published, index)
+    ids = [r["id"] for r in runs]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise UsageError(f"--runs: run {repeated[0]!r}: id: given to {ids.count(repeated[0])} runs; ids must differ")
     return runs
+
+
+def _has_kind(value: object, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return isinstance(value, kind) and bool(value or kind is dict)
+
+
+def check_fields(published: dict, index: int = 0) -> None:
+    """Checks that a run has every field this command reads, each of its type (RUN_FIELDS, LAB_FIELDS; the
+    measured figures numbers or null), before any configuration is built.
+
+    Args:
+      published: one run of the runs file.
+      index: its place in the file, to name a run without a usable id.
+
+    Raises:
+      UsageError: one line naming the run and the field, and what is allowed.
+    """
+    name = published.get("id") if isinstance(published.get("id"), str) else f"#{index}"
+    where = f"--runs: run {name!r}"
+    for prefix, fields, node in (("", RUN_FIELDS, published), ("lab.", LAB_FIELDS, published.get("lab"))):
+        for field, kind in fields.items():
+            if field not in node:
+                needed = ", ".join(prefix + f for f in fields)
+                raise UsageError(f"{where}: {prefix}{field}: missing; a run needs {needed}")
+            if not _has_kind(node[field], kind):
+                raise UsageError(f"{where}: {prefix}{field}: must be {_KINDS[kind]}, got {node[field]!r}")
+    if not _SAFE_ID.fullmatch(name):
+        raise UsageError(f"{where}: id: use letters, digits, '_', '-' and '.' (it names the run's directory)")
+    for field in MEASURED_FIELDS:
+        value = published["measured"].get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise UsageError(f"{where}: measured.{field}: must be a positive number or null, got {value!r}")
 
 
 def published_step_s(published: dict) -> tuple[float | None, str]:
@@ -67,25 +117,63 @@ def published_step_s(published: dict) -> tuple[float | None, str]:
     return None, "no time published"
 
 
-def lab_config(published: dict):
+def lab_config(published: dict) -> ml_collections.ConfigDict:
     """The lab's configuration of a published run: its config file at its preset, with its overrides applied
-    (a list becomes the tuple a config field holds) and validated.
+    (a list becomes the tuple a config field holds; names and types checked by the sweep's override parser),
+    validated, and laid out on the run's GPUs (check_layout).
 
     Raises:
-      UsageError: an override names no config field, or the result does not validate.
+      UsageError: one line naming the run and the field at fault (lab.config, lab.preset, an override, the
+        mesh, lab.devices, lab.target, lab.gemm), before anything is compiled.
     """
-    lab = published["lab"]
-    config = load_config_file(REPO / lab["config"], lab["preset"])
-    for key, value in lab["overrides"].items():
-        group, _, field = key.partition(".")
-        if group not in config or field not in config[group]:
-            raise UsageError(f"{published['id']}: override {key}: no such config field")
-        config[group][field] = tuple(value) if isinstance(value, list) else value
+    lab, where = published["lab"], f"--runs: run {published['id']!r}"
+    if not (REPO / lab["config"]).is_file():
+        raise UsageError(f"{where}: lab.config: no file {lab['config']!r} (a path under the repository, "
+                         "e.g. configs/bf16_remat.py)")  # fmt: skip
+    try:
+        config = load_config_file(REPO / lab["config"], lab["preset"])
+    except ConfigError as error:  # an unknown preset
+        raise UsageError(f"{where}: lab.{error}") from None
+    except Exception as error:  # any other error in the config file is bad input too
+        raise UsageError(f"{where}: lab.config: {lab['config']}: {type(error).__name__}: {error}") from None
+    overrides = {key: tuple(value) if isinstance(value, list) else value for key, value in lab["overrides"].items()}
+    apply_overrides(config, overrides, f"{where}: lab.overrides")
     try:
         validate(config)
     except ConfigError as error:
-        raise UsageError(f"{published['id']}: {error}") from None
+        raise UsageError(f"{where}: {error}") from None
+    check_layout(published, config)
     return config
+
+
+def check_layout(published: dict, config: ml_collections.ConfigDict) -> None:
+    """Checks a run's configuration against the run: its sequence and batch as published, its GPU target and
+    GEMM mode known, lab.devices the run's n_gpus, a mesh that uses them all, and cuDNN's libraries where its
+    attention is cuDNN's.
+
+    Raises:
+      UsageError: one line naming the run and the field.
+    """
+    lab, where = published["lab"], f"--runs: run {published['id']!r}"
+    for field, key in (("data.seq_len", "seq_len"), ("data.batch_size", "global_batch")):
+        group, name = field.split(".")
+        if config[group][name] != published[key]:
+            raise UsageError(f"{where}: lab.overrides: {field} is {config[group][name]}, but the run's {key} is "
+                             f"{published[key]}; set {field}={published[key]}")  # fmt: skip
+    if lab["target"] not in targets.TARGETS:
+        raise UsageError(f"{where}: lab.target: unknown {lab['target']!r}; allowed: {', '.join(targets.TARGETS)}")
+    if lab.get("gemm", "both") not in gpu_plan.GEMM_CHOICES:
+        raise UsageError(f"{where}: lab.gemm: unknown {lab['gemm']!r}; allowed: {', '.join(gpu_plan.GEMM_CHOICES)}")
+    if lab["devices"] != published["n_gpus"]:
+        raise UsageError(f"{where}: lab.devices: {lab['devices']}, but the run's n_gpus is {published['n_gpus']}; "
+                         "plan the published count")  # fmt: skip
+    try:
+        gpu_plan.check_devices_flag(config, lab["target"], lab["devices"])
+    except gpu_plan.PlanFlagError as error:
+        raise UsageError(f"{where}: {error}") from None
+    missing = gpu_plan.missing_cudnn() if config.model.attention == "cudnn" else None
+    if missing:
+        raise UsageError(f"{where}: {missing}")
 
 
 def compare(published: dict, row: dict) -> dict[str, Any]:
@@ -120,15 +208,33 @@ def compare(published: dict, row: dict) -> dict[str, Any]:
     }
 
 
-def plan_run(published: dict, output_root: pathlib.Path) -> dict:
-    """Plans and predicts one published run; the run's row (status error with the reason when it fails)."""
+def plan_run(published: dict, output_root: pathlib.Path, config: ml_collections.ConfigDict | None = None) -> dict:
+    """Plans and predicts one published run (its `config` from lab_config, built here when not given); the
+    run's row (status error or oom with the reason when it fails)."""
     lab = published["lab"]
-    config = lab_config(published)
+    config = lab_config(published) if config is None else config
     run_dir = output_root / "experiments" / "results" / RESULTS_NAME / "runs" / published["id"]
     row = run.run(config, run_dir, published["id"], plan_only=True, progress=False, target=lab["target"],
                   gemm=lab.get("gemm", "both"), devices=lab["devices"])  # fmt: skip
     row.update(compare(published, row), variant=published["id"], sweep=RESULTS_NAME)
     return row
+
+
+def record(store: ResultsFile, row: dict, had_ok_row: bool) -> str | None:
+    """Stores a run's new row unless it would replace an ok row with a failure of this machine; the failure's
+    one line, or None when the run planned.
+
+    A row with status error (the plan did not compile: a missing library, a compiler crash or timeout; the
+    run's own configuration was checked before) never replaces an ok row: the ok row stays and the line says
+    so. An oom row is the run's own result and replaces it.
+    """
+    if row["status"] == "ok":
+        store.record(row)
+        return None
+    if row["status"] == "error" and had_ok_row:
+        return f"{row['variant']}: not replanned, its earlier ok row kept: {row.get('error')}"
+    store.record(row)
+    return f"{row['variant']}: {row['status']}: {row.get('error')}"
 
 
 def mean_abs_error(ratios: Sequence[float]) -> float | None:
@@ -190,27 +296,46 @@ USAGE = Usage(
         "python -m jaxscale.published --only llmc-gpt2-124m-8xa100 --rerun",
     ),
     notes=(
-        "Needs the gpu-plan extra. Rows: experiments/results/published/results.jsonl; table: published.md "
-        "beside it; docs/published.md explains them.",
+        "Needs the gpu-plan extra (without it: one line naming what to install, exit 2). The whole runs file is "
+        "checked first (every field, each override's name and type, the mesh against the run's GPUs): a mistake "
+        "is one line naming the run and the field, exit 2, nothing planned or written. A run that fails to plan "
+        "(a missing library, a compiler failure) keeps its earlier ok row and is one line on stderr, exit 1.",
+        "Rows: experiments/results/published/results.jsonl; table: published.md beside it; docs/published.md "
+        "explains them.",
     ),  # fmt: skip
 )
 
 
+def _wanted(runs: list[dict], only: Sequence[str]) -> list[dict]:
+    known = [r["id"] for r in runs]
+    unknown = [i for i in only if i not in known]
+    if unknown:
+        raise UsageError(f"--only: unknown run {unknown[0]!r}; known: {', '.join(known)}")
+    return [r for r in runs if not only or r["id"] in only]
+
+
+def check_extra() -> None:
+    """Raises UsageError naming what to install when the gpu-plan extra is missing (every run plans a GPU)."""
+    missing = gpu_plan.missing_extra()
+    if missing:
+        raise UsageError(missing.removeprefix("--target: "))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: plans the runs not yet planned, prints and writes the table; exit 0, or 2 for bad input."""
+    """Command line: plans the runs not yet planned, prints and writes the table; exit 0, 1 when a run failed to
+    plan (one line each on stderr; an earlier ok row is kept), or 2 for bad input (nothing planned or written)."""
     argv = list(sys.argv if argv is None else argv)
     fv = _flag_values()
     if wants_help(argv):
         return print_help(USAGE, fv)
     try:
         no_arguments(fv, argv, "flags only (--only, --rerun, --runs, --output_root)")
+        check_extra()
         runs = load_runs(pathlib.Path(fv.runs))
-        known = [r["id"] for r in runs]
-        unknown = [i for i in fv.only if i not in known]
-        if unknown:
-            raise UsageError(f"--only: unknown run {unknown[0]!r}; known: {', '.join(known)}")
-        wanted = [r for r in runs if not fv.only or r["id"] in fv.only]
+        wanted = _wanted(runs, fv.only)
+        configs = {r["id"]: lab_config(r) for r in runs}  # the whole file checked before anything is compiled
         store = ResultsFile(pathlib.Path(fv.output_root) / "experiments" / "results" / RESULTS_NAME)
+        failures = []
         with store.locked():
             done = {r["variant"] for r in store.rows() if r.get("status") == "ok"}
             for published in wanted:
@@ -218,8 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 print(f"{published['id']}: planning {published['lab']['devices']} x {published['lab']['target']}",
                       flush=True)  # fmt: skip
-                store.record(json.loads(json.dumps(plan_run(published, pathlib.Path(fv.output_root)), default=str)))
-            order = {i: n for n, i in enumerate(known)}
+                row = plan_run(published, pathlib.Path(fv.output_root), configs[published["id"]])
+                failures.append(record(store, json.loads(json.dumps(row, default=str)), published["id"] in done))
+            order = {r["id"]: n for n, r in enumerate(runs)}
             rows = sorted((r for r in store.rows() if r["variant"] in order), key=lambda r: order[r["variant"]])
     except (UsageError, gpu_plan.PlanFlagError) as error:
         return fail(str(error))
@@ -227,7 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (store.directory / "published.md").write_text(table + "\n")
     print(table)
     print(f"results: {store.path}")
-    return 0
+    for failure in filter(None, failures):
+        fail(failure, code=1)
+    return 1 if any(failures) else 0
 
 
 if __name__ == "__main__":

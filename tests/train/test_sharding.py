@@ -152,8 +152,8 @@ def test_analytic_state_per_device_equals_the_real_shardings(preset, mesh, scan_
 
 @pytest.mark.parametrize("target", ["a5000", "h100"])
 def test_the_committed_gpu_mesh_plans_agree_with_the_estimate_as_documented(target):
-    """docs/mesh.md: the deviceless 8-GPU plans of experiments/mesh.py:seed are within 12% of the per-device
-    analytic estimate (the committed rows that its tables cite; 7% before the float32 gradient sums)."""
+    """The deviceless 8-GPU plans of experiments/mesh.py:seed are within 12% of the per-device analytic estimate
+    (7% before the float32 gradient sums; docs/mesh.md's tables of them are tests/report/test_docs_tables.py's)."""
     import json
 
     path = REPO / "experiments" / "results" / f"mesh_seed_plan_{target}_x8" / "results.jsonl"
@@ -161,15 +161,6 @@ def test_the_committed_gpu_mesh_plans_agree_with_the_estimate_as_documented(targ
     assert len(rows) == 6 and {row["compiled_backend"] for row in rows} == {f"cuda:{target}"}
     for row in rows:
         assert abs(row["compiled_to_analytic_peak_ratio"] - 1) <= 0.12, row["variant"]
-    # "Mixed precision on a mesh": dp8 all-reduces 99.9% float32, fsdp8 reduce-scatters 99.8% float32 (the bf16
-    # rest: the vectors' sums) and gathers bf16 weights (under 1% float32: the norms' scales).
-    by_name = {row["variant"]: row for row in rows}
-    dp8, fsdp8 = by_name["dp8"], by_name["fsdp8"]
-    reduced = dp8["compiled_collective_all_reduce_bytes"]
-    assert 0.999 * reduced <= dp8["compiled_collective_all_reduce_f32_bytes"] < reduced
-    scatter = fsdp8["compiled_collective_reduce_scatter_bytes"]
-    assert 0.998 * scatter <= fsdp8["compiled_collective_reduce_scatter_f32_bytes"] < scatter
-    assert fsdp8["compiled_collective_all_gather_f32_bytes"] < 0.01 * fsdp8["compiled_collective_all_gather_bytes"]
 
 
 def test_analytic_activations_split_by_batch_and_tensor():
@@ -281,45 +272,3 @@ def test_slow_mesh_variants_equal_one_device():
     done = _run_device_tests("-m", "slow")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout, done.stdout[-2000:]
-
-
-def _committed(name: str) -> dict[str, dict]:
-    import json
-
-    path = REPO / "experiments" / "results" / name / "results.jsonl"
-    return {row["variant"]: row for row in map(json.loads, path.read_text().splitlines())}
-
-
-def _per_gpu(row: dict) -> float:
-    return row["tokens_per_step"] / row["predicted_step_s"] / row["mesh_devices"]
-
-
-def test_the_committed_layout_answers_hold_as_docs_mesh_md_states():
-    """docs/mesh.md's answers, from the committed deviceless plans of experiments/layouts.py: on 8 H100s the
-    fastest layout that fits is FSDP with the whole batch (8,382 predicted tokens/s per GPU), data parallel, ZeRO-1
-    and ZeRO-2 do not fit and tp8 with the whole batch only with sequence parallelism; on 64, HSDP (8,250), and
-    ZeRO-2 fits there; every 8-GPU plan that fits is within 0.95-1.12 of the analytic model."""
-    eight, sixty_four = (
-        _committed(f"layouts{s}_llama3.1-8b_plan_h100_triton_x{n}") for s, n in (("", 8), ("_x64", 64))
-    )
-    assert len(eight) == 26 and len(sixty_four) == 18
-    fits = {name for name, row in eight.items() if row["plan_fits"]}
-    assert set(eight) - fits == {"dp", "dp_whole", "zero1", "zero1_whole", "zero2", "zero2_whole", "tp8_whole"}
-    best = max(fits, key=lambda name: _per_gpu(eight[name]))
-    assert best == "fsdp_whole" and round(_per_gpu(eight[best])) == 8382
-    assert all(0.95 <= eight[name]["compiled_to_analytic_peak_ratio"] <= 1.12 for name in fits)
-    fits = {name for name, row in sixty_four.items() if row["plan_fits"]}
-    best = max(fits, key=lambda name: _per_gpu(sixty_four[name]))
-    assert best == "hsdp_dp8_fsdp8_whole" and round(_per_gpu(sixty_four[best])) == 8250
-    assert "zero2" in fits and "zero1" not in fits and "zero1_whole" not in fits
-
-
-def test_the_committed_long_context_plans_fit_as_docs_mesh_md_states():
-    """The largest sequence that fits per FSDP x CP layout on 8 H100s: 32k, 64k, 128k, 128k (docs/mesh.md)."""
-    rows = _committed("long_context_llama3.1-8b_plan_h100_triton_x8")
-    largest = {}
-    for name, row in rows.items():
-        layout = name.rsplit("_", 1)[0]
-        if row["plan_fits"]:
-            largest[layout] = max(largest.get(layout, 0), row["config.data.seq_len"])
-    assert largest == {"fsdp8_cp1": 32768, "fsdp4_cp2": 65536, "fsdp2_cp4": 131072, "fsdp1_cp8": 131072}

@@ -1,0 +1,181 @@
+"""The docs' tables from the committed rows: `python -m jaxscale.report.docs_tables [--check]`.
+
+A table in a doc sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; TABLES says, for each NAME, the
+doc, the committed rows (and sweep files) it is written from, and the function that writes it. The command
+rewrites every table from its rows; with --check it only compares, and names each table that differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+from collections.abc import Callable, Sequence
+
+from absl import flags
+
+from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
+from jaxscale.report import mesh_tables
+from jaxscale.sweep.results import read_rows
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = "experiments/results"
+EXIT_STALE = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DocTable:
+    """One generated table: where it lives and what it is written from.
+
+    Attributes:
+      name: the NAME of its markers.
+      doc: the doc holding it, relative to the repository.
+      sources: relative paths its function is called with, in order: committed rows (a results.jsonl), or a
+        sweep file with its preset (`experiments/mesh.py:cpu`).
+      render: (the sources' absolute paths) -> the markdown table.
+    """
+
+    name: str
+    doc: str
+    sources: tuple[str, ...]
+    render: Callable[..., str]
+
+
+def _published(rows: pathlib.Path, runs: pathlib.Path) -> str:
+    """The runs' table as `python -m jaxscale.published` writes it: in the runs file's order, its runs only."""
+    from jaxscale import published  # imports JAX: only when this table is written
+
+    order = {run["id"]: n for n, run in enumerate(published.load_runs(runs))}
+    found = sorted((row for row in read_rows(rows) if row.get("variant") in order), key=lambda r: order[r["variant"]])
+    return published.format_table(found)
+
+
+def _sweep(name: str, experiment: str) -> tuple[str, str]:
+    return f"{RESULTS}/{name}/results.jsonl", experiment
+
+
+_LAYOUTS_8 = _sweep("layouts_llama3.1-8b_plan_h100_triton_x8", "experiments/layouts.py:llama3.1-8b")
+_LAYOUTS_64 = _sweep("layouts_x64_llama3.1-8b_plan_h100_triton_x64", "experiments/layouts_x64.py:llama3.1-8b")
+_PUBLISHED = (f"{RESULTS}/published/results.jsonl", "experiments/published_runs.json")
+_LONG = _sweep("long_context_llama3.1-8b_plan_h100_triton_x8", "experiments/long_context.py:llama3.1-8b")
+
+TABLES: tuple[DocTable, ...] = (
+    DocTable("layouts-8xh100", "docs/mesh.md", _LAYOUTS_8, mesh_tables.layouts_table),
+    DocTable("layouts-64xh100", "docs/mesh.md", _LAYOUTS_64, mesh_tables.layouts_table),
+    DocTable("layout-answers", "docs/mesh.md", (*_LAYOUTS_8, *_LAYOUTS_64), mesh_tables.layout_answers_table),
+    DocTable("long-context", "docs/mesh.md", _LONG, mesh_tables.long_context_table),
+    DocTable("long-context-answers", "docs/mesh.md", _LONG, mesh_tables.long_context_answers_table),
+    DocTable("mesh-cpu", "docs/mesh.md", _sweep("mesh_cpu", "experiments/mesh.py:cpu"), mesh_tables.cpu_mesh_table),
+    DocTable("mesh-a5000", "docs/mesh.md", _sweep("mesh_seed_plan_a5000_x8", "experiments/mesh.py:seed"),
+             mesh_tables.gpu_mesh_table),  # fmt: skip
+    DocTable("mesh-h100", "docs/mesh.md", _sweep("mesh_seed_plan_h100_x8", "experiments/mesh.py:seed"),
+             mesh_tables.gpu_mesh_table),  # fmt: skip
+    DocTable("published", "docs/published.md", _PUBLISHED, _published),
+)
+
+
+def _resolve(root: pathlib.Path, source: str) -> str | pathlib.Path:
+    path, colon, preset = source.partition(":")
+    if not (root / path).is_file():
+        raise UsageError(f"{source}: no such file under {root} (a docs table is written from it)")
+    return f"{root / path}:{preset}" if colon else root / path
+
+
+def render(table: DocTable, root: pathlib.Path = REPO) -> str:
+    """The table as its function writes it from the rows under root.
+
+    Raises:
+      UsageError: a source file is missing, or holds no rows.
+    """
+    sources = [_resolve(root, source) for source in table.sources]
+    for source in sources:
+        if isinstance(source, pathlib.Path) and source.suffix == ".jsonl" and not read_rows(source):
+            raise UsageError(f"{source}: holds no rows (the docs table {table.name} is written from it)")
+    return table.render(*sources)
+
+
+def _markers(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- table:{re.escape(name)} -->\n)(.*?)(<!-- /table:{re.escape(name)} -->)", re.DOTALL)
+
+
+def replace_table(text: str, table: DocTable, written: str) -> str:
+    """The doc's text with the table between its markers replaced by `written`.
+
+    Raises:
+      UsageError: the doc does not hold the markers exactly once.
+    """
+    found = _markers(table.name).findall(text)
+    if len(found) != 1:
+        raise UsageError(f"{table.doc}: holds {len(found)} '<!-- table:{table.name} -->' ... "
+                         f"'<!-- /table:{table.name} -->' blocks; it needs exactly one")  # fmt: skip
+    return _markers(table.name).sub(lambda m: f"{m.group(1)}{written}\n{m.group(3)}", text)
+
+
+def updated_docs(root: pathlib.Path = REPO) -> tuple[dict[str, str], list[str]]:
+    """Every doc with its tables written from the rows, and the names of the tables that changed.
+
+    Args:
+      root: the repository whose docs and rows are read.
+
+    Returns:
+      ({doc: its new text}, [names of the tables whose text differs from the doc's]).
+    """
+    texts: dict[str, str] = {}
+    stale = []
+    for table in TABLES:
+        if table.doc not in texts and not (root / table.doc).is_file():
+            raise UsageError(f"--root: {root} has no {table.doc} (the doc of table {table.name})")
+        text = texts[table.doc] if table.doc in texts else (root / table.doc).read_text()
+        texts[table.doc] = replace_table(text, table, render(table, root))
+        if texts[table.doc] != text:
+            stale.append(table.name)
+    return texts, stale
+
+
+USAGE = Usage(
+    command="python -m jaxscale.report.docs_tables [--check]",
+    summary="Writes every table of the docs that sits between <!-- table:NAME --> and <!-- /table:NAME --> markers "
+    "from the committed rows it is built from (jaxscale/report/docs_tables.py, TABLES); --check only compares, "
+    "and exits 1 naming each table that differs.",
+    examples=("python -m jaxscale.report.docs_tables", "python -m jaxscale.report.docs_tables --check"),
+    notes=("Run it after committing new rows (a replanned sweep); tests/report/test_docs_tables.py fails while a "
+           "table is stale. See docs/architecture.md, Docs tables.",),  # fmt: skip
+)
+
+
+def _flag_values() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_bool("check", False, "Only compare the docs with the rows: exit 1 naming each stale table.",
+                      flag_values=fv)  # fmt: skip
+    flags.DEFINE_string("root", str(REPO), "The repository whose docs and committed rows are read.", flag_values=fv)
+    return fv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: exit 0 (tables written, or --check found none stale), 1 (--check: stale), 2 (bad input)."""
+    fv = _flag_values()
+    if wants_help(argv):
+        return print_help(USAGE, fv)
+    try:
+        no_arguments(fv, argv, "the command takes flags only: --check, --root")
+        root = pathlib.Path(fv.root)
+        texts, stale = updated_docs(root)
+    except UsageError as error:
+        return fail(str(error))
+    docs = {table.doc for table in TABLES if table.name in stale}
+    if fv.check:
+        for table in TABLES:
+            if table.name in stale:
+                print(f"{table.doc}: table {table.name} is stale (differs from its rows); "
+                      "run python -m jaxscale.report.docs_tables")  # fmt: skip
+        return EXIT_STALE if stale else 0
+    for doc in sorted(docs):
+        (root / doc).write_text(texts[doc])
+    print(f"docs tables: {len(TABLES)} tables, {len(stale)} rewritten" + (f" ({', '.join(stale)})" if stale else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
