@@ -152,6 +152,16 @@ def zero_stage(config: ml_collections.ConfigDict) -> int:
     return int(config.get("mesh", {}).get("zero_stage", 3))
 
 
+def accumulates_locally(config: ml_collections.ConfigDict) -> bool:
+    """Whether the step accumulates gradients on each device over its minibatches and reduces them once a step
+    (data parallelism and ZeRO-1/2 with several minibatches: the parameters are whole on the devices that split
+    the batch), rather than reducing every minibatch's (one minibatch; ZeRO-3 over fsdp > 1, torchtitan's FSDP2
+    default). The one rule the layout (jaxscale.train.sharding.local_accumulation) and the analytic memory model
+    read."""
+    mesh = mesh_shape(config)
+    return config.train.num_minibatches > 1 and mesh.batch_split > 1 and not (zero_stage(config) == 3 and mesh.fsdp > 1)
+
+
 def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
     """Megatron sequence parallelism: with mesh.tensor > 1, the residual stream split along its sequence too."""
     return bool(config.get("mesh", {}).get("sequence_parallel", False)) and mesh_shape(config).tensor > 1

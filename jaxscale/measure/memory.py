@@ -18,7 +18,14 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxscale.config import finetune
-from jaxscale.config.spec import ModelConfig, mesh_shape, minibatch_per_device, sequence_parallel, zero_stage
+from jaxscale.config.spec import (
+    ModelConfig,
+    accumulates_locally,
+    mesh_shape,
+    minibatch_per_device,
+    sequence_parallel,
+    zero_stage,
+)
 from jaxscale.measure import params
 
 
@@ -434,7 +441,7 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop);
         split like the optimizer state from ZeRO stage 2 on (the step constrains them so: reduce-scatters),
-        whole at stage 1.
+        whole at stage 1, and whole where the step accumulates them on each device (accumulates_locally).
       activations: L × per-layer bytes (layer_activation_bytes) + one recomputed unit + head_residuals,
         for the minibatch's share of this device (/ data·fsdp, and the sequence / context) with
         tensor-parallel terms split (Dims.t), and every term under sequence parallelism (Dims.sp);
@@ -462,11 +469,13 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     # bytes a trained parameter); at ZeRO stage 2 the weights are whole already and only one layer's whole
     # gradient lives before its reduce-scatter (4 bytes). The minibatch's gradients and their accumulator are
     # split from stage 2 on (XLA reduce-scatters each layer's inside the backward loop, as the compiled plans
-    # show), whole at stage 1 (all-reduced).
+    # show), whole at stage 1 (all-reduced). Accumulated on each device (config.accumulates_locally: data parallel
+    # and ZeRO-1/2 with several minibatches) both are whole, reduced once after the last minibatch.
+    local = accumulates_locally(config)
     gather = _gathered_layer_bytes(config) if splits["params"] > 1 else 0
-    if splits["params"] == 1 < splits["grads"]:
+    if splits["params"] == 1 < splits["grads"] and not local:
         gather = _gathered_layer_bytes(config, gradient_only=True)
-    minibatch_grads = _FLOAT32 * trained_param_count(config, splits["grads"])
+    minibatch_grads = _FLOAT32 * trained_param_count(config, 1 if local else splits["grads"])
     accumulator = minibatch_grads if t.num_minibatches > 1 else 0
     row = {
         "analytic_params_bytes": _FLOAT32 * trained + _frozen_itemsize(config) * (n - trained),

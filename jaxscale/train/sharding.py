@@ -33,10 +33,18 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale.config import MESH_AXES, check_mesh_devices, mesh_shape, sequence_parallel, zero_stage
+from jaxscale.config import (
+    MESH_AXES,
+    accumulates_locally,
+    check_mesh_devices,
+    mesh_shape,
+    sequence_parallel,
+    zero_stage,
+)
 from jaxscale.measure.params import removed_axis
 from jaxscale.train.step import (
     Batch,
+    LocalAccumulation,
     TrainState,
     init_metrics,
     make_init_fn,
@@ -167,7 +175,11 @@ class Layout:
       grads: NamedShardings of the trained parameters' gradients and their accumulator: the parameters'
         own layout, except at ZeRO stage 2, where they are split over fsdp (reduce-scattered) while the
         parameters are whole.
-      rules: the logical-to-mesh rules the model's constraints are resolved with (`rules(config)`).
+      rules: the logical-to-mesh rules the model's constraints are resolved with: the parameters' table
+        (`rules(config, params=True)`), so a weight cast for its use keeps the parameter's own layout (below
+        ZeRO stage 3 it is whole on fsdp and used where it lies, never sliced and gathered again).
+      local: how the gradients are accumulated on each device and reduced once a step
+        (`local_accumulation`); None where they are reduced after every minibatch.
     """
 
     mesh: Mesh
@@ -176,6 +188,7 @@ class Layout:
     batch: Any
     grads: Any = None
     rules: tuple = RULES
+    local: LocalAccumulation | None = None
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[None]:
@@ -218,7 +231,32 @@ def make_layout(config: ml_collections.ConfigDict, mesh: Mesh, init_fn: Callable
         params=named(logical_state.params, param_table), frozen=named(logical_state.frozen, param_table)
     )
     grads = named(logical_state.params) if zero_stage(config) == 2 else state.params
-    return Layout(mesh=mesh, state=state, metrics=named(metrics), batch=named(batch), grads=grads, rules=table)
+    return Layout(mesh=mesh, state=state, metrics=named(metrics), batch=named(batch), grads=grads,
+                  rules=param_table, local=local_accumulation(config, mesh, state.params))  # fmt: skip
+
+
+def _without(mapped: str | tuple[str, ...] | None, axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """A rules-table entry (or a PartitionSpec's) with the mesh axes `axes` removed (None if nothing is left)."""
+    kept = tuple(a for a in ((mapped,) if isinstance(mapped, str) else mapped or ()) if a not in axes)
+    return kept or None
+
+
+def local_accumulation(config: ml_collections.ConfigDict, mesh: Mesh, param_shardings: Any) -> LocalAccumulation | None:
+    """How the step accumulates gradients on each device and reduces them once a step, where
+    jaxscale.config.accumulates_locally says it does (data parallelism and ZeRO-1/2 with several minibatches: DDP's
+    `no_sync`, llm.c, Megatron's distributed optimizer); None elsewhere (one minibatch: one reduction a step
+    anyway; ZeRO-3 over fsdp > 1 reduce-scatters every minibatch's gradients, torchtitan's FSDP2 default, since a
+    whole local copy would undo its memory saving)."""
+    if not accumulates_locally(config):
+        return None
+    axes = dict(RULES)["batch"]  # the group axis splits as the batch does; inside a group nothing else may
+    inner = tuple((name, _without(mapped, axes)) for name, mapped in rules(config, params=True))
+
+    def carry_sharding(sharding: NamedSharding) -> NamedSharding:  # [groups, *the parameter's own layout]
+        return NamedSharding(mesh, PartitionSpec(axes, *(_without(entry, axes) for entry in sharding.spec)))
+
+    carry = jax.tree_util.tree_map(carry_sharding, param_shardings)
+    return LocalAccumulation(axes=axes, count=mesh_shape(config).batch_split, rules=inner, carry=carry)
 
 
 def make_step(config: ml_collections.ConfigDict, layout: Layout | None) -> Any:
@@ -227,7 +265,7 @@ def make_step(config: ml_collections.ConfigDict, layout: Layout | None) -> Any:
     layout, and tracing (`.lower`, a first call) inside `layout.activate()`."""
     if layout is None:
         return make_train_step(config)
-    step = functools.partial(train_step, **step_options(config), grad_shardings=layout.grads)
+    step = functools.partial(train_step, **step_options(config), grad_shardings=layout.grads, local=layout.local)
     shardings = (layout.state, layout.metrics, layout.batch)
     jitted = jax.jit(step, in_shardings=shardings, out_shardings=shardings[:2], donate_argnums=(0, 1))
     return MeshStep(jitted, layout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -267,6 +268,46 @@ def accumulate_gradients(
     return grads, metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalAccumulation:
+    """How a mesh step accumulates gradients on each device and reduces them once a step (data parallelism and
+    ZeRO-1/2 with several minibatches; jaxscale.train.sharding.local_accumulation builds it).
+
+    Each minibatch is cut into `count` groups of rows, one per batch-splitting device (the rows that device holds
+    anyway), and the gradient is taken per group under `jax.vmap(..., spmd_axis_name=axes)`: the group axis is
+    split over `axes`, so a device's gradient is its own rows' and no collective runs inside the accumulation.
+    After the last minibatch the groups' gradients are summed: XLA's one all-reduce (or reduce-scatter) a step,
+    as PyTorch DDP's `no_sync`, llm.c and Megatron's distributed optimizer accumulate. Each group draws its
+    dropout masks from the step's key folded with its index (one mask per device, as every DDP rank does), so
+    with dropout the masks differ from the single-device program's; without dropout it is the same function.
+
+    Attributes:
+      axes: the mesh axes the groups are split over (those the batch is split over).
+      count: the number of groups (the product of those axes' sizes).
+      rules: the logical-to-mesh table inside a group (the batch no longer split: the group axis is).
+      carry: NamedShardings of the [count, ...] gradient accumulator (each device one whole copy).
+    """
+
+    axes: tuple[str, ...]
+    count: int
+    rules: tuple
+    carry: Any
+
+
+def _per_group(grad_fn: Callable, local: LocalAccumulation) -> Callable:
+    """`grad_fn` taken per group of rows of its minibatch: gradients and metrics with a leading [count] axis."""
+
+    def grouped(params, minibatch, minibatch_rng):
+        # [B, T] -> [count, B / count, T]: group g holds the rows of the g-th batch-splitting device.
+        groups = jax.tree_util.tree_map(lambda x: x.reshape(local.count, -1, *x.shape[1:]), minibatch)
+        keys = jax.vmap(lambda g: jax.random.fold_in(minibatch_rng, g))(jnp.arange(local.count))
+        with nn.logical_axis_rules(local.rules):
+            grads, metrics = jax.vmap(grad_fn, in_axes=(None, 0, 0), spmd_axis_name=local.axes)(params, groups, keys)
+        return jax.lax.with_sharding_constraint(grads, local.carry), metrics
+
+    return grouped
+
+
 def batch_gradients(
     state: TrainState,
     batch: Batch,
@@ -275,12 +316,15 @@ def batch_gradients(
     accumulate: str,
     grad_shardings: Any = None,
     loss_fn: LossFn = next_token_loss,
+    local: LocalAccumulation | None = None,
 ) -> tuple[Any, Metrics]:
     """Gradients of the mean next-token loss over `batch` (accumulated over its minibatches) and the summed
     metrics: the train step's work before the optimizer.
 
     `grad_shardings` (on a mesh: the parameters' NamedShardings, see jaxscale.train.sharding) pins every
-    minibatch's gradients and their accumulator to the parameters' layout; None off a mesh.
+    minibatch's gradients and their accumulator to the parameters' layout; None off a mesh. With `local` and
+    several minibatches the accumulator holds each device's own gradients instead (LocalAccumulation), reduced
+    to `grad_shardings` once after the last minibatch.
     """
 
     def constrain_grads(grads: Any) -> Any:
@@ -293,9 +337,19 @@ def batch_gradients(
         (_, step_metrics), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(
             params, constrain_batch(minibatch), minibatch_rng
         )
-        return constrain_grads(grads), step_metrics
+        return grads, step_metrics
 
-    return accumulate_gradients(grad_fn, state.params, batch, rng, num_minibatches, accumulate, constrain_grads)
+    if local is None or num_minibatches == 1:
+        constrained = lambda *args: (lambda g, m: (constrain_grads(g), m))(*grad_fn(*args))  # noqa: E731
+        return accumulate_gradients(constrained, state.params, batch, rng, num_minibatches, accumulate, constrain_grads)
+    carry = lambda grads: jax.lax.with_sharding_constraint(grads, local.carry)  # noqa: E731
+    grads, metrics = accumulate_gradients(
+        _per_group(grad_fn, local), state.params, batch, rng, num_minibatches, accumulate, carry
+    )
+    with jax.named_scope("reduce_gradients"):  # the step's one sum over the devices that split the batch
+        # each group's gradient is of its own rows' mean loss: the batch's is their mean (equal groups)
+        grads = constrain_grads(jax.tree_util.tree_map(lambda g: g.sum(0) / local.count, grads))
+    return grads, jax.tree_util.tree_map(lambda m: m.sum(0), metrics)
 
 
 def train_step(
@@ -306,15 +360,16 @@ def train_step(
     accumulate: str,
     grad_shardings: Any = None,
     loss_fn: LossFn = next_token_loss,
+    local: LocalAccumulation | None = None,
 ):
     """One optimizer step over `batch`; metrics are added to the running sums (no host sync).
 
-    `grad_shardings`, `loss_fn`: see batch_gradients (None off a mesh; the whole-logits loss).
+    `grad_shardings`, `loss_fn`, `local`: see batch_gradients (None off a mesh; the whole-logits loss).
     """
     rng, step_rng = jax.random.split(state.rng)
     with jax.named_scope("accumulate"):
         grads, step_metrics = batch_gradients(
-            state, batch, step_rng, num_minibatches, accumulate, grad_shardings, loss_fn
+            state, batch, step_rng, num_minibatches, accumulate, grad_shardings, loss_fn, local
         )
     with jax.named_scope("optimizer"):
         state = state.apply_gradients(grads=grads, rng=rng)

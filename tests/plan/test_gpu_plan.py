@@ -312,6 +312,73 @@ def test_zero_stages_1_and_2_on_2_target_gpus_compile_their_collectives(stage):
     assert row["compiled_collective_all_gather_bytes"] >= 4 * half  # at least the updated half, gathered
 
 
+def _layout_plan(mesh: dict, minibatches: int) -> dict:
+    """tiny-llama's whole step planned on 2 deviceless H100s (batch 16) with `mesh` and `minibatches`, its output
+    head apart from the token table (tied, with one minibatch XLA reduces the table's two gradient terms apart:
+    one table's bytes more, whatever the layout)."""
+    config = load_config("bf16_remat", "tiny-llama")
+    overrides = {**mesh, "train.num_minibatches": minibatches, "data.batch_size": 16, "model.tie_embeddings": False}
+    apply_overrides(config, overrides, "bf16_remat")
+    validate(config)
+    return gpu_plan.plan_for_target(config, "h100", gemm="triton", devices=2, in_process=True)
+
+
+def _reduced(row: dict) -> int:
+    """The bytes a planned step reduces over devices: its all-reduces' and reduce-scatters'."""
+    return row["compiled_collective_all_reduce_bytes"] + row["compiled_collective_reduce_scatter_bytes"]
+
+
+def _float32_params_bytes() -> int:
+    """tiny-llama's float32 parameters with an untied head, counted by hand (tests/train/test_sharding.py)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "train"))
+    from test_sharding import hand_count_per_device
+
+    model = load_config("bf16_remat", "tiny-llama").model
+    model.tie_embeddings = False
+    return 4 * hand_count_per_device(model, 1, 1)
+
+
+@needs_extra
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_1_and_2_gather_each_parameter_once_a_step(stage):
+    """Below ZeRO-3 the parameters are whole on every device: the step all-gathers only the updated shards,
+    once, after the optimizer (each device gathers the other's half: the parameters' bytes in the HLO's
+    result shapes), never a weight at its use. Bounded on both sides: at least every parameter, at most the
+    parameters once (plus a few bytes of integer bookkeeping). Failed before the weight's cast was constrained by
+    the parameters' own rules (2.34x the parameters, gathered again at every use)."""
+    params = _float32_params_bytes()
+    for minibatches in (1, 2):
+        row = _layout_plan({"mesh.fsdp": 2, "mesh.zero_stage": stage}, minibatches)
+        gathered = row["compiled_collective_all_gather_bytes"]
+        assert params <= gathered <= params + 4096, (minibatches, gathered, params)
+
+
+@needs_extra
+@pytest.mark.parametrize(
+    "mesh", [{"mesh.data": 2}, {"mesh.fsdp": 2, "mesh.zero_stage": 1}, {"mesh.fsdp": 2, "mesh.zero_stage": 2}]
+)
+def test_data_parallel_and_zero_1_2_reduce_gradients_once_a_step(mesh):
+    """Data parallelism and ZeRO-1/2 accumulate the minibatches' gradients on each device and reduce them once a
+    step (DDP's no_sync, llm.c, Megatron's distributed optimizer): the compiled step's reduction bytes (all-reduce
+    plus reduce-scatter) are the same with 4 minibatches as with 1, and about the float32 parameters once. Failed
+    before: every minibatch's gradients were reduced inside the accumulation loop (3.78x the bytes at 4)."""
+    params = _float32_params_bytes()
+    one, four = (_reduced(_layout_plan(mesh, minibatches)) for minibatches in (1, 4))
+    assert params <= four <= params + 4096 and abs(four - one) <= 4096, (one, four, params)
+
+
+@needs_extra
+def test_zero_3_reduces_every_minibatch():
+    """ZeRO-3 keeps the per-minibatch reduce-scatter (torchtitan's FSDP2 default: a whole local gradient copy would
+    undo its memory saving): with 4 minibatches it reduces at least 3.5x the bytes of 1 (4x the gradients, less
+    what XLA moves out of the loop), and with 1 about the float32 parameters."""
+    params = _float32_params_bytes()
+    one, four = (_reduced(_layout_plan({"mesh.fsdp": 2}, minibatches)) for minibatches in (1, 4))
+    assert one == pytest.approx(params, rel=0.02) and four >= 3.5 * one, (one, four, params)
+
+
 @needs_extra
 def test_sequence_parallelism_on_2_target_gpus_trades_all_reduces_for_gathers_and_scatters():
     """Megatron sequence parallelism with tensor parallelism over 2 deviceless H100s: the blocks' all-reduces
