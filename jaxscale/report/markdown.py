@@ -28,10 +28,18 @@ from jaxscale.report.plots import (
     plot_vs_baseline,
     reads_input,
     share_columns,
+    speed_vs_baseline,
     throughput,
-    throughput_vs_baseline,
     variant_labels,
     with_peak,
+)
+from jaxscale.report.predicted import (
+    budgets,
+    is_plan,
+    predicted_step,
+    predicted_throughput,
+    prediction_label,
+    targets,
 )
 from jaxscale.sweep.results import RESULTS_FILE, load_results, mesh_of
 
@@ -52,6 +60,8 @@ __all__ = [
 ]
 
 REPORT_FILE = "report.md"
+# PNG text chunks: matplotlib writes its version as "Software"; none, so a regenerated figure has the same bytes.
+PNG_METADATA = {"Software": None}
 WALL_TOKENS = "tokens/s (wall, input wait included)"
 
 # What each figure shows, written under it in report.md (the notebook says the same in its markdown cells).
@@ -80,25 +90,59 @@ INPUT_CAPTIONS = {
 }
 
 
+# Where nothing ran (a plan for a target GPU), times are jaxscale.plan.predict's and peaks XLA's plan for the target.
+PLAN_CAPTIONS = {
+    "time_vs_memory": "Predicted step time (jaxscale.plan.predict) against XLA's planned peak memory on the target "
+    "GPU: a plan, nothing ran there. Down and left is better; the ringed points joined by the line are the Pareto "
+    "front of the predictions.",
+    "tokens_per_s": "Predicted tokens per second on the target GPU (tokens per step / predicted step time), a plan, "
+    "not a measurement; longer is faster. Failed variants show their status instead of a bar.",
+    "vs_baseline": "Predicted throughput and planned peak memory relative to the sweep's baseline variant (1.0 = the "
+    "same).",
+}
+# Where measured rows carry a prediction too, both are drawn.
+PREDICTED_CAPTIONS = {
+    "time_vs_memory": CAPTIONS["time_vs_memory"] + " A hollow diamond joined by a dotted line is the same variant's "
+    "predicted step time (jaxscale.plan.predict).",
+    "tokens_per_s": CAPTIONS["tokens_per_s"] + " The dotted bar under each is the predicted tokens/s "
+    "(jaxscale.plan.predict).",
+}
+BUDGET_CAPTION = (
+    " The dashed vertical line is the memory budget per device (the run's, the fit planner's, or for a plan what "
+    "JAX's allocator gives the program on the target GPU: jaxscale/plan/budget.py)."
+)
+
+
 def captions(frame: pd.DataFrame) -> dict[str, str]:
-    """What each figure shows, as written under it in report.md (wall-time wording where input was waited for)."""
-    return {**CAPTIONS, **INPUT_CAPTIONS} if reads_input(frame) else dict(CAPTIONS)
+    """What each figure shows, as written under it in report.md: wall-time wording where input was waited for,
+    predictions named where the rows are a plan (or carry one beside what they measured), the budget where known."""
+    found = {**CAPTIONS, **INPUT_CAPTIONS} if reads_input(frame) else dict(CAPTIONS)
+    if is_plan(frame):
+        found.update(PLAN_CAPTIONS)
+    elif predicted_step(frame).notna().any():
+        found.update(PREDICTED_CAPTIONS)
+    if budgets(frame):
+        found["time_vs_memory"] += BUDGET_CAPTION
+        found["memory_breakdown"] += BUDGET_CAPTION
+    return found
 
 
 # Predicted step time (jaxscale.plan.predict) beside what it predicts, where rows have them.
 PREDICTED_COLUMNS = {
     "predicted_step_s": "predicted step s",
+    "predicted_tokens_per_s": "predicted tokens/s",
     "predicted_over_measured": "predicted / measured",
     "notebook_step_s": "notebook step s",
     "predicted_over_notebook": "predicted / notebook",
 }
 
 
-def _ratio_text(value: float | None, faster: bool) -> str:
+def _ratio_text(value: float | None, faster: bool, predicted: bool = False) -> str:
     if value is None or pd.isna(value):
         return "-"
     if faster:
-        return f"{value:.2f}x faster" if value >= 1 else f"{1 / value:.2f}x slower"
+        text = f"{value:.2f}x faster" if value >= 1 else f"{1 / value:.2f}x slower"
+        return f"{text} (predicted)" if predicted else text
     return f"{value:.2f}x memory"
 
 
@@ -115,6 +159,8 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
       and step by kind (where any), and the change against the baseline variant; the error of failures.
       Where the sweep has input waits (plots.reads_input), the input wait, step + wait, the wait share and
       tokens/s in wall time take the place of tokens/s, and the change against the baseline is in wall time.
+      A plan (nothing ran: predicted.is_plan) leaves out the measured step and tokens/s, says whether each
+      variant fits its target, and compares predicted throughput with the baseline's, saying so.
     """
     frame = with_peak(frame)
     divisor, unit = memory_unit(frame["best_peak_bytes"])
@@ -139,6 +185,10 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
         for position, (header, column) in enumerate(wait.items(), start=3):
             table.insert(position, header, pd.to_numeric(frame.get(column), errors="coerce"))
         table.insert(6, WALL_TOKENS, throughput(frame)[0])
+    if is_plan(frame):  # nothing was measured: the predicted columns below take their place
+        table = table.drop(columns=["step s (median)", "tokens/s"])
+        fits = frame.get("plan_fits", pd.Series([None] * len(frame), index=frame.index))
+        table.insert(2, "fits", [{True: "yes", False: "no"}.get(value, "-") for value in fits])
     if ANALYTIC_PEAK in frame:
         table[f"analytic peak {unit}"] = pd.to_numeric(frame[ANALYTIC_PEAK], errors="coerce") / divisor
     for column, header in PREDICTED_COLUMNS.items():
@@ -153,7 +203,8 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
             table[f"{kind.replace('_', '-')} MiB"] = pd.to_numeric(column, errors="coerce") / 2**20
         table["collective MiB"] = pd.to_numeric(frame["compiled_collective_bytes"], errors="coerce") / 2**20
     is_baseline = frame["variant"] == frame["baseline"]
-    speed = [_ratio_text(v, True) for v in throughput_vs_baseline(frame)]
+    ratios, predicted = speed_vs_baseline(frame)
+    speed = [_ratio_text(v, True, p) for v, p in zip(ratios, predicted, strict=True)]
     memory = [_ratio_text(v, False) for v in frame["peak_vs_baseline"]]
     table["vs baseline"] = [
         "baseline" if base else ", ".join(t for t in (s, m) if t != "-") or "-"
@@ -168,6 +219,7 @@ def _markdown_cell(value: object, column: str) -> str:
         return "-"
     if isinstance(value, float):
         spec = {"step s (median)": ".4f", "tokens/s": ",.0f", "compile s": ".1f", "predicted step s": ".4f",
+                "predicted tokens/s": ",.0f",
                 WALL_TOKENS: ",.0f", "input wait s (median)": ".4f", "step + wait s (median)": ".4f",
                 "wait share": ".0%"}.get(column, ".3f")  # fmt: skip
         return format(value, spec)
@@ -192,6 +244,16 @@ def notes(frame: pd.DataFrame) -> list[str]:
             "wait for each batch included (step + wait s, tokens_per_s_with_input_wait), and so are the ratios "
             "against the baseline; tokens_per_s, the compiled step alone, is in the results file."
         )
+    if is_plan(frame):
+        found.append(
+            f"Plan, not measured: no step ran. Step times and tokens/s are predicted by jaxscale.plan.predict "
+            f"(predicted_step_s, predicted_tokens_per_s) and peaks are XLA's plan (compiled_peak_bytes), "
+            f"for {targets(frame)}; fits is the plan's own verdict (plan_fits, jaxscale.plan.gpu_plan)."
+        )
+    elif predicted_throughput(frame).notna().any():
+        found.append(f"Predicted beside measured: predicted_step_s and predicted_tokens_per_s are "
+                     f"{prediction_label(frame)}, drawn beside the measured values.")  # fmt: skip
+    found += [f"Memory budget per device: {size / 2**30:.2f} GiB, {source}." for size, source in budgets(frame)]
     sources = sorted({s for s in frame["best_peak_source"].dropna()})
     if sources:
         found.append(f"Peak memory source: {', '.join(sources)} (the device allocator's peak where the backend "
@@ -238,7 +300,7 @@ def write_report(results: str | os.PathLike, output_dir: str | os.PathLike | Non
     lines += [to_markdown(summary_table(frame)), ""]
     lines += [f"- {note}" for note in notes(frame)] + [""]
     for name, figure in figures(frame).items():
-        figure.savefig(output_dir / f"{name}.png", dpi=110)
+        figure.savefig(output_dir / f"{name}.png", dpi=110, metadata=PNG_METADATA)
         lines += [f"## {name.replace('_', ' ')}", "", f"![{name}]({name}.png)", "", captions(frame)[name], ""]
     path = output_dir / REPORT_FILE
     path.write_text("\n".join(lines))

@@ -7,13 +7,27 @@ the results lack (older rows, or a measurement this backend cannot make) is name
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pandas as pd
 from matplotlib import ticker
 from matplotlib.axes import Axes
+from matplotlib.axis import Axis
 from matplotlib.figure import Figure
 
-from jaxscale.sweep.results import best_peak
+from jaxscale.report.predicted import (
+    does_not_fit,
+    draw_budgets,
+    is_plan,
+    measured_devices,
+    planned_label,
+    predicted_step,
+    predicted_throughput,
+    predicted_vs_baseline,
+    prediction_label,
+)
+from jaxscale.sweep.results import best_peak, mesh_of
 
 GIB = 2**30
 # The analytic memory model's parts (bytes), in stacking order, and its peak.
@@ -81,6 +95,14 @@ def throughput_vs_baseline(frame: pd.DataFrame) -> pd.Series:
     return values / pd.Series(base, index=frame.index, dtype=float)
 
 
+def speed_vs_baseline(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """(each row's throughput over its baseline's, whether that ratio is predicted): the measured ratio
+    (throughput_vs_baseline), else, for a row with nothing measured, the predicted one (predicted_vs_baseline)."""
+    measured = throughput_vs_baseline(frame)
+    predicted = predicted_vs_baseline(frame).where(measured.isna())
+    return measured.fillna(predicted), predicted.notna()
+
+
 def variant_labels(frame: pd.DataFrame) -> pd.Series:
     """Variant names, prefixed by the sweep ("sweep/variant") when the frame holds more than one sweep."""
     names = frame["variant"].fillna(frame.get("name", pd.Series(index=frame.index, dtype=object)))
@@ -104,6 +126,11 @@ def with_peak(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _missing(value: object) -> bool:
     return value is None or (isinstance(value, float) and np.isnan(value))
+
+
+def per_device(frame: pd.DataFrame) -> str:
+    """The words ' per device' where a row ran or was planned on a mesh (its memory columns are per device), else ''."""
+    return " per device" if any(mesh_of(row) != "1x1x1" for row in frame.to_dict("records")) else ""
 
 
 def memory_unit(values: pd.Series) -> tuple[int, str]:
@@ -133,8 +160,18 @@ def _note(ax: Axes, text: str) -> None:
 
 
 def _failed_note(frame: pd.DataFrame, labels: pd.Series, shown: pd.Index) -> str | None:
-    left_out = [f"{labels[i]} ({frame.at[i, 'status']})" for i in frame.index if i not in shown]
+    left_out = [f"{labels[i]} ({_missing_text(frame, i, 'no step time')})" for i in frame.index if i not in shown]
     return f"not plotted: {', '.join(left_out)}" if left_out else None
+
+
+def _missing_text(frame: pd.DataFrame, i: object, what: str) -> str:
+    """Why row i has no value to draw: its status where it failed, else `what` ("no step time")."""
+    status = frame.at[i, "status"]
+    return what if status == "ok" else str(status)
+
+
+def _fit_suffix(frame: pd.DataFrame, i: object) -> str:
+    return " (does not fit)" if does_not_fit(frame)[i] else ""
 
 
 def _sweep_colors(frame: pd.DataFrame) -> dict[str, str]:
@@ -151,8 +188,24 @@ def _empty(title: str, message: str) -> Figure:
     return figure
 
 
+def step_times(frame: pd.DataFrame) -> tuple[pd.Series, str, pd.Series | None, str]:
+    """(the step times plotted, their label, predicted ones shown beside them or None, what those are).
+
+    Measured (step_time) where any ok row measured one, the predicted beside them where rows have both; for a
+    sweep where nothing ran (a plan), the predicted step times themselves, labelled as predictions."""
+    measured, label = step_time(frame)
+    measured, predicted = measured.where(frame["status"] == "ok"), predicted_step(frame)
+    if measured.notna().any() or predicted.isna().all():
+        return measured, label, (predicted if predicted.notna().any() else None), prediction_label(frame)
+    return predicted, "predicted step time (s)", None, prediction_label(frame)
+
+
 def plot_time_vs_memory(frame: pd.DataFrame) -> Figure:
     """Median step time against peak memory, one point per successful variant, Pareto front marked.
+
+    Where rows carry a predicted step (jaxscale.plan.predict) beside the measured one, it is drawn as a hollow
+    diamond above or below the measured point; a plan (nothing measured) plots its predicted step time. The
+    memory budget (predicted.row_budget) is a vertical line where the rows have one.
 
     Args:
       frame: rows from load_results (one or more sweeps; the front is drawn per sweep).
@@ -161,35 +214,46 @@ def plot_time_vs_memory(frame: pd.DataFrame) -> Figure:
       The figure; the x axis names the peak-memory source(s), failed variants are listed in a note.
     """
     frame, labels = with_peak(frame), variant_labels(frame)
-    step_s, step_label = step_time(frame)
-    data = frame[(frame["status"] == "ok") & step_s.notna() & frame["best_peak_bytes"].notna()]
+    step_s, step_label, beside, predicted_what = step_times(frame)
+    data = frame[step_s.notna() & frame["best_peak_bytes"].notna()]
     title = "Wall time per step (input wait included) against peak memory" if reads_input(frame) else \
         "Step time against peak memory"  # fmt: skip
+    if beside is None and step_label.startswith("predicted"):
+        title = f"Step time against peak memory, {predicted_what}"
     if data.empty:
-        return _empty(title, "no successful variant with both a step time and a peak memory to plot")
+        return _empty(title, "no successful variant with both a step time (measured or predicted) and a peak "
+                             "memory to plot")  # fmt: skip
     figure = Figure(figsize=(8, 5.5), layout="constrained")
     ax = figure.add_subplot()
     colors, markers = _sweep_colors(frame), dict(zip(sorted(data["best_peak_source"].unique()), "osD^v", strict=False))
     divisor, unit = memory_unit(data["best_peak_bytes"])
+    shown = [step_s[data.index]]
     for sweep, group in data.groupby(data["sweep"].astype(str), sort=False):
         memory, seconds = group["best_peak_bytes"] / divisor, step_s[group.index]
         for source, marker in markers.items():
             mine = group["best_peak_source"] == source
             ax.scatter(memory[mine], seconds[mine], color=colors[sweep], marker=marker, zorder=3,
                        label=f"{sweep} ({source})")  # fmt: skip
+        if beside is not None:
+            shown.append(_draw_beside(ax, memory, seconds, beside[group.index], colors[sweep],
+                                      f"{sweep}: {predicted_what}"))  # fmt: skip
         front = pareto_front(seconds, memory)
         order = memory[front].sort_values().index
         ax.plot(memory[order], seconds[order], color=colors[sweep], lw=1, ls="--", drawstyle="steps-post")
         ax.scatter(memory[front], seconds[front], s=160, facecolors="none", edgecolors=colors[sweep], zorder=2)
-        _annotate_without_overlap(ax, memory, seconds, labels[group.index])
-    if memory_span(data["best_peak_bytes"]) > 4 or step_s[data.index].max() > 4 * step_s[data.index].min():
+        names = pd.Series({i: labels[i] + _fit_suffix(frame, i) for i in group.index})
+        _annotate_without_overlap(ax, memory, seconds, names)
+    budgets = draw_budgets(ax, data, divisor, unit)
+    seconds = pd.concat(shown).dropna()
+    span = memory_span(pd.concat([data["best_peak_bytes"] / divisor, pd.Series(budgets, dtype=float)]))
+    if span > 4 or seconds.max() > 4 * seconds.min():
         ax.set_xscale("log")  # clustered variants beside an outlier (e.g. a 4x batch) stay readable
         ax.set_yscale("log")
-        for axis in (ax.xaxis, ax.yaxis):  # plain numbers, not 6x10^0
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers, not 6x10^0; minor ticks as _minor_label
             axis.set_major_formatter(ticker.StrMethodFormatter("{x:g}"))
-            axis.set_minor_formatter(ticker.StrMethodFormatter("{x:g}"))
+            axis.set_minor_formatter(ticker.FuncFormatter(_minor_label(axis)))
     ax.scatter([], [], s=160, facecolors="none", edgecolors="k", label="Pareto front (ringed, dashed)")
-    ax.set_xlabel(f"peak memory ({unit}; source: {', '.join(markers)})")
+    ax.set_xlabel(f"peak memory ({unit}{per_device(data)}; source: {', '.join(markers)})")
     ax.set_ylabel(step_label)
     figure.suptitle(title)
     ax.margins(0.15)
@@ -199,6 +263,27 @@ def plot_time_vs_memory(frame: pd.DataFrame) -> Figure:
     if note:
         _note(ax, note)
     return figure
+
+
+def _draw_beside(ax: Axes, memory: pd.Series, seconds: pd.Series, predicted: pd.Series, color: str, what: str
+                 ) -> pd.Series:  # fmt: skip
+    """The predicted step of each measured point: a hollow diamond at the same memory, joined by a dotted line."""
+    mine = predicted.notna()
+    ax.scatter(memory[mine], predicted[mine], marker="D", facecolors="none", edgecolors=color, zorder=3, label=what)
+    for i in predicted[mine].index:
+        ax.plot([memory[i]] * 2, [seconds[i], predicted[i]], color=color, lw=0.8, ls=":", zorder=1)
+    return predicted[mine]
+
+
+def _minor_label(axis: Axis) -> Callable[[float, int], str]:
+    """A log axis' minor tick labels: every one where the axis spans at most 4x, else 2 and 5 times a power of ten
+    only ("20", "0.5"), so a wide axis is not crowded and a narrow one still has numbers."""
+
+    def label(x: float, _: int) -> str:
+        low, high = sorted(axis.get_view_interval())
+        return f"{x:g}" if high <= 4 * low or f"{x:.1e}"[:3] in ("2.0", "5.0") else ""
+
+    return label
 
 
 def memory_span(values: pd.Series) -> float:
@@ -217,34 +302,73 @@ def _annotate_without_overlap(ax: Axes, xs: pd.Series, ys: pd.Series, labels: pd
         ax.annotate(labels[i], (xs[i], ys[i]), xytext=(6, 4 - 10 * near), textcoords="offset points", fontsize=8)
 
 
-def _barh_by_variant(ax: Axes, frame: pd.DataFrame, values: pd.Series, labels: pd.Series, fmt: str) -> None:
-    """Horizontal bars, first variant on top; a missing value shows the row's status instead of a bar."""
+# How a predicted value's bar differs from a measured one's.
+PREDICTED_BAR = {"alpha": 0.55, "hatch": ".."}
+
+
+def _barh_by_variant(ax: Axes, frame: pd.DataFrame, series: list[tuple[pd.Series, dict]], labels: pd.Series,
+                     fmt: str) -> None:  # fmt: skip
+    """Horizontal bars, first variant on top, one per (values, bar style) of `series` that the row has, side by
+    side; a row with none shows its status instead (where it is ok: "nothing measured or predicted"). The
+    baseline is hatched //."""
     colors = _sweep_colors(frame)
     positions = np.arange(len(frame))[::-1]
+    present = pd.concat([values.notna() for values, _ in series], axis=1).sum(axis=1)
+    height = 0.8 / max(1, int(present.max()))
     for y, i in zip(positions, frame.index, strict=True):
-        value = values[i]
-        if pd.isna(value):
-            ax.text(0, y, f" {frame.at[i, 'status']}", va="center", fontsize=8, color="#7a2020")
-            continue
+        drawn = [(values[i], style) for values, style in series if not pd.isna(values[i])]
+        if not drawn:
+            missing = _missing_text(frame, i, "nothing measured or predicted")
+            ax.text(0, y, f" {missing}", va="center", fontsize=8, color="#7a2020")
         baseline = frame.at[i, "variant"] == frame.at[i, "baseline"]
-        ax.barh(y, value, color=colors[str(frame.at[i, "sweep"])], hatch="//" if baseline else None)
-        ax.text(value, y, " " + format(value, fmt), va="center", fontsize=8)
+        for k, (value, style) in enumerate(drawn):
+            center, style = y + 0.4 - height * (k + 0.5), dict(style)
+            style["hatch"] = (style.get("hatch") or "") + ("//" if baseline else "") or None
+            ax.barh(center, value, height=height, color=colors[str(frame.at[i, "sweep"])], **style)
+            ax.text(value, center, " " + format(value, fmt), va="center", fontsize=8)
     ax.set_yticks(positions, [f"{labels[i]}{' (baseline)' if frame.at[i, 'variant'] == frame.at[i, 'baseline'] else ''}"
-                              for i in frame.index])  # fmt: skip
+                              f"{_fit_suffix(frame, i)}" for i in frame.index])  # fmt: skip
     ax.margins(x=0.2)
+    ax.update_datalim([(0.0, float(y)) for y in positions])  # a status drawn at 0 stays inside, bars or none
     ax.grid(axis="x", alpha=0.3)
+    handles, names = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(dict(zip(names, handles, strict=True)).values(), dict.fromkeys(names), fontsize=8, loc="best")
 
 
 def plot_tokens_per_s(frame: pd.DataFrame) -> Figure:
     """Tokens per second per variant (from the median step, or in wall time with the input wait where the sweep
-    has input waits, as `throughput`); failures show their status instead of a bar."""
+    has input waits, as `throughput`); failures show their status instead of a bar.
+
+    Rows with a predicted tokens/s (jaxscale.plan.predict) beside the measured get a dotted bar under it; a plan
+    (nothing measured) draws its predicted tokens/s, and the axis names the target GPU, not the planning machine.
+    """
+    measured, what = throughput(frame)
+    predicted, predicted_what = predicted_throughput(frame), prediction_label(frame)
+    devices = measured_devices(frame)
+    title = "Throughput per variant" + (", input wait included" if reads_input(frame) else "")
+    if measured.isna().all() and predicted.isna().all():
+        rows = ", ".join(f"{n} {s}" for s, n in frame["status"].value_counts().items())
+        return _empty(title, f"no tokens/s to plot: no row measured one (tokens_per_s) or has a predicted one "
+                             f"(predicted_tokens_per_s); rows: {rows}")  # fmt: skip
     figure = Figure(figsize=(8, 1.2 + 0.45 * len(frame)), layout="constrained")
     ax = figure.add_subplot()
-    values, what = throughput(frame)
-    _barh_by_variant(ax, frame, values, variant_labels(frame), ",.0f")
-    devices = ", ".join(str(d) for d in frame.get("device_kind", pd.Series(dtype=object)).dropna().unique())
-    ax.set_xlabel(f"{what}{'; device: ' + devices if devices else ''}", wrap=True)
-    ax.set_title("Throughput per variant" + (", input wait included" if reads_input(frame) else ""))
+    if measured.notna().any() or predicted.isna().all():  # measured, with any predictions beside
+        on = f"measured on {devices}" if devices else "measured"
+        series = [(measured, {"label": on} if predicted.notna().any() else {})]
+        if predicted.notna().any():
+            series.append((predicted, {**PREDICTED_BAR, "label": predicted_what}))
+            what = f"{what}; solid: {on}, dotted: {predicted_what}"
+        elif devices:
+            what = f"{what}; device: {devices}"
+    else:  # a plan: what the model predicts for the target
+        series = [(predicted, PREDICTED_BAR)]
+        what = f"predicted tokens/s (tokens per step / predicted step time); {predicted_what}"
+        title = "Predicted throughput per variant"
+    _barh_by_variant(ax, frame, series, variant_labels(frame), ",.0f")
+    ax.xaxis.set_major_formatter(ticker.StrMethodFormatter("{x:,.0f}"))  # 2,000,000, not 2.0 and 1e6 aside
+    ax.set_xlabel(what, wrap=True)
+    ax.set_title(title)
     return figure
 
 
@@ -314,7 +438,8 @@ def plot_memory_breakdown(frame: pd.DataFrame) -> Figure:
     """Per variant: the analytic parts (params, grads, optimizer, activations) beside XLA's compiled plan.
 
     Analytic columns the results lack are named in the figure; the compiled plan is drawn alone then.
-    The device allocator's peak is marked (x) where the backend measured one.
+    The device allocator's peak is marked (x) where the backend measured one, and the memory budget
+    (predicted.row_budget: the run's, the fit planner's, or a plan's target's) is a vertical line.
     """
     compiled_peak = pd.to_numeric(frame["compiled_peak_bytes"], errors="coerce")
     data, labels = frame[compiled_peak.notna()], variant_labels(frame)
@@ -328,10 +453,17 @@ def plot_memory_breakdown(frame: pd.DataFrame) -> Figure:
     positions = np.arange(len(data))[::-1] * 2.5
     for y, i in zip(positions, data.index, strict=True):
         _memory_bars(ax, y, data.loc[i], divisor, analytic)
-    ax.set_yticks(positions, [f"{labels[i]}\n({data.at[i, 'status']})" for i in data.index], fontsize=8)
+    unfit = does_not_fit(data)
+    ax.set_yticks(positions, [f"{labels[i]}\n({data.at[i, 'status']}{', does not fit' if unfit[i] else ''})"
+                              for i in data.index], fontsize=8)  # fmt: skip
+    draw_budgets(ax, data, divisor, unit, {i: (y - 1.1, y + 1.1) for y, i in zip(positions, data.index, strict=True)})
+    ax.set_xlim(left=0)
     backends = ", ".join(str(b) for b in data.get("compiled_backend", pd.Series(dtype=object)).dropna().unique())
     bars = "upper bar: analytic; lower bar: " if analytic else ""
-    ax.set_xlabel(f"{unit} ({bars}XLA's compiled plan, backend {backends or 'unknown'})")
+    planned = planned_label(data)
+    planned = f"; {planned}" if planned else ""
+    what = f"{bars}XLA's compiled plan, backend {backends or 'unknown'}{planned}"
+    ax.set_xlabel(f"{unit}{per_device(data)} ({what})", wrap=True)
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles, strict=True))
     ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -347,6 +479,9 @@ def plot_op_shares(frame: pd.DataFrame) -> Figure:
     """The trace analysis' op-category shares (trace_<category>_share) as a variant x category grid (percent)."""
     columns, labels = share_columns(frame), variant_labels(frame)
     title = "Share of op time by category (trace analysis)"
+    if not columns and is_plan(frame):
+        return _empty(title, "a plan runs no step, so there is no trace to analyse (trace_*_share): the op time "
+                             "by category comes from profiling a run on the device")  # fmt: skip
     if not columns:
         return _empty(title, "no trace_*_share columns in these results: they come from the trace analysis "
                              "of each variant's profiled steps")  # fmt: skip
@@ -370,17 +505,28 @@ def plot_vs_baseline(frame: pd.DataFrame) -> Figure:
     """Speed-up (throughput ratio) and peak-memory ratio of each variant against its sweep's baseline."""
     labels = variant_labels(frame)
     baselines = ", ".join(str(b) for b in frame["baseline"].dropna().unique()) or "none named"
+    speed, predicted = speed_vs_baseline(frame)
+    memory = pd.to_numeric(frame["peak_vs_baseline"], errors="coerce")
+    if speed.isna().all() and memory.isna().all():
+        base = frame[frame["variant"] == frame["baseline"]]
+        status = ", ".join(f"{v}: {s}" for v, s in zip(base["variant"], base["status"], strict=True)) or "no such row"
+        return _empty(f"Against the baseline ({baselines})", f"no ratios to draw: the baseline has neither a "
+                      f"throughput nor a peak to compare with ({status})")  # fmt: skip
     figure = Figure(figsize=(11, 1.4 + 0.45 * len(frame)), layout="constrained")
     speed_ax, memory_ax = figure.subplots(1, 2, sharey=True)
-    speed = throughput_vs_baseline(frame)
-    memory = pd.to_numeric(frame["peak_vs_baseline"], errors="coerce")
-    _barh_by_variant(speed_ax, frame, speed, labels, ".2f")
-    _barh_by_variant(memory_ax, frame, memory, labels, ".2f")
+    _barh_by_variant(speed_ax, frame, [(speed.where(~predicted), {}), (speed.where(predicted), PREDICTED_BAR)], labels,
+                     ".2f")  # fmt: skip
+    _barh_by_variant(memory_ax, frame, [(memory, {})], labels, ".2f")
     speed_text = "wall-time throughput (input wait included)" if reads_input(frame) else "throughput"
-    axes = {speed_ax: f"{speed_text} / baseline's (>1: faster)", memory_ax: "peak memory / baseline's (<1: smaller)"}
+    speed_text = f"{speed_text} / baseline's (>1: faster)"
+    if predicted.any() and not (speed.notna() & ~predicted).any():  # nothing measured: all predicted
+        speed_text = f"predicted throughput / baseline's (>1: faster)\n{prediction_label(frame)}"
+    elif predicted.any():
+        speed_text += f"\ndotted: {prediction_label(frame[predicted])}"
+    axes = {speed_ax: speed_text, memory_ax: "peak memory / baseline's (<1: smaller)"}
     for ax, what in axes.items():
         ax.axvline(1.0, color="k", lw=1)
-        ax.set_xlabel(what)
+        ax.set_xlabel(what, wrap=True)
     sources = ", ".join(str(s) for s in frame.get("best_peak_source", pd.Series(dtype=object)).dropna().unique())
     memory_ax.set_title(f"peak source: {sources or 'none'}", fontsize=9)
     figure.suptitle(f"Against the baseline ({baselines})")

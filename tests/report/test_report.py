@@ -235,3 +235,146 @@ def test_older_synthetic_rows_without_the_wall_time_keep_their_step(input_frame)
     older.loc[older["variant"].isin(["synthetic", "slow_workers4"]), [WALL_STEP, WALL_THROUGHPUT]] = None
     drawn = bar_widths(report.plot_tokens_per_s(older).axes[0])
     assert drawn["synthetic"] == pytest.approx(TOKENS / 1.79) and "slow_workers4" not in drawn
+
+
+# A plan for an H100 written by hand (the shape of experiments/results/seq_len_llama3.2-1b_plan_h100): nothing
+# ran; (variant, predicted step s, planned peak GiB, plan_fits). 8192 tokens per step, so the predicted tokens/s
+# are 16384, 32768 and 4096. The target's memory is a round 80 GiB: JAX's allocator gives the program 75% of it,
+# 60 GiB, whatever fraction the environment of whoever draws the report sets.
+PLAN_TOKENS = 8192
+PLAN_MEMORY_GIB = 80
+PLAN_BUDGET_GIB = 60
+H100 = "NVIDIA H100 80GB HBM3"
+PLAN_ROWS = [("base", 0.5, 20, True), ("fast", 0.25, 30, True), ("big", 2.0, 70, False)]
+
+
+def planned_row(variant: str, step: float | None, peak_gib: float, fits: bool, **extra) -> dict:
+    return {
+        "name": variant, "sweep": "plan", "variant": variant, "baseline": "base", "status": "ok", "error": None,
+        "plan_only": True, "device_kind": "cpu", "backend": "cpu", "compiled_backend": "cuda:h100",
+        "plan_target": "h100", "plan_target_device_kind": H100, "plan_target_memory_bytes": PLAN_MEMORY_GIB * 2**30,
+        "plan_fits": fits, "tokens_per_step": PLAN_TOKENS, "compile_s": 1.0, "step_s_median": None,
+        "tokens_per_s": None, "device_peak_bytes": None, "compiled_peak_bytes": peak_gib * 2**30,
+        "predicted_step_s": step, "predicted_tokens_per_s": None if step is None else PLAN_TOKENS / step, **extra,
+    }  # fmt: skip
+
+
+def frame_of(tmp_path: pathlib.Path, rows: list[dict]) -> pd.DataFrame:
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return load_results(tmp_path)
+
+
+@pytest.fixture
+def plan_frame(tmp_path, monkeypatch) -> pd.DataFrame:
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")  # the reader's environment, not the target's budget
+    return frame_of(tmp_path, [planned_row(*row) for row in PLAN_ROWS])
+
+
+def budget_lines(ax) -> list[float]:
+    """The x of each budget line drawn (labelled 'budget ...')."""
+    return [line.get_xdata()[0] for line in ax.get_lines() if line.get_label().startswith("budget")]
+
+
+def test_a_plan_draws_its_predicted_throughput_for_the_target_not_the_planning_machine(plan_frame):
+    ax = report.plot_tokens_per_s(plan_frame).axes[0]
+    assert bar_widths(ax) == {"base": 16384, "fast": 32768, "big (does not fit)": 4096}
+    assert f"predicted for {H100} (plan, not measured)" in ax.get_xlabel()
+    texts = axes_texts(ax.figure)
+    assert "cpu" not in texts and "ok" not in texts.split()  # no planning machine, no status beside the bars
+
+
+def test_a_plan_draws_predicted_step_against_planned_peak_with_the_targets_budget(plan_frame):
+    ax = report.plot_time_vs_memory(plan_frame).axes[0]
+    points = {tuple(point) for point in ax.collections[0].get_offsets().tolist()}
+    assert points == {(20.0, 0.5), (30.0, 0.25), (70.0, 2.0)}  # (GiB, predicted s)
+    assert ax.get_ylabel().startswith("predicted step time")
+    assert f"predicted for {H100} (plan, not measured)" in ax.figure.get_suptitle()
+    assert budget_lines(ax) == [PLAN_BUDGET_GIB]
+    memory = report.plot_memory_breakdown(plan_frame)
+    assert budget_lines(memory.axes[0]) == [PLAN_BUDGET_GIB]
+    assert "big\n(ok, does not fit)" in axes_texts(memory) and f"planned for {H100}" in axes_texts(memory)
+
+
+def test_a_plan_compares_predicted_throughput_with_the_baseline(plan_frame):
+    ax = report.plot_vs_baseline(plan_frame).axes[0]
+    assert bar_widths(ax) == {"base": 1.0, "fast": 2.0, "big (does not fit)": 0.25}  # 0.5 s over 0.5, 0.25, 2 s
+    assert ax.get_xlabel().startswith("predicted throughput")
+    table = report.summary_table(plan_frame).set_index("variant")
+    assert "step s (median)" not in table and table["fits"].tolist() == ["yes", "yes", "no"]
+    assert table.at["fast", "vs baseline"].startswith("2.00x faster (predicted)")
+    assert table.at["big", "predicted tokens/s"] == 4096
+    assert "trace" in axes_texts(report.plot_op_shares(plan_frame)) and "plan runs no step" in axes_texts(
+        report.plot_op_shares(plan_frame))  # fmt: skip
+
+
+def test_report_of_a_plan_says_so_and_names_the_budget(plan_frame, tmp_path):
+    text = report.write_report(tmp_path).read_text()
+    assert "Plan, not measured" in text and H100 in text and "predicted tokens/s" in text
+    assert f"Memory budget per device: {PLAN_BUDGET_GIB:.2f} GiB" in text
+    assert "Predicted tokens per second on the target GPU" in text
+
+
+@pytest.mark.parametrize(
+    "columns, budget_gib",
+    [({"fit_budget_bytes": 50 * 2**30, "fit_budget_source": "--memory"}, 50),  # the fit planner's
+     ({"device_memory_budget_bytes": 40 * 2**30}, 40)],  # the run's own (a smaller accelerator's stand-in)
+)  # fmt: skip
+def test_a_budget_the_rows_name_is_the_one_drawn(tmp_path, columns, budget_gib):
+    frame = frame_of(tmp_path, [planned_row(*row, **columns) for row in PLAN_ROWS])
+    assert budget_lines(report.plot_memory_breakdown(frame).axes[0]) == [budget_gib]
+
+
+def test_rows_planned_for_two_gpus_hold_each_bar_to_its_own_budget(tmp_path):
+    """An A5000 (24 GiB here, so 18 GiB for the program) beside the H100: each budget drawn across its own rows."""
+    a5000 = {
+        "plan_target": "a5000",
+        "plan_target_device_kind": "NVIDIA RTX A5000",
+        "plan_target_memory_bytes": 24 * 2**30,
+    }
+    frame = frame_of(tmp_path, [planned_row("base", 0.5, 20, True), planned_row("small", 1.0, 10, True, **a5000)])
+    ax = report.plot_memory_breakdown(frame).axes[0]
+    ys = {
+        line.get_xdata()[0]: tuple(line.get_ydata()) for line in ax.get_lines() if line.get_label().startswith("budget")
+    }
+    assert set(ys) == {PLAN_BUDGET_GIB, 18}
+    assert min(ys[PLAN_BUDGET_GIB]) > max(ys[18])  # the first variant's (H100) rows are drawn above the A5000's
+    assert "NVIDIA RTX A5000" in report.plot_tokens_per_s(frame).axes[0].get_xlabel()
+
+
+def test_measured_rows_with_a_prediction_show_both_labelled(input_frame):
+    """The input sweep's synthetic rows, measured on a CPU, with a prediction of twice their step beside it."""
+    rows = input_frame[input_frame["config.data.source"] == "synthetic"].copy()
+    rows["device_kind"], rows["predicted_step_s"] = "cpu", rows["step_s_median"] * 2
+    rows["predicted_tokens_per_s"] = TOKENS / rows["predicted_step_s"]
+    ax = report.plot_tokens_per_s(rows).axes[0]
+    widths = sorted(round(bar.get_width(), 3) for bar in ax.patches)
+    assert widths == sorted([round(TOKENS / 1.79, 3), round(TOKENS / 3.58, 3)])  # measured, and predicted (2x step)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "measured on cpu", "predicted for cpu (jaxscale.plan.predict)"]  # fmt: skip
+    time_ax = report.plot_time_vs_memory(rows).axes[0]
+    measured, predicted = (c.get_offsets()[:, 1].tolist() for c in time_ax.collections[:2])
+    assert measured == [1.79] and predicted == [3.58]
+    assert time_ax.get_ylabel() == "step time, median (s)"
+
+
+def test_a_measured_sweep_keeps_its_measured_figures(input_frame):
+    """No prediction, no plan, no budget in the rows: nothing predicted is drawn and no budget line either."""
+    synthetic = input_frame.assign(**{"config.data.source": "synthetic"})
+    figures = report.figures(synthetic)
+    assert not any("predicted" in axes_texts(figure) or "budget" in axes_texts(figure) for figure in figures.values())
+    ax = figures["tokens_per_s"].axes[0]
+    assert ax.get_legend() is None and len(ax.patches) == len(INPUT_ROWS)
+
+
+def test_the_committed_h100_plan_of_the_seq_len_sweep_is_drawn_as_predicted():
+    """The committed rows: each bar is the row's tokens per step over its predicted step; the budget is 75% of
+    the H100's memory (0.75 x 79.14 GiB, JAX's default pool)."""
+    frame = load_results(REPO / "experiments" / "results" / "seq_len_llama3.2-1b_plan_h100")
+    ax = report.plot_tokens_per_s(frame).axes[0]
+    expected = dict(zip(frame["variant"], frame["tokens_per_step"] / frame["predicted_step_s"], strict=True))
+    assert bar_widths(ax) == pytest.approx({
+        variant + (" (does not fit)" if fits is False else ""): value
+        for (variant, value), fits in zip(expected.items(), frame["plan_fits"], strict=True)})  # fmt: skip
+    assert "NVIDIA H100 80GB HBM3 (plan, not measured)" in ax.get_xlabel() and "cpu" not in ax.get_xlabel()
+    memory_ax = report.plot_memory_breakdown(frame).axes[0]
+    assert budget_lines(memory_ax) == [pytest.approx(0.75 * 84978434048 / 2**30)]
