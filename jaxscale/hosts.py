@@ -146,6 +146,19 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+# What JAX's collectives and coordination service say when another process of the run is gone.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused", "heartbeat", "UNAVAILABLE")
+
+
+def failure_text(text: str) -> str:
+    """A failure's message for the row: in a multi-process run, one that shows another process was lost says so
+    first (which process this is, of how many), then the collective's own text (it names the peer's address)."""
+    if jax.process_count() > 1 and any(marker in text for marker in PEER_LOST):
+        return (f"lost a peer: another process of this {jax.process_count()}-process run stopped, so process "
+                f"{jax.process_index()} cannot go on: {text}")
+    return text
+
+
 def process_dir(run_dir: pathlib.Path) -> pathlib.Path:
     """Where this process keeps its own trace: the run's directory for process 0, process_<i>/ inside it
     for the others (TensorBoard lists each as a run of its own)."""

@@ -7,11 +7,23 @@ Pallas GPU kernel's (`jax.experimental.pallas.ops.gpu.attention.mha`): see docs/
 
 from __future__ import annotations
 
+from jaxscale.config.gpu_arch import ARCH_LIMITS
+
 MAX_BLOCK = 128  # the Pallas kernel's default forward block
 BACKWARD_BLOCK = 32  # the Pallas kernel's default backward blocks
 BLOCK_BYTES = 32768  # block x head_dim_padded x itemsize at most, for the default (docs/attention.md)
-SHARED_MEMORY_BYTES = 232448  # an H100's (sm_90) shared memory per block, opt-in: jaxscale.plan.targets
 NUM_STAGES = 2  # the kernel's pipeline stages (mha's num_stages default)
+HOPPER = (9, 0)  # the compute capability whose Triton pipeline keeps NUM_STAGES buffers of k and v
+
+
+def shared_memory_limit(compute_capability: tuple[int, int]) -> int:
+    """Shared memory one block may opt in to on that architecture (jaxscale.config.gpu_arch.ARCH_LIMITS)."""
+    return ARCH_LIMITS[compute_capability]["shared_memory_per_block_optin"]
+
+
+# The largest of any target (an H100's 232,448): config validation knows no target, so it refuses only the
+# blocks that no GPU compiles; a plan for a target checks that target's own limit (forward_shared_memory).
+SHARED_MEMORY_BYTES = max(shared_memory_limit(cc) for cc in ARCH_LIMITS)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -19,13 +31,28 @@ def padded_head_dim(head_dim: int) -> int:
     return 1 << (head_dim - 1).bit_length()
 
 
-def forward_shared_memory(block_q: int, block_k: int, head_dim: int, itemsize: int) -> int:
-    """Bytes of shared memory the forward kernel asks for: a q block and NUM_STAGES stages of k and v blocks.
+def forward_shared_memory(
+    block_q: int, block_k: int, head_dim: int, itemsize: int, compute_capability: tuple[int, int] = HOPPER
+) -> int:
+    """Bytes of shared memory XLA's Triton compile gives the forward kernel on that architecture.
 
-    Checked against XLA's deviceless H100 compile: (128 + 4 x 128) x 256 x 2 = 327,680 is the number in its
-    "Shared memory size limit exceeded" error at head_dim 256, blocks of 128, bfloat16.
+    sm_90 (Hopper) with block_q >= 64 (a warpgroup's wgmma tile): a q block and NUM_STAGES buffers of k and v,
+    (block_q + 4 block_k) x head_dim_padded x bytes: exactly XLA's number in the deviceless H100 compile
+    (327,680 requested at head_dim 256, blocks of 128, bf16; 163,840 at head_dim 128), for bfloat16; float32
+    asks for less (conservative there). Smaller block_q on sm_90, and sm_8x (Ampere, Ada): Triton's
+    pipeline keeps one buffer each of q, k and v, (block_q + 2 block_k) x
+    head_dim_padded x bytes, plus the [block_q, block_k] probabilities passed through shared memory to the
+    second dot unless each of the kernel's warps holds whole 16-row slices of both dots (block_q >= 16 x
+    warps, head_dim_padded <= 128). Exact for all 27 bf16 block pairs (head_dim 64/128/256, blocks 32-128) of
+    the deviceless rtx4090 and A100 compiles and the H100's at block_q 32 (docs/attention.md); blocks of 128
+    at head_dim 128 take 98,304 there.
     """
-    return (block_q + 2 * NUM_STAGES * block_k) * padded_head_dim(head_dim) * itemsize
+    padded = padded_head_dim(head_dim)
+    if compute_capability >= HOPPER and block_q >= 64:
+        return (block_q + 2 * NUM_STAGES * block_k) * padded * itemsize
+    warps = 4 if head_dim <= 64 else 8  # the Pallas kernel's num_warps default
+    probabilities = 0 if block_q >= 16 * warps and padded <= 128 else block_q * block_k * itemsize
+    return (block_q + 2 * block_k) * padded * itemsize + probabilities
 
 
 def default_block(head_dim: int, seq_len: int, itemsize: int) -> int:

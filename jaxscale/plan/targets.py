@@ -15,49 +15,10 @@ import dataclasses
 import pathlib
 import re
 
+# The per-architecture limits live on the config floor (the flash kernel's block rule reads them too).
+from jaxscale.config.gpu_arch import ARCH_LIMITS, COMMON_LIMITS
+
 MIB = 2**20
-
-# Limits of one SM by compute capability: CUDA C++ Programming Guide, "Technical Specifications per Compute
-# Capability" (max threads per SM, shared memory per SM and per block with opt-in), and FP32 lanes per SM
-# from the architecture whitepapers (A100: 64; GA10x, AD10x, GH100: 128).
-ARCH_LIMITS: dict[tuple[int, int], dict[str, int]] = {
-    (8, 0): dict(
-        threads_per_core_limit=2048,
-        shared_memory_per_core=167936,
-        shared_memory_per_block_optin=166912,
-        fpus_per_core=64,
-    ),
-    (8, 6): dict(
-        threads_per_core_limit=1536,
-        shared_memory_per_core=102400,
-        shared_memory_per_block_optin=101376,
-        fpus_per_core=128,
-    ),
-    (8, 9): dict(
-        threads_per_core_limit=1536,
-        shared_memory_per_core=102400,
-        shared_memory_per_block_optin=101376,
-        fpus_per_core=128,
-    ),
-    (9, 0): dict(
-        threads_per_core_limit=2048,
-        shared_memory_per_core=233472,
-        shared_memory_per_block_optin=232448,
-        fpus_per_core=128,
-    ),
-}
-
-# The same on every architecture listed above (same guide).
-COMMON_LIMITS: dict[str, int] = dict(
-    threads_per_block_limit=1024,
-    threads_per_warp=32,
-    shared_memory_per_block=49152,
-    block_dim_limit_x=2**31 - 1,
-    block_dim_limit_y=65535,
-    block_dim_limit_z=65535,
-    registers_per_core_limit=65536,
-    registers_per_block_limit=65536,
-)
 
 # Software versions written into every target: CUDA 12.8 and cuDNN 9.8 (the lowest cuDNN that jax[cuda12]
 # 0.10.2 accepts). The memory plan does not depend on them; XLA reads them to decide what libraries exist.

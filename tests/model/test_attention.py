@@ -19,10 +19,11 @@ import pytest
 from conftest import REPO, assert_trees_close, loss_and_grads, run_cli, slow_except, xla_flags_with
 
 from jaxscale import train
-from jaxscale.config import ConfigError, base_config, validate
+from jaxscale.config import ConfigError, base_config, kernel_blocks, validate
 from jaxscale.model import flash_attention as flash
 from jaxscale.model.attention import reference_attention
 from jaxscale.model.chunked_attention import chunked_attention, default_key_block
+from jaxscale.plan import gpu_plan
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -236,6 +237,40 @@ def test_flash_shared_memory_matches_the_number_xla_reported():
     assert flash.forward_shared_memory(128, 128, 256, 2) == 327680
     assert flash.forward_shared_memory(64, 256, 128, 2) == 278528
     assert flash.forward_shared_memory(128, 128, 128, 2) <= flash.SHARED_MEMORY_BYTES  # compiled
+
+
+def _compiled_forward_shared_memory(target_name: str, head_dim: int, block_q: int, block_k: int, dump) -> int:
+    """XLA's shared memory for the flash forward kernel in a deviceless compile for the target (bf16, 1 x 256 x 2
+    heads): the thunk sequence's `shared_memory` if it compiles, the `requested` bytes of its refusal if not."""
+    import re
+
+    from jaxscale.plan import target_compile, targets
+
+    target = targets.get_target(target_name)
+    sharding = target_compile.target_sharding(targets.target_config_text(target))
+    x = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16, sharding=sharding)
+    kernel = jax.jit(lambda q, k, v: flash.flash_attention(q, k, v, True, block_q, block_k))
+    try:
+        kernel.lower(x, x, x).compile(compiler_options={"xla_dump_to": str(dump)})
+    except Exception as error:  # noqa: BLE001 - XLA's refusal names the bytes it was asked for
+        return -int(re.search(r"Shared memory size limit exceeded: requested (\d+)", str(error)).group(1))
+    text = "".join(path.read_text() for path in pathlib.Path(dump).glob("*thunk_sequence.txt"))
+    return int(re.search(r"mha_forward grid[^\n]*shared_memory: (\d+)", text).group(1))
+
+
+@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+@pytest.mark.parametrize("target,compute_capability", [("rtx4090", (8, 9)), ("h100", (9, 0))])
+@pytest.mark.parametrize("head_dim,block_q,block_k", [(128, 128, 128), (128, 64, 32), (256, 64, 64)])
+def test_flash_shared_memory_is_what_the_deviceless_compile_asks_for_on_each_target(
+    tmp_path, target, compute_capability, head_dim, block_q, block_k
+):
+    """The rule against XLA's own number, per architecture: blocks of 128 at head_dim 128 take 98,304 bytes on
+    Ada (so the committed RTX 4090 plans compiled within its 101,376) and 163,840 on Hopper; head_dim 256 with
+    blocks of 64 is refused on Ada (106,496 requested) and compiles on Hopper; the rule says which."""
+    got = _compiled_forward_shared_memory(target, head_dim, block_q, block_k, tmp_path)
+    need = kernel_blocks.forward_shared_memory(block_q, block_k, head_dim, 2, compute_capability)
+    fits = need <= kernel_blocks.shared_memory_limit(compute_capability)
+    assert (abs(got), got > 0) == (need, fits)
 
 
 FLASH, CHUNKED, DIVISORS = (

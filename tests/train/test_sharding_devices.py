@@ -21,7 +21,9 @@ from jaxscale.train import sharding
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see tests/train/test_sharding.py)")
 
 # Float32 everywhere; a sharded program adds its partial sums in another order, nothing else differs.
-RTOL, ATOL = 2e-5, 2e-7
+RTOL = 2e-5  # the per-step losses of the text-data test
+# _assert_close: each leaf within SUM_ORDER_K x float32 eps x sqrt(SUM_TERMS) x its largest magnitude.
+SUM_ORDER_K, SUM_TERMS = 4, 16 * 32  # the gradients sum over batch_size x seq_len tokens (_config, tiny presets)
 
 
 def _config(mesh, preset="tiny", **changes):
@@ -47,6 +49,7 @@ def _gradients(placement, state, batch):
         num_minibatches=config.train.num_minibatches,
         accumulate=config.train.accumulate,
         grad_shardings=None if layout is None else layout.grads,
+        local=None if layout is None else layout.local,  # DP and ZeRO-1/2: accumulated per device, reduced once
     )
     if layout is None:
         return jax.jit(fn)(state, batch)
@@ -79,9 +82,25 @@ def _one_device(preset: str, changes: tuple, step: bool):
 
 
 def _assert_close(a, b):
+    """Equal up to the order of float32 sums: |a - b| <= k x eps x sqrt(n) x max|b| in every leaf.
+
+    A mesh adds the same terms as one device in another order (per-device partial sums, then a collective).
+    Each addition rounds by at most eps/2 of the running sum, which is of the order of the leaf's largest
+    value S (the partial sums of a leaf are no larger in scale than the leaf itself); over n terms the
+    roundings add like a random walk, ~sqrt(n) x eps/2 x S, and two orders differ by about sqrt(2) times that.
+    n is the number of tokens a gradient sums over (SUM_TERMS = 512), k = SUM_ORDER_K = 4 leaves headroom for
+    the sums inside the matmuls before it: every mesh of this file measured at most 0.5 x eps x sqrt(n) x S
+    (llama on 4x1x2: 2.3e-7 on an embedding gradient of scale 0.4, within 1.1e-5 x 0.4 = 4.3e-6). A layout
+    error is orders of magnitude beyond it: a gradient scaled by 2 or missing one device's share of the batch
+    is off by about S/8 to S, 10^4 times the bound.
+    A leaf of zeros must be zeros.
+    """
     assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    eps = float(np.finfo(np.float32).eps)
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL)
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        scale = float(np.abs(y).max()) if y.size else 0.0
+        np.testing.assert_allclose(x, y, rtol=0, atol=SUM_ORDER_K * eps * np.sqrt(SUM_TERMS) * scale)
 
 
 def _assert_same_function(mesh, step=False, preset="tiny", **changes):
@@ -208,6 +227,38 @@ def test_zero_stages_1_and_2_equal_one_device(stage):
         preset="tiny-llama",
         **{"mesh.zero_stage": stage, "model.scan_layers": True, "model.remat": ("Block",), "train.num_minibatches": 2},
     )
+
+
+def test_local_accumulation_with_dropout_is_each_devices_own_rows_and_key():
+    """Data parallel x ZeRO-1 with 2 minibatches and dropout: each device accumulates the gradients of its own rows
+    and reduces them once a step (sharding.local_accumulation), drawing its dropout masks from the minibatch's
+    key folded with its index in the batch split. Its gradients equal a reference written out on one device:
+    for each minibatch i and device g, the gradient of the mean loss over g's rows of minibatch i with key
+    fold_in(fold_in(rng, i), g), averaged over i and g."""
+    config = _config((2, 2, 1), "tiny", **{"mesh.zero_stage": 1, "model.dropout_rate": 0.1})
+    initial, (grads, metrics), _, placement = _everything(config, jax.devices()[:4], step=False)
+    assert placement.layout.local is not None and placement.layout.local.count == 4
+    one = _config((1, 1, 1), "tiny", **{"model.dropout_rate": 0.1})
+    state = sharding.placement(one).init_state()
+    batch = train.make_batch(jax.random.PRNGKey(1), 16, one.data.seq_len, one.model.vocab_size)
+    rng, minibatches, groups = jax.random.PRNGKey(5), 2, 4
+    rows = 16 // minibatches // groups
+
+    def loss(params, inputs, labels, key):
+        return train.next_token_loss(params, state.apply_fn, train.Batch(inputs, labels), key)[0]
+
+    grad = jax.jit(jax.grad(loss))
+    total = None
+    for i in range(minibatches):
+        for g in range(groups):
+            start = i * 16 // minibatches + g * rows
+            key = jax.random.fold_in(jax.random.fold_in(rng, i), g)
+            part = grad(state.params, batch.inputs[start : start + rows], batch.labels[start : start + rows], key)
+            total = part if total is None else jax.tree_util.tree_map(jnp.add, total, part)
+    reference = jax.tree_util.tree_map(lambda x: x / (minibatches * groups), total)
+    _assert_close(initial, jax.device_get(state.params))
+    _assert_close(grads, jax.device_get(reference))
+    assert float(metrics["tokens"]) == 16 * 32
 
 
 @pytest.mark.parametrize("stage", [1, 2])
