@@ -26,6 +26,7 @@ from absl import flags
 from jaxscale import compile_cache, run, train
 from jaxscale.cli import Usage, UsageError, define_cache_flag, fail, parse_flags, print_help, wants_help
 from jaxscale.config import PRESETS, ConfigError, check_backend, load_config_file, validate
+from jaxscale.config.spec import tokens_per_step
 from jaxscale.measure import columns, memory, peaks
 from jaxscale.plan import predict
 from jaxscale.sweep.sweep_file import apply_overrides
@@ -126,7 +127,7 @@ def runner_overhead(config: ml_collections.ConfigDict, compiled, placement, roun
     bare, runner, ratios = [], [], []
     for _ in range(rounds):
         bare_round = bare_step_seconds(config, compiled, placement, steps)
-        row: dict = {"name": "overhead", "tokens_per_step": config.data.batch_size * config.data.seq_len}
+        row: dict = {"name": "overhead", "tokens_per_step": tokens_per_step(config)}
         with tempfile.TemporaryDirectory() as scratch:  # the runner writes its scalars into the run directory
             run.execute(quiet, compiled, placement, pathlib.Path(scratch), row, progress=False)
         bare += bare_round

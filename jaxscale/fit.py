@@ -38,6 +38,8 @@ from jaxscale.config import ConfigError, flatten, mesh_shape, mesh_text
 from jaxscale.measure import params
 from jaxscale.plan import budget as budget_lib
 from jaxscale.plan import cost, fit_recommend, fit_search, gpu_plan, targets
+from jaxscale.plan.probe_cache import ProbeCache
+from jaxscale.plan.probe_cache import plain as _plain
 from jaxscale.sweep import runner
 from jaxscale.sweep.results import ResultsFile
 from jaxscale.sweep.sweep_file import Sweep, Variant
@@ -126,53 +128,10 @@ def budget(target: str | None, memory: str | None, mem_fraction: float | None = 
     return budget_lib.Budget(int(stats["bytes_limit"]), f"bytes_limit of local {jax.devices()[0].device_kind}")
 
 
-def _plain(value: Any) -> Any:
-    """A JSON value for what json cannot write: a NumPy scalar as its number (a byte count stays a number),
-    anything else as its text."""
-    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else str(value)
-
-
 def _question(config: ml_collections.ConfigDict, settings: dict[str, Any]) -> str:
     """What a row answers, as stable text: the base config and the fit settings (a changed one reruns)."""
     base = {k: v for k, v in flatten(config).items() if k not in ("config.name", "config.preset_source")}
     return json.dumps({"config": base, **settings}, sort_keys=True, default=str)
-
-
-class ProbeCache:
-    """Compiled plans of earlier fits (probes/results.jsonl) for the same config, target and GEMM modes.
-
-    A plan does not depend on the budget, so a fit for another --memory or --headroom reuses them; each is
-    judged against the current budget again.
-    """
-
-    def __init__(self, store: ResultsFile, question: str, fresh: bool = False):
-        self.store, self.question, self.reused = store, question, 0
-        store.directory.mkdir(parents=True, exist_ok=True)
-        # --rerun compiles every probe again: a plan kept from an older lab may be of another program (the
-        # question names the config and the target, not the code that compiled them).
-        rows = [] if fresh else store.rows()
-        self.known = {r["variant"]: r for r in rows if r.get("fit_plan_question") == question}
-
-    def measure(
-        self, plan: fit_search.Planner, config, choice: str, usable: int, minibatch: int, respect_xla_limit: bool = True
-    ) -> fit_search.Probe:
-        key = f"{choice}@{minibatch}"
-        entry = self.known.get(key)
-        if entry is not None:
-            kept_plan = (entry["plan"], entry["error"], entry["seconds"])
-            kept = fit_search.judge(minibatch, *kept_plan, usable, respect_xla_limit)
-            # A partial plan (Triton skipped: the cuBLAS plan did not fit the budget it was made for) decides
-            # only "does not fit"; where this budget would let it fit, both GEMM modes are compiled.
-            if not (entry["plan"] or {}).get("plan_gemm_partial") or not kept.fits:
-                self.reused += 1
-                return kept
-        row, error, seconds = fit_search.plan_row(plan, config, choice, minibatch)
-        entry = {"variant": key, "status": "error" if error else "ok", "error": error, "plan": row}
-        entry.update(seconds=seconds, fit_plan_question=self.question)
-        entry = json.loads(json.dumps(entry, default=_plain))
-        self.store.record(entry)
-        self.known[key] = entry
-        return fit_search.judge(minibatch, entry["plan"], entry["error"], entry["seconds"], usable, respect_xla_limit)
 
 
 def fit_choice(config, choice: str, plan: fit_search.Planner, cache: ProbeCache, settings: dict, limits: dict) -> dict:

@@ -28,9 +28,9 @@ from absl import flags
 from jaxscale import run
 from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
 from jaxscale.config import ConfigError, load_config_file, validate
+from jaxscale.config.overrides import apply_overrides
 from jaxscale.plan import gpu_plan, targets
 from jaxscale.sweep.results import ResultsFile
-from jaxscale.sweep.sweep_file import apply_overrides
 
 GIB = 2**30
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -5,19 +5,14 @@ compile (ahead of time, timed) -> warm-up -> timed steps -> profiled steps -> re
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import pathlib
-import platform
 import sys
-import time
 from collections.abc import Sequence
 
 import jax
 import ml_collections
 from absl import flags
-from tqdm import tqdm
 
 from jaxscale import compile_cache, data, hosts
 from jaxscale.cli import (
@@ -36,14 +31,27 @@ from jaxscale.cli import (
     print_help,
     wants_help,
 )
-from jaxscale.config import ConfigError, check_mesh_devices, describe, finetune, flatten, mesh_shape, mesh_text
-from jaxscale.config.spec import layout_text, mesh_axes_text
-from jaxscale.measure import columns, flops, memory, params, profiling
-from jaxscale.measure.scalars import ScalarWriter
-from jaxscale.plan import calibrate, cost, gpu_plan, predict, targets
-from jaxscale.train import evaluate, sharding
-from jaxscale.train import loop as train_loop
-from jaxscale.train.step import param_columns
+from jaxscale.config import describe
+from jaxscale.measure import flops
+from jaxscale.plan import cost, gpu_plan, targets
+from jaxscale.run_checks import calibration_flag, check_devices, check_init_from, check_resume
+from jaxscale.run_row import (
+    base_row,
+    check_memory_budget,
+    classify_failure,
+    compile_step,
+    local_prediction,
+    run,
+    write_row,
+)
+from jaxscale.run_steps import RunError, execute
+from jaxscale.run_summary import summary
+
+# The run's parts, importable from here as before they had modules of their own (the sweep, the fit, the tests).
+__all__ = ["USAGE", "RunError", "base_row", "calibration_flag", "check_devices", "check_init_from",
+           "check_memory_budget", "check_resume", "classify_failure", "compile_step", "execute", "local_prediction",
+           "main", "run", "summary", "write_row"]  # fmt: skip
+
 
 USAGE = Usage(
     command="python -m jaxscale.run --config CONFIG.py[:PRESET] [--config.GROUP.FIELD=VALUE ...] [flags]",
@@ -69,17 +77,10 @@ USAGE = Usage(
     ),
 )
 
+
 # Rough sustained FLOP/s per backend, used only to warn before a long run (never reported as a measurement).
 _ASSUMED_FLOPS_FOR_ESTIMATE = {"cpu": 5e10, "gpu": 5e13, "tpu": 5e13}
 _LONG_RUN_S = 120.0
-
-
-class RunError(Exception):
-    """The run failed after it started; carries the row status (oom | error | nan)."""
-
-    def __init__(self, status: str, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
@@ -138,322 +139,6 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     return fv
 
 
-def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path) -> dict:
-    """The identifying part of a result row: what ran, where, with what (and on which mesh)."""
-    device = jax.devices()[0]
-    return {
-        "name": name,
-        "status": "running",
-        "error": None,
-        **flatten(config),
-        "backend": jax.default_backend(),
-        "device_kind": device.device_kind,
-        "jax_version": jax.__version__,
-        "hostname": platform.node(),
-        "host_allocator": memory.host_allocator(),
-        "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
-        "tokens_per_step": config.data.batch_size * config.data.seq_len,
-        "mesh": mesh_text(config),  # data x fsdp x tensor (x context); every memory column is per device
-        "mesh_devices": mesh_shape(config).devices,
-        "mesh_layout": layout_text(config),  # e.g. "dp2 zero1x4 tp2+sp cp2"
-        "device_count": jax.device_count(),
-        "process_count": jax.process_count(),
-        "analytic_model_flops_per_step": flops.model_flops_per_step(config),
-        "shape_warnings": params.shape_warnings(config.model),
-        "run_dir": str(run_dir),
-        "trace_dir": None,
-    }
-
-
-def compile_step(config: ml_collections.ConfigDict):
-    """Lowers and compiles the train step for abstract inputs, on one device or on the config's mesh.
-
-    Returns:
-      (compiled, placement (how the step is fed, jaxscale.train.sharding), abstract train state,
-      lower + compile seconds).
-    """
-    placement = sharding.placement(config)
-    abstract_state, abstract_metrics, abstract_batch = placement.abstract_inputs()
-    start = time.perf_counter()
-    compiled = placement.step().lower(abstract_state, abstract_metrics, abstract_batch).compile()
-    return compiled, placement, abstract_state, time.perf_counter() - start
-
-
-def local_prediction(
-    config: ml_collections.ConfigDict, compiled: jax.stages.Compiled, calibration: calibrate.Calibration | None = None
-) -> dict:
-    """The step time predicted from the compiled program on this machine's rooflines (jaxscale.plan.predict),
-    calibrated when a calibration is given (jaxscale.plan.calibrate); a prediction that fails leaves
-    predicted_error in the row, never fails the run."""
-    try:
-        if calibration is not None:
-            return calibrate.local_columns(config, compiled.as_text(), jax.devices()[0], calibration)
-        return predict.local_columns(config, compiled.as_text(), jax.devices()[0])
-    except Exception as error:  # noqa: BLE001 - the prediction is an extra; the run's own numbers come first
-        return {"predicted_step_s": None, "predicted_error": f"{type(error).__name__}: {error}"[:300]}
-
-
-def _evaluation(config: ml_collections.ConfigDict, placement: sharding.Placement):
-    """params -> validation loss on the fixed held-out batches, or None when train.eval_every is 0.
-
-    On a mesh the batches are split like the training batch and the model is traced with the mesh's rules.
-    """
-    if not config.train.eval_every:
-        return None
-    batches = data.validation_batches(config, placement)
-    eval_step = evaluate.make_eval_step(config)
-
-    def evaluation(params):
-        with placement.activate():
-            return evaluate.evaluate(eval_step, params, batches)
-
-    return evaluation
-
-
-def _steps(config, loop: train_loop.TrainLoop, run_dir: pathlib.Path, row: dict, bar: tqdm) -> None:
-    """Warm-up, timed and profiled steps from wherever the loop starts (0, or a checkpoint's step)."""
-    trained = config.train.warmup_steps + config.train.steps
-    row.setdefault("loss_first", None)  # stays None when resumed after step 1
-    while loop.steps_done < trained:
-        record = loop.step()
-        if record.step == 1:
-            row["loss_first"] = record.loss
-        bar.update()
-        bar.set_postfix(loss=f"{record.loss:.3f}")
-    remaining = trained + config.profile.steps - loop.steps_done
-    if config.profile.steps > 0 and remaining > 0:
-        first = loop.steps_done
-        row["trace_files"] = profiling.capture(run_dir, remaining, lambda: loop.step().loss, first_step=first)
-        row["trace_dir"] = str(run_dir)
-        bar.update(remaining)
-    if loop.evaluation is not None and (not loop.validation or loop.validation[-1][0] != loop.steps_done):
-        loop.evaluate()  # and at the end
-
-
-def execute(config, compiled, placement: sharding.Placement, run_dir: pathlib.Path, row: dict, progress: bool) -> None:
-    """Warm-up, timed and profiled steps, resumed from the last checkpoint if there is one; fills `row` in place.
-
-    Raises RunError on a non-finite loss.
-    """
-    evaluation = _evaluation(config, placement)
-    first, state, data_state, checkpoints = 0, None, None, None
-    with contextlib.ExitStack() as cleanup:  # closed in reverse, also on errors and Ctrl-C
-        if config.train.checkpoint_every:
-            from jaxscale.train.checkpoint import Checkpoints  # orbax is imported only by runs that checkpoint
-
-            checkpoints = Checkpoints(run_dir / "checkpoints", config)
-            cleanup.callback(_close_checkpoints, checkpoints, row, run_dir / "checkpoints")
-            if checkpoints.latest_step() is not None:  # meta checked first, then read into the abstract state
-                first, state, data_state = checkpoints.restore(placement.abstract_inputs()[0])
-        if state is None:  # a fresh run: the only state ever initialised
-            state = placement.init_state()
-            if config.finetune.init_from:  # the base parameters of another run's checkpoint
-                from jaxscale.train.checkpoint import with_base_params
-
-                state = with_base_params(state, config)
-        row["resumed_from_step"] = first or None
-        row.update(data.data_columns(config))
-        source = data.make_source(config, placement, state=data_state)
-        cleanup.callback(source.close)
-        scalars = ScalarWriter(run_dir)
-        cleanup.callback(scalars.close)
-        loop = train_loop.TrainLoop(compiled, state, placement.init_metrics(), source, scalars, evaluation,
-                                    config.train.eval_every, checkpoints, first_step=first)  # fmt: skip
-        cleanup.callback(lambda: row.update(loop.columns(config, row["tokens_per_step"])))
-        if config.finetune.init_from and not first and evaluation is not None and config.train.eval_every:
-            loop.evaluate()  # the loaded model on this data, before fine-tuning moves it (validation step 0)
-        total = config.train.warmup_steps + config.train.steps + config.profile.steps
-        bar = tqdm(total=total, initial=first, desc=row["name"], unit="step", disable=not progress, file=sys.stderr)
-        cleanup.callback(bar.close)
-        try:
-            _steps(config, loop, run_dir, row, bar)
-        except FloatingPointError as error:
-            raise RunError("nan", str(error)) from None
-
-
-def check_resume(config: ml_collections.ConfigDict, run_dir: pathlib.Path) -> None:
-    """The newest checkpoint in run_dir, if any, against this run's config and data (its meta alone is read).
-
-    Raises:
-      UsageError: one line naming the field the checkpoint was written with otherwise; nothing is written.
-    """
-    from jaxscale.train import checkpoint  # orbax is imported only by runs that checkpoint
-
-    try:
-        checkpoint.check_resume(run_dir / "checkpoints", config)
-    except checkpoint.CheckpointError as error:
-        raise UsageError(str(error)) from None
-
-
-def check_init_from(config: ml_collections.ConfigDict) -> None:
-    """finetune.init_from's newest checkpoint against this model (its meta alone is read).
-
-    Raises:
-      UsageError: one line naming the field at fault; nothing is written.
-    """
-    from jaxscale.train import checkpoint  # orbax is imported only by runs that checkpoint
-
-    try:
-        checkpoint.check_init_from(config)
-    except checkpoint.CheckpointError as error:
-        raise UsageError(str(error)) from None
-
-
-def _close_checkpoints(checkpoints, row: dict, directory: pathlib.Path) -> None:
-    """Waits for the writes; the row names the checkpoints as the run's directory does (relative where it is)."""
-    checkpoints.close()
-    row["checkpoint_dir"], row["checkpoint_steps"] = str(directory), checkpoints.saved_steps
-    row["checkpoint_save_s_total"] = checkpoints.save_s
-
-
-def classify_failure(text: str) -> str:
-    """Row status for a failure message: `oom` for XLA's out-of-memory errors (RESOURCE_EXHAUSTED), else `error`."""
-    if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
-        return "oom"
-    return "error"
-
-
-def check_memory_budget(row: dict, budget_bytes: int | None) -> None:
-    """Raises RunError("oom") when the compiled plan's peak exceeds a device-memory budget (bytes)."""
-    peak = row.get("compiled_peak_bytes")
-    if budget_bytes is None or peak is None or peak <= budget_bytes:
-        return
-    backend = row["compiled_backend"]
-    plan = f"the {backend.upper()} compiler's plan" + (", a proxy for a GPU's" if backend == "cpu" else "")
-    if backend.startswith("cuda:"):
-        plan = f"XLA's GPU plan for target {backend.removeprefix('cuda:')}"
-    raise RunError(
-        "oom",
-        f"compiled peak {peak:,} bytes ({peak / 2**30:.2f} GiB) exceeds the device-memory budget of "
-        f"{budget_bytes:,} bytes ({budget_bytes / 2**30:.2f} GiB) (source: compiled plan, {plan}); steps not run",
-    )
-
-
-def run(
-    config: ml_collections.ConfigDict,
-    run_dir: pathlib.Path,
-    name: str,
-    plan_only: bool = False,
-    progress: bool = True,
-    device_memory_bytes: int | None = None,
-    target: str | None = None,
-    gemm: str = "both",
-    devices: int | None = None,
-    calibration: calibrate.Calibration | None = None,
-) -> dict:
-    """Compiles, runs and measures one config; always returns a result row (status ok|oom|error|nan).
-
-    A `device_memory_bytes` budget stands in for a smaller accelerator: a step whose compiled plan exceeds it
-    is recorded as `oom` without running its steps. With `target` (plan only) the compiled_* columns are XLA's
-    plan for that GPU (jaxscale.gpu_plan, GEMM modes `gemm`) on `devices` of them (the config's mesh), and
-    the budget is checked against that plan. On a mesh every memory column is per device. With a `calibration`
-    (jaxscale.plan.calibrate) the predicted_* columns are calibrated on its run, and the row says so.
-    """
-    if target is not None and not plan_only:
-        raise ValueError("run: a target GPU can only be planned (plan_only=True)")
-    row = base_row(config, name, run_dir)
-    row["device_memory_budget_bytes"] = device_memory_bytes
-    placement = None
-    try:
-        if target is not None:
-            row.update(gpu_plan.plan_for_target(config, target, gemm=gemm, devices=devices or 1, hlo_dir=run_dir))
-        else:
-            with compile_cache.watch() as cache:
-                compiled, placement, abstract_state, row["compile_s"] = compile_step(config)
-            row.update(cache.columns())
-            row.update(param_columns(abstract_state))
-            row.update(memory.compiled_memory(compiled))
-            row["compiled_backend"] = jax.default_backend()
-            row.update(local_prediction(config, compiled, calibration))
-        row.update(columns.after_compile(config, None if target else compiled, row))
-        check_memory_budget(row, device_memory_bytes)
-        if not plan_only:
-            execute(config, compiled, placement, run_dir, row, progress)
-            row.update(columns.after_run(config, compiled, row))
-            row["predicted_over_measured"] = predict.over_measured(row)
-        row["status"] = "ok"
-    except RunError as error:
-        row["status"], row["error"] = error.status, str(error)
-    except Exception as error:  # a failed variant is a row, not a crash (XLA raises many types)
-        row["status"], row["error"] = (
-            classify_failure(str(error)),
-            " ".join(f"{type(error).__name__}: {error}".split())[:500],
-        )
-    if plan_only:  # nothing ran: the allocator's peak would be of an idle device, not of this step
-        row["device_peak_bytes"], row["device_peak_note"] = None, "plan only: no step ran on the device"
-    else:
-        local = placement.local_devices if placement is not None else None
-        row["device_peak_bytes"], row["device_peak_note"] = memory.device_peak_bytes(local)
-    row["host_peak_rss_bytes"] = memory.host_peak_rss_bytes()
-    row["plan_only"] = plan_only
-    return row
-
-
-def _gib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.3f} GiB"
-
-
-def _cache_text(row: dict) -> str:
-    if row.get("compile_cache_hit"):
-        return f" (from the compilation cache; it saved {row['compile_cache_saved_s']:.1f} s)"
-    return "" if row.get("compile_cache_hit") is None else " (compiled: not in the compilation cache)"
-
-
-def summary(row: dict) -> str:
-    """A short human-readable account of a result row."""
-    lines = [f"run {row['name']}: {row['status']}" + (f" ({row['error']})" if row["error"] else "")]
-    if row.get("params") is not None:
-        lines.append(
-            f"  params {row['params']:,}   tokens/step {row['tokens_per_step']:,}   compile {row['compile_s']:.1f} s"
-            + _cache_text(row)
-        )
-        lines += [line for line in [finetune.summary_line(row)] if line]  # what trains (and what is frozen)
-        lines.append(
-            f"  compiled plan ({row['compiled_backend']}): peak {_gib(row['compiled_peak_bytes'])} = "
-            f"args {_gib(row['compiled_argument_bytes'])} + out {_gib(row['compiled_output_bytes'])} - "
-            f"alias {_gib(row['compiled_alias_bytes'])} + temp {_gib(row['compiled_temp_bytes'])}"
-        )
-    if row.get("plan_target") is not None:
-        lines.append(gpu_plan.summary_line(row))
-    if row.get("step_s_median") is not None:
-        lines.append(
-            f"  step {row['step_s_median']:.4f} s median, {row['step_s_p90']:.4f} s p90 over "
-            f"{len(row['step_s_all'])} steps   {row['tokens_per_s']:,.0f} tokens/s"
-        )
-        first = "n/a: resumed" if row.get("loss_first") is None else f"{row['loss_first']:.4f}"
-        lines.append(f"  loss {row['loss']:.4f} (first step {first})   accuracy {row['accuracy']:.4f}")
-    lines += train_loop.summary_lines(row)
-    lines += columns.summary_lines(row)
-    if row.get("predicted_step_s") is not None:
-        lines.append(predict.summary_line(row))
-    if cost.cost_text(row):
-        lines.append(f"  {cost.cost_text(row)}")
-    if row.get("mesh_devices", 1) > 1:
-        layout = f"{mesh_axes_text(row['mesh'])}: {row.get('mesh_layout', '')}"
-        lines.insert(1, f"  mesh {row['mesh']} ({layout}) on {row['mesh_devices']} devices, "
-                        f"{row['process_count']} process(es); memory figures are per device")  # fmt: skip
-    lines += [f"  shape warning: {warning}" for warning in row.get("shape_warnings") or ()]
-    device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
-    malloc = f" (malloc: {row['host_allocator']})" if row.get("host_allocator") else ""
-    if row.get("host_allocator") == "glibc" and row.get("backend") == "cpu":
-        malloc = " (malloc: glibc, which maps buffers over 32 MiB afresh each step; see docs/measurements.md)"
-    lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}{malloc}")
-    if row.get("trace_dir"):
-        lines.append(
-            f"  trace: {row['trace_dir']}  (tensorboard --logdir {pathlib.Path(row['trace_dir']).parent} "
-            "--host 127.0.0.1)"
-        )
-    return "\n".join(lines)
-
-
-def write_row(path: pathlib.Path, row: dict) -> None:
-    """Writes the row as JSON atomically (temp file + rename), so a crash leaves no half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(row, indent=1, default=str) + "\n")
-    tmp.replace(path)
-
-
 def _estimate_message(config: ml_collections.ConfigDict, backend: str | None = None) -> str | None:
     backend = backend or jax.default_backend()
     steps = config.train.warmup_steps + config.train.steps + config.profile.steps
@@ -481,45 +166,6 @@ def _resolve_run_dir(fv: flags.FlagValues, config: ml_collections.ConfigDict) ->
     if (run_dir / "result.json").exists() and hosts.is_main_process():  # process 0 writes it
         raise UsageError(f"--name: {run_dir} already holds a result; choose another --name (runs never overwrite)")
     return name, run_dir
-
-
-def check_devices(config: ml_collections.ConfigDict, target: str | None, devices: int | None) -> None:
-    """The mesh against the devices it runs on: this run's (all processes') or --devices of a target.
-
-    Raises:
-      UsageError: one line naming mesh or --devices and what would work (a 1x1x1 mesh with --devices N > 1
-        included: it would plan one of the N GPUs).
-    """
-    if target is not None or devices is not None:
-        try:
-            gpu_plan.check_devices_flag(config, target, devices)
-        except gpu_plan.PlanFlagError as error:
-            raise UsageError(str(error)) from None
-        return
-    count, platform = jax.device_count(), jax.default_backend()
-    hint = f"; simulate CPU devices with --host_devices={mesh_shape(config).devices}" if platform == "cpu" else ""
-    try:
-        check_mesh_devices(config, count, f"this run ({platform})", hint)
-    except ConfigError as error:
-        raise UsageError(str(error)) from None
-
-
-def calibration_flag(run_dir: str | None, target: str | None) -> calibrate.Calibration | None:
-    """The calibration --calibrate names (None without it), fitted for this machine's device.
-
-    Raises:
-      UsageError: one line naming --calibrate: with --target (a calibration holds for this device only), or a
-        run that cannot calibrate (jaxscale.plan.calibrate.CalibrationError).
-    """
-    if run_dir is None:
-        return None
-    if target is not None:
-        raise UsageError(f"--calibrate: fits the predictor of this machine's device; --target {target} plans "
-                         "another GPU, whose prediction stays uncalibrated: drop one of the two")  # fmt: skip
-    try:
-        return calibrate.calibration(run_dir)
-    except calibrate.CalibrationError as error:
-        raise UsageError(str(error)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,7 +44,7 @@ def load_config(name: str, preset: str = "tiny"):
     return load_config_file(CONFIGS / f"{name}.py", preset)
 
 
-# The named remat policies beyond JAX's own and save_qkv_proj (jaxscale.model.stack.REMAT_POLICIES), which each
+# The named remat policies beyond JAX's own and save_qkv_proj (jaxscale.config.remat_policies.POLICIES), which each
 # family's model tests run against the plain model with the reference and the chunked kernel.
 NAMED_POLICIES = ("save_out_proj", "save_dot_with_context_except_mlp", "minimal_flash", "selective_op",
                   "qkv_proj_offloaded")  # fmt: skip

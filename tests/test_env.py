@@ -93,6 +93,7 @@ BAD_STARTS = [
     ("jaxscale.published", "--only", "no_such_run"),
     ("jaxscale.plan.calibrate", "/nonexistent/run"),
     ("jaxscale.data", "prepare", "--text", "/nonexistent/text", "--out", "/nonexistent/tokens"),
+    ("jaxscale.report.docs_tables", "--root", "/nonexistent"),
 ]
 
 

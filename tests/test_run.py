@@ -8,7 +8,7 @@ import pathlib
 import pytest
 from conftest import REPO, run_cli
 
-from jaxscale import run
+from jaxscale import run, run_row
 
 ROW_KEYS = {
     "name",
@@ -209,7 +209,7 @@ def test_a_plan_only_row_has_no_device_peak_even_where_the_allocator_has_one(mon
     """On a GPU host the allocator reports a peak even when no step ran (an idle device's): a plan row has none."""
     from conftest import load_config
 
-    monkeypatch.setattr(run.memory, "device_peak_bytes", lambda device=None: (12_345, None))  # as a GPU would
+    monkeypatch.setattr(run_row.memory, "device_peak_bytes", lambda device=None: (12_345, None))  # as a GPU would
     row = run.run(load_config("bf16_remat"), tmp_path / "plan", "plan", plan_only=True, progress=False)
     assert row["status"] == "ok" and row["plan_only"] is True
     assert row["device_peak_bytes"] is None and row["device_peak_note"] == "plan only: no step ran on the device"

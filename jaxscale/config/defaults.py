@@ -14,7 +14,7 @@ import types
 import jax
 import ml_collections
 
-from jaxscale.config import model_presets
+from jaxscale.config import model_presets, remat_policies
 
 # Sizes per preset. Everything not listed here is the same at every scale (see base_config).
 PRESETS: dict[str, dict[str, dict[str, object]]] = {
@@ -45,18 +45,7 @@ FAMILIES = ("gpt", "llama")
 DTYPES = ("bfloat16", "float32", "float16")
 REDUCE_DTYPES = ("float32", "compute")  # model.reduce_dtype
 REMAT_TARGETS = ("MLP", "Attn", "Block")
-# What each keeps, with its source: jaxscale.model.stack.REMAT_POLICIES (and docs/fit.md).
-REMAT_POLICIES = (
-    "nothing_saveable",
-    "dots_saveable",
-    "dots_with_no_batch_dims_saveable",
-    "save_qkv_proj",
-    "save_out_proj",
-    "save_dot_with_context_except_mlp",
-    "minimal_flash",
-    "selective_op",
-    "qkv_proj_offloaded",
-)
+REMAT_POLICIES = tuple(remat_policies.POLICIES)  # what each keeps, with its source: remat_policies.py, docs/fit.md
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
@@ -181,6 +170,10 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.mesh.tensor = 1  # Megatron tensor parallel: attention heads, MLP width and vocabulary split
     c.mesh.context = 1  # context parallel: every activation's sequence split, attention as a ring
     c.mesh.zero_stage = 3  # what mesh.fsdp shards: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP)
+    # With several minibatches, when gradients are summed over the devices that split the batch: "step" accumulates
+    # each device's own and reduces once a step (DDP's no_sync, llm.c, Megatron's distributed optimizer; a whole
+    # float32 accumulator per device), "minibatch" reduces every minibatch's (DeepSpeed ZeRO-2, FSDP2).
+    c.mesh.reduce_gradients = "auto"  # gradients summed once a step or every minibatch; auto: step for DP and ZeRO-1
     c.mesh.sequence_parallel = False  # with mesh.tensor: norms and residuals split along the sequence too
 
     for group, values in all_presets()[preset].items():

@@ -30,6 +30,7 @@ PROJECTIONS = {
     "llama": {"attention": ("q", "k", "v", "out"), "mlp": ("gate", "up", "down")},
 }
 TARGET_GROUPS = ("attention", "mlp", "all")
+MULTI_INPUT = {"out": 2}  # projections whose kernel contracts more than one input dim: out's (heads, head_dim)
 TRAIN_CHOICES = ("auto", "all", "adapters", "last_blocks")
 LORA_PARAMS = ("lora_a", "lora_b")
 _BLOCK = re.compile(r"^transformer/block_(\d+)/")
@@ -40,6 +41,23 @@ def family_projections(family: str) -> tuple[str, ...]:
     """Every projection of a family that can carry an adapter, in block order."""
     groups = PROJECTIONS[family]
     return (*groups["attention"], *groups["mlp"])
+
+
+def group_projections(group: str) -> tuple[str, ...]:
+    """The projections of a group ("attention" or "mlp") in any family, in block order (gpt's first).
+
+    Args:
+      group: a key of PROJECTIONS[family].
+
+    Returns:
+      The names, each once.
+    """
+    return tuple(dict.fromkeys(name for groups in PROJECTIONS.values() for name in groups[group]))
+
+
+def input_dims(name: str) -> int:
+    """How many input dims a projection's kernel contracts: 2 for MULTI_INPUT's, else 1."""
+    return MULTI_INPUT.get(name, 1)
 
 
 def lora_projections(family: str, targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:

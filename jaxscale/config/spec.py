@@ -13,8 +13,6 @@ from typing import NamedTuple
 
 import ml_collections
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")  # the device array's axes, outermost first
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -79,8 +77,8 @@ class ModelConfig:
 class MeshShape(NamedTuple):
     """The device mesh's sizes, data x fsdp x tensor x context (jaxscale.train.sharding lays the step out over it).
 
-    The fields are in the order the mesh is written (`text`); the devices are laid out in MESH_AXES's order,
-    tensor fastest (see jaxscale.train.sharding.make_mesh)."""
+    The fields are in the order the mesh is written (`text`: committed rows and the docs name meshes so, and the
+    context axis came last); the device array's order, MESH_AXES, is derived from it below, tensor fastest."""
 
     data: int = 1
     fsdp: int = 1
@@ -114,10 +112,15 @@ class MeshShape(NamedTuple):
         return tuple(getattr(self, axis) for axis in MESH_AXES)
 
 
+# The device array's axes, outermost first: MeshShape's with tensor moved innermost, (data, fsdp, context, tensor).
+# Consecutive devices (one host's, one NVLink domain's) then form the tensor-parallel groups, whose collectives run
+# inside every layer; the written order (MeshShape, `text`) stays the rows' and the docs'.
+MESH_AXES = (*(axis for axis in MeshShape._fields if axis != "tensor"), "tensor")
+
+
 def mesh_shape(config: ml_collections.ConfigDict) -> MeshShape:
-    """The config's mesh; 1x1x1 for a config from before the mesh group (and context 1 before that axis)."""
-    mesh = config.get("mesh")
-    return MeshShape() if mesh is None else MeshShape(*(int(mesh.get(axis, 1)) for axis in MeshShape._fields))
+    """The config's mesh (the `mesh` group validation requires)."""
+    return MeshShape(*(int(config.mesh[axis]) for axis in MeshShape._fields))
 
 
 def mesh_text(config: ml_collections.ConfigDict) -> str:
@@ -148,23 +151,26 @@ def layout_text(config: ml_collections.ConfigDict) -> str:
 
 def zero_stage(config: ml_collections.ConfigDict) -> int:
     """What the fsdp axis shards (ZeRO's stages, Rajbhandari et al. 2020): 1 the optimizer state, 2 and the
-    gradients, 3 and the parameters (FSDP); 3 for a config from before the field."""
-    return int(config.get("mesh", {}).get("zero_stage", 3))
+    gradients, 3 and the parameters (FSDP)."""
+    return int(config.mesh.zero_stage)
 
 
 def accumulates_locally(config: ml_collections.ConfigDict) -> bool:
     """Whether the step accumulates gradients on each device over its minibatches and reduces them once a step
-    (data parallelism and ZeRO-1/2 with several minibatches: the parameters are whole on the devices that split
-    the batch), rather than reducing every minibatch's (one minibatch; ZeRO-3 over fsdp > 1, torchtitan's FSDP2
-    default). The one rule the layout (jaxscale.train.sharding.local_accumulation) and the analytic memory model
-    read."""
-    mesh = mesh_shape(config)
-    return config.train.num_minibatches > 1 and mesh.batch_split > 1 and not (zero_stage(config) == 3 and mesh.fsdp > 1)
+    (mesh.reduce_gradients "step"; "auto" chooses it where the gradients are whole anyway: data parallelism and
+    ZeRO-1), rather than reducing every minibatch's ("minibatch"; "auto" for ZeRO-2, whose point is split
+    gradients, and ZeRO-3, torchtitan's FSDP2 default). Only where several minibatches split over devices. The
+    one rule the layout (jaxscale.train.sharding.local_accumulation) and the analytic memory model read."""
+    mesh, stage = mesh_shape(config), zero_stage(config)
+    mode = config.mesh.reduce_gradients
+    if mode == "auto":
+        mode = "step" if stage == 1 or mesh.fsdp * mesh.context == 1 else "minibatch"
+    return config.train.num_minibatches > 1 and mesh.batch_split > 1 and mode == "step"
 
 
 def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
     """Megatron sequence parallelism: with mesh.tensor > 1, the residual stream split along its sequence too."""
-    return bool(config.get("mesh", {}).get("sequence_parallel", False)) and mesh_shape(config).tensor > 1
+    return bool(config.mesh.sequence_parallel) and mesh_shape(config).tensor > 1
 
 
 def step_model(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -177,6 +183,12 @@ def step_model(config: ml_collections.ConfigDict) -> ModelConfig:
     if mesh.batch_split * mesh.context == 1:
         model = dataclasses.replace(model, reduce_dtype="compute")
     return model
+
+
+def tokens_per_step(config: ml_collections.ConfigDict) -> int:
+    """Tokens one optimizer step trains on: data.batch_size sequences x data.seq_len positions (every minibatch,
+    all devices together)."""
+    return config.data.batch_size * config.data.seq_len
 
 
 def minibatch_per_device(config: ml_collections.ConfigDict) -> int:

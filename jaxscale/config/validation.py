@@ -213,12 +213,17 @@ def _divisors(n: int) -> str:
 
 
 def _validate_mesh(config: ml_collections.ConfigDict) -> None:
-    """Each mesh axis divides what it splits (JAX shards only evenly): see jaxscale.train.sharding.RULES."""
+    """Each mesh axis divides what it splits (JAX shards only evenly): see jaxscale.config.layout_rules.RULES."""
     _positive(config, "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.context")
     m, sizes, mesh = config.model, ModelConfig.from_config(config.model), mesh_shape(config)
     (data, fsdp, tensor, context), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
     _one_of(config.mesh.zero_stage, (1, 2, 3), "mesh.zero_stage")
     _zero_stage_splits(config.mesh.zero_stage, fsdp, context)
+    _one_of(config.mesh.reduce_gradients, ("auto", "step", "minibatch"), "mesh.reduce_gradients")
+    _check(config.mesh.reduce_gradients != "step" or config.mesh.zero_stage < 3 or fsdp == 1,
+           "mesh.reduce_gradients", "step accumulates a whole gradient on each device, which ZeRO-3 over "
+           f"mesh.fsdp={fsdp} does not hold (its parameters are split); use minibatch or auto, or "
+           "mesh.zero_stage 1 or 2")  # fmt: skip
     _check(isinstance(config.mesh.sequence_parallel, bool), "mesh.sequence_parallel",
            f"must be True or False, got {config.mesh.sequence_parallel!r}")  # fmt: skip
     _check(not config.mesh.sequence_parallel or tensor > 1, "mesh.sequence_parallel",
@@ -261,7 +266,7 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
 
 def _zero_stage_splits(stage: int, fsdp: int, context: int) -> None:
     """ZeRO stages 1 and 2 split the optimizer state (and the gradients) over fsdp x context, keeping the parameters
-    whole (jaxscale.train.sharding.rules); with both 1 nothing is split and the run is plain data parallelism."""
+    whole (jaxscale.config.layout_rules.rules); with both 1 nothing is split and the run is plain data parallelism."""
     what = "the optimizer state" + (" and the gradients" if stage == 2 else "")
     _check(stage == 3 or fsdp * context > 1, "mesh.zero_stage",
            f"{stage} shards {what} over mesh.fsdp (x mesh.context), and mesh.fsdp=1 (context 1) splits "

@@ -14,47 +14,50 @@ import math
 import jax
 import ml_collections
 
-from jaxscale.config import finetune
-from jaxscale.config.spec import ModelConfig
+from jaxscale.config import finetune, remat_policies
+from jaxscale.config.spec import ModelConfig, tokens_per_step
 from jaxscale.measure import hlo, params, peaks
 
-# Forward matmuls recomputed in the backward pass, per remat target and policy. A recomputed tensor that
-# the backward pass does not read is dropped (dead code): the output projection of Attn and the down
-# projection of MLP only feed a dropout and a residual add, whose gradients do not need them, so remat
-# of Attn or MLP alone never recomputes them; remat of the whole Block must recompute the attention
-# output (the MLP's LayerNorm reads it). The same holds for llama, whose "qkv" is its q, k and v projections
-# and "up" its gate and up projections ("k" alone and "up_only", llama's up without its gate, are parts of
-# those). Derived from what each policy saves (jaxscale.model.stack.REMAT_POLICIES): the backward pass of the
-# reference attention reads q, k, v and the T x T softmax (so "logits" comes back unless every dot is saved),
-# and the out projection's weight gradient reads the attention output ("values" comes back unless `context`
-# is saved). Checked against the compiled HLO in tests/measure/test_flops.py.
-_ATTN, _BLOCK = ("qkv", "logits", "values"), ("qkv", "logits", "values", "out", "up")
-RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
-    "nothing_saveable": {"Attn": _ATTN, "MLP": ("up",), "Block": _BLOCK},
-    "dots_saveable": {"Attn": (), "MLP": (), "Block": ()},
-    # Saves dots without batch dimensions (the four projections); the two attention einsums have batch
-    # dims (batch, heads), so they are recomputed.
-    "dots_with_no_batch_dims_saveable": {"Attn": ("logits", "values"), "MLP": (), "Block": ("logits", "values")},
-    "save_qkv_proj": {"Attn": ("logits", "values"), "MLP": ("up",), "Block": ("logits", "values", "out", "up")},
-    # The out projection's output is read by nothing in Attn's backward, and by the MLP's norm in Block's.
-    "save_out_proj": {"Attn": _ATTN, "MLP": ("up",), "Block": ("qkv", "logits", "values", "up")},
-    "save_dot_with_context_except_mlp": {"Attn": ("logits",), "MLP": ("up",), "Block": ("logits", "up")},
-    "minimal_flash": {"Attn": ("logits",), "MLP": (), "Block": ("logits",)},
-    # gpt keeps its qkv and up projections' outputs and the attention output (see FAMILY_RECOMPUTED for llama).
-    "selective_op": {"Attn": ("logits",), "MLP": (), "Block": ("logits", "out")},
-    "qkv_proj_offloaded": {"Attn": ("logits", "values"), "MLP": ("up",), "Block": ("logits", "values", "out", "up")},
-}
-# Where a family recomputes otherwise: llama's selective_op keeps q, v, gate, down and the attention output.
-FAMILY_RECOMPUTED: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
-    "llama": {
-        "selective_op": {"Attn": ("k", "logits"), "MLP": ("up_only",), "Block": ("k", "logits", "out", "up_only")}
-    },
-}
 
-
+# Forward matmuls recomputed in the backward pass, per remat target, derived from what the policy keeps
+# (jaxscale.config.remat_policies: `not_recomputed`, the tensors kept on the device or offloaded). A recomputed
+# tensor that the backward pass does not read is dropped (dead code): the output projection of Attn and the down
+# projection of MLP only feed a dropout and a residual add, whose gradients do not need them, so remat of Attn or
+# MLP alone never recomputes them; remat of the whole Block must recompute the attention output (the MLP's
+# LayerNorm reads it) unless it is kept. The names: "qkv" the q, k and v projections ("k" llama's k alone, where q
+# and v are kept), "logits" the T x T QK^T (the reference attention's backward reads the softmax, so it comes back
+# unless kept), "values" the AV einsum (the out projection's weight gradient reads its output, so it comes back
+# unless `context` is kept), "out", "up" the up projection (llama: gate and up; "up_only" its up alone, where the
+# gate is kept). Checked against the compiled HLO in tests/measure/test_flops.py.
 def recomputed(policy: str, family: str) -> dict[str, tuple[str, ...]]:
-    """The forward matmuls each remat target recomputes under `policy` in `family` (RECOMPUTED)."""
-    return FAMILY_RECOMPUTED.get(family, {}).get(policy, RECOMPUTED[policy])
+    """The forward matmuls each remat target ("Attn", "MLP", "Block") recomputes under `policy` in `family`.
+
+    Args:
+      policy: a name of jaxscale.config.remat_policies.POLICIES.
+      family: the model family.
+
+    Returns:
+      target -> the names of the recomputed matmuls (forward_matmul_flops_per_token's, with "k" and "up_only").
+    """
+    kept = remat_policies.not_recomputed(policy, family)
+    attn = _partly_kept(kept, ("q", "k", "v"), "qkv", {"k": "k"})
+    attn += tuple(name for name, tensor in (("logits", "logits"), ("values", "context")) if tensor not in kept)
+    up = tuple(t for t in ("gate", "up") if t in remat_policies.FAMILY_TENSORS[family])
+    mlp = _partly_kept(kept, up, "up", {"up": "up_only"})
+    return {"Attn": attn, "MLP": mlp, "Block": (*attn, *(() if "out" in kept else ("out",)), *mlp)}
+
+
+def _partly_kept(kept: frozenset[str], tensors: tuple[str, ...], whole: str, parts: dict[str, str]) -> tuple[str, ...]:
+    """The recomputed matmul of a group of projections: none when all are kept, `whole` when none is, and
+    `parts[t]` when only t is missing (llama's k, or its up without the gate)."""
+    missing = tuple(t for t in tensors if t not in kept)
+    if not missing:
+        return ()
+    if missing == tensors:
+        return (whole,)
+    if len(missing) == 1 and missing[0] in parts:
+        return (parts[missing[0]],)
+    raise ValueError(f"no FLOP count for keeping {sorted(set(tensors) - set(missing))} of {tensors}")
 
 
 def param_count(model: ml_collections.ConfigDict) -> int:
@@ -70,7 +73,7 @@ def non_embedding_params(model: ml_collections.ConfigDict) -> int:
 
 def six_n_flops_per_step(config: ml_collections.ConfigDict) -> float:
     """The 6N rule: 2N forward + 4N backward FLOPs per token (Kaplan et al. 2020), times tokens per step."""
-    tokens = config.data.batch_size * config.data.seq_len
+    tokens = tokens_per_step(config)
     return float(6 * non_embedding_params(config.model) * tokens)
 
 
@@ -104,7 +107,7 @@ def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False
     attention = per_layer * (m.num_layers + 2 * finetune.backward_blocks(config))  # backward: twice the forward
     if causal:
         attention /= 2
-    tokens = config.data.batch_size * config.data.seq_len
+    tokens = tokens_per_step(config)
     through, trained = backward_params(config)
     return float(tokens * (2 * non_embedding_params(m) + 2 * through + 2 * trained + attention))
 
@@ -134,13 +137,11 @@ def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[st
     }
 
 
-# The projections of each remat unit (LoRA adapters recompute with their unit), and which recomputed forward
-# matmul (RECOMPUTED's names) is each projection's output.
-_UNIT_PROJECTIONS = {"Attn": ("qkv", "q", "k", "v", "out"), "MLP": ("gate", "up", "down")}
+# The projections of each remat unit (jaxscale.config.finetune.PROJECTIONS' groups; LoRA adapters recompute with
+# their unit), and which recomputed forward matmul (`recomputed`'s names) is each projection's output.
+_UNIT_PROJECTIONS = {"Attn": finetune.group_projections("attention"), "MLP": finetune.group_projections("mlp")}
 _OUTPUT_OF = {"qkv": ("qkv",), "q": ("qkv",), "k": ("qkv", "k"), "v": ("qkv",), "out": ("out",),
               "gate": ("up",), "up": ("up", "up_only"), "down": ()}  # fmt: skip
-# Policies that save every dot without batch dimensions: an adapter's x @ A is one, so it is never recomputed.
-_SAVES_ADAPTER_DOTS = ("dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
 def _adapter_recompute(config: ml_collections.ConfigDict, target: str, names: tuple[str, ...]) -> float:
@@ -156,7 +157,7 @@ def _adapter_recompute(config: ml_collections.ConfigDict, target: str, names: tu
     for name in finetune.lora_projections(m.family, tuple(m.lora_targets)):
         if name not in unit:
             continue
-        if m.remat_policy not in _SAVES_ADAPTER_DOTS:
+        if not remat_policies.saves_by_dot_type(m.remat_policy):  # an adapter's x @ A is a dot without batch dims
             total += 2 * m.lora_rank * sizes[name][0]
         if any(n in names for n in _OUTPUT_OF[name]):
             total += 2 * m.lora_rank * sizes[name][1]
@@ -190,7 +191,7 @@ def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
         for target in m.remat:
             names = tuple(n for n in policy[target] if n != "values" or trained or out_adapted)
             total += sum(per_token[name] for name in names) + _adapter_recompute(config, target, names)
-    return float(config.data.batch_size * config.data.seq_len * total) + chunked_loss_recompute(config)
+    return float(tokens_per_step(config) * total) + chunked_loss_recompute(config)
 
 
 def chunked_loss_recompute(config: ml_collections.ConfigDict) -> float:
@@ -202,10 +203,10 @@ def chunked_loss_recompute(config: ml_collections.ConfigDict) -> float:
     Returns:
       tokens per step x the head's forward matmul per token (2·H·V): every chunk's logits once more.
     """
-    if not config.train.get("loss_chunk_len", 0):
+    if not config.train.loss_chunk_len:
         return 0.0
     head = forward_matmul_flops_per_token(config)["head"]
-    return float(config.data.batch_size * config.data.seq_len * head)
+    return float(tokens_per_step(config) * head)
 
 
 def hardware_flops_per_step(config: ml_collections.ConfigDict) -> float:
@@ -229,7 +230,7 @@ def hardware_flops_per_step(config: ml_collections.ConfigDict) -> float:
     forward = layers * (kernels + attention + adapters) + per_token["head"]
     backward_input = through * (kernels + 2 * attention + adapters) + per_token["head"]
     weights = trained_kernel_layers * kernels + layers * adapters + (per_token["head"] if head_trained else 0)
-    tokens = config.data.batch_size * config.data.seq_len
+    tokens = tokens_per_step(config)
     return float(tokens * (forward + backward_input + weights) + recompute_flops_per_step(config))
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jaxscale.config import finetune
+from jaxscale.config import finetune, layout_rules, remat_policies
 from jaxscale.config.spec import (
     ModelConfig,
     accumulates_locally,
@@ -150,7 +150,7 @@ class Dims:
             family=m.family,
             t=mesh.tensor,
             sp=mesh.tensor if sequence_parallel(config) else 1,
-            c=config.train.get("loss_chunk_len", 0),
+            c=config.train.loss_chunk_len,
         )
 
 
@@ -268,37 +268,28 @@ def residual_functions(family: str) -> tuple:
     }[family]
 
 
-# Outputs of dots that each remat policy keeps besides the checkpointed module's input. Tensor parallelism
-# splits the q/k/v and up (and gate) projections' outputs and the attention's; the out and down projections'
-# are whole. A named tensor the unit's backward pass does not read is not kept: the out projection's output
-# only under Block (the MLP's norm reads it), the down projection's never (it only feeds the residual add).
-# qkv_proj_offloaded keeps q, k and v in host memory, so none of them on the device.
+# Bytes of what each remat policy keeps besides the checkpointed module's input: the tensors
+# jaxscale.config.remat_policies.kept names. Tensor parallelism splits the q/k/v and up (and gate) projections'
+# outputs and the attention's; the out and down projections' are whole. A policy that saves by name keeps a
+# tensor only where the unit's backward pass reads it: the out projection's output only under Block (the MLP's
+# norm reads it), the down projection's never (it only feeds the residual add); JAX's dot policies
+# (saves_by_dot_type) are counted with both in their unit. What is offloaded (qkv_proj_offloaded) is in host
+# memory, none of it on the device.
 def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
     sbh, sbk, sbf, as2b = d.s * d.b * d.h, d.s * d.b * d.k, d.s * d.b * d.f, d.a * d.s * d.s * d.b
-    llama = d.family == "llama"
-    up = d.p * (2 * sbf if llama else sbf) // d.t  # llama: gate and up
-    qkv = d.p * (sbh + 2 * sbk) // d.t  # q, k, v (gpt: one fused qkv, k = h)
-    projections = {"Attn": qkv + d.p * sbh, "MLP": up + d.p * sbh}  # qkv + out; up (+ gate) + down
+    kept, by_type = remat_policies.kept(policy, d.family), remat_policies.saves_by_dot_type(policy)
+    qkv = d.p * (sbh * ("q" in kept) + sbk * ("k" in kept) + sbk * ("v" in kept)) // d.t
+    up = d.p * (("gate" in kept) + ("up" in kept)) * sbf // d.t
     lse = _FLOAT32 * d.a * d.s * d.b // d.t if d.attention in ("chunked", "flash") else 0  # [b, a, s] float32
-    context = d.p * sbh // d.t + lse  # the attention output (and the kernels' log-sum-exp)
-    # dots_saveable keeps the attention's matmul outputs: the logits and the AV output, or only what a
-    # fused kernel returns (its einsums are inside it).
-    attention = context if d.fused_attention else (d.q * as2b + d.p * sbh) // d.t
-    out = d.p * sbh // d.sp  # the out projection's output: kept under Block only
-    if policy == "selective_op":  # gpt: qkv, up; llama: q, v, gate, down (never read)
-        attn = (d.p * (sbh + sbk) // d.t if llama else qkv) + context
-        return {"Attn": attn, "MLP": d.p * sbf // d.t, "Block": attn + d.p * sbf // d.t}
-    saved, block_extra = {
-        "nothing_saveable": ({"Attn": 0, "MLP": 0}, 0),
-        "dots_saveable": ({"Attn": projections["Attn"] + attention, "MLP": projections["MLP"]}, 0),
-        "dots_with_no_batch_dims_saveable": (projections, 0),
-        "save_qkv_proj": ({"Attn": qkv, "MLP": 0}, 0),
-        "qkv_proj_offloaded": ({"Attn": 0, "MLP": 0}, 0),
-        "save_out_proj": ({"Attn": 0, "MLP": 0}, out),
-        "save_dot_with_context_except_mlp": ({"Attn": qkv + context, "MLP": 0}, out),
-        "minimal_flash": ({"Attn": qkv + context, "MLP": up}, out),
-    }[policy]
-    return {**saved, "Block": saved["Attn"] + saved["MLP"] + block_extra}
+    # The attention output (and the kernels' log-sum-exp); with the logits (a dot policy: the T x T matrix,
+    # which a fused kernel keeps inside it).
+    logits = d.q * as2b if "logits" in kept and not d.fused_attention else 0
+    context = (d.p * sbh + logits) // d.t + lse if "context" in kept else 0
+    whole = d.p * sbh if by_type else 0  # a dot policy's out (Attn) and down (MLP) projection outputs
+    attn = qkv + context + (whole if "out" in kept else 0)
+    mlp = up + (whole if "down" in kept else 0)
+    out = d.p * sbh // d.sp if "out" in kept and not by_type else 0  # the out projection's, kept under Block only
+    return {"Attn": attn, "MLP": mlp, "Block": attn + mlp + out}
 
 
 # Terms of the analytic model that are fitted to compiled plans rather than counted (the row's
@@ -353,7 +344,7 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
 def sharded_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1) -> int:
     """Parameters one device holds when FSDP splits every embed axis fsdp ways and tensor parallelism
     splits heads, K/V heads, MLP width and vocabulary tensor ways (the layout of
-    jaxscale.train.sharding.RULES; a test checks this count against the real shardings for both families).
+    jaxscale.config.layout_rules.RULES; a test checks this count against the real shardings for both families).
     `params.param_count` is the fsdp = tensor = 1 case.
 
     Summed over the family's parameters (params.param_table) with each one's shard shape (params.shard_shape):
@@ -379,10 +370,16 @@ def trained_table(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[in
 def zero_splits(config: ml_collections.ConfigDict) -> dict[str, int]:
     """How many ways the fsdp axis splits the parameters, the gradients and the optimizer state at the config's
     mesh.zero_stage (ZeRO, Rajbhandari et al. 2020): stage 1 the state only, 2 the state and the (accumulated)
-    gradients, 3 all three. The ways are those of the layout (jaxscale.train.sharding.rules)."""
-    mesh, stage = mesh_shape(config), zero_stage(config)
-    fsdp = mesh.fsdp * mesh.context  # the layout shards the model state over both (jaxscale.train.sharding.RULES)
-    return {"params": fsdp if stage == 3 else 1, "grads": fsdp if stage >= 2 else 1, "optimizer": fsdp}
+    gradients, 3 all three. The ways are those of the layout's tables (jaxscale.config.layout_rules.rules: the
+    parameters', and the default one for the optimizer state and, at stage 2, the gradients)."""
+    mesh = mesh_shape(config)
+
+    def ways(table: tuple) -> int:  # how many devices split a parameter's embed axis (the model state's)
+        return math.prod(getattr(mesh, axis) for axis in layout_rules.mesh_axes("embed", table))
+
+    params_ways, state_ways = ways(layout_rules.rules(config, params=True)), ways(layout_rules.rules(config))
+    grads = state_ways if zero_stage(config) == 2 else params_ways  # as jaxscale.train.sharding.make_layout
+    return {"params": params_ways, "grads": grads, "optimizer": state_ways}
 
 
 def trained_param_count(config: ml_collections.ConfigDict, fsdp: int | None = None) -> int:
@@ -407,7 +404,7 @@ def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
         table = trained_table(config)
         shapes, names = {k: s for k, (s, _) in table.items()}, {k: n for k, (_, n) in table.items()}
         return _FLOAT32 * params.adafactor_state_elements(shapes, names, fsdp, tensor)
-    first = jnp.dtype(config.optimizer.get("state_dtype", "float32")).itemsize
+    first = jnp.dtype(config.optimizer.state_dtype).itemsize
     per_param = {"adam": first + _FLOAT32, "adamw": first + _FLOAT32, "sgd": first}[config.optimizer.name]
     return per_param * trained_param_count(config, fsdp)
 

@@ -12,7 +12,7 @@ import math
 import ml_collections
 import numpy as np
 
-from jaxscale.config import finetune
+from jaxscale.config import finetune, layout_rules
 from jaxscale.config.spec import ModelConfig
 
 TILE = 64  # tensor-core friendly multiple for matmul dimensions (bf16 MMA tiles; cuBLAS/Triton pad otherwise)
@@ -51,13 +51,13 @@ def _with_adapters(
 ) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """One block's parameters with a LoRA adapter beside each targeted kernel (model.lora_rank > 0): `lora_a`
     [in..., r] and `lora_b` [r, out...], named like the kernel's dims, the rank axis unnamed (None). The out
-    projection contracts two dims (heads, head_dim), every other kernel one."""
+    projection contracts two dims (heads, head_dim), every other kernel one (finetune.input_dims)."""
     if not model.lora_rank:
         return layer
     r, out = model.lora_rank, dict(layer)
     for name in finetune.lora_projections(model.family, tuple(model.lora_targets)):
         key = next(k for k in layer if k.endswith(f"/{name}/kernel"))
-        (shape, names), contracted = layer[key], 2 if name == "out" else 1
+        (shape, names), contracted = layer[key], finetune.input_dims(name)
         base = key.rsplit("/", 1)[0]
         out[f"{base}/lora_a"] = ((*shape[:contracted], r), (*names[:contracted], None))
         out[f"{base}/lora_b"] = ((r, *shape[contracted:]), (None, *names[contracted:]))
@@ -101,24 +101,37 @@ def layer_param_table(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple
     return _layer_params(model)
 
 
-# Which mesh axis splits each logical name (the parameters' part of jaxscale.train.sharding.RULES, which
-# this floor cannot import; tests/train/test_sharding_devices.py checks the counts against the real layout).
-MESH_SPLITS = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
+# Which mesh axes split each logical name of a parameter: the default layout's table
+# (jaxscale.config.layout_rules.RULES; tests/train/test_sharding_devices.py checks the counts against the real
+# layout). Every name the parameters carry is here; those never split map to ().
+PARAM_NAMES = ("vocab", "embed", "pos", "heads", "kv_heads", "head_dim", "qkv", "mlp", "layers")
+MESH_SPLITS = {name: layout_rules.mesh_axes(name) for name in PARAM_NAMES}
+STATE_AXES = MESH_SPLITS["embed"]  # the axes that shard the model state (ZeRO / FSDP): fsdp x context
 
 
 def shard_shape(
     shape: tuple[int, ...], names: tuple[str | None, ...], fsdp: int = 1, tensor: int = 1
 ) -> tuple[int, ...]:
-    """The shape one device holds of a parameter named `names` under FSDP x tensor (MESH_SPLITS; a mesh axis
-    splits only the first dimension that names it, as Flax's logical_to_mesh does)."""
-    sizes, used, out = {"fsdp": fsdp, "tensor": tensor}, set(), []
+    """The shape one device holds of a parameter named `names` (MESH_SPLITS; a mesh axis splits only the first
+    dimension that names it, as Flax's logical_to_mesh does).
+
+    Args:
+      shape: the parameter's shape.
+      names: its logical axis names (None: unnamed).
+      fsdp: the ways STATE_AXES split it together (mesh.fsdp x mesh.context; 1 where the layout keeps it whole).
+      tensor: the ways the tensor axis splits it (mesh.tensor).
+
+    Returns:
+      The shape of one device's shard.
+    """
+    ways, used, out = {STATE_AXES: fsdp, ("tensor",): tensor}, set(), []
     for dim, name in zip(shape, names, strict=True):
-        axis = MESH_SPLITS.get(name or "")
-        if axis is None or axis in used:
+        axes = MESH_SPLITS.get(name or "", ())
+        if not axes or used & set(axes):
             out.append(dim)
         else:
-            used.add(axis)
-            out.append(dim // sizes[axis])
+            used.update(axes)
+            out.append(dim // ways[axes])
     return tuple(out)
 
 

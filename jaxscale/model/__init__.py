@@ -4,12 +4,11 @@ from jaxscale.config.spec import ModelConfig
 from jaxscale.model.families import FAMILIES, build, head_fn, logical_axes
 from jaxscale.model.gpt import GPT
 from jaxscale.model.llama import Llama
-from jaxscale.model.stack import REMAT_POLICIES, count_params, unstack_scanned_params
+from jaxscale.model.stack import count_params, unstack_scanned_params
 
 __all__ = [
     "FAMILIES",
     "GPT",
-    "REMAT_POLICIES",
     "Llama",
     "ModelConfig",
     "build",

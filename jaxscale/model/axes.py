@@ -3,7 +3,7 @@
 Every parameter carries logical axis names (Flax's logical partitioning) and the activations between the
 sharded matmuls carry logical constraints (`nn.with_logical_constraint`). The names follow the lab's
 conventions (vocab, embed, pos, heads, kv_heads, head_dim, qkv, mlp, layers; batch and seq for activations);
-the one table that maps them to mesh axes is `jaxscale.train.sharding.RULES`. Without those rules in context
+the one table that maps them to mesh axes is `jaxscale.config.layout_rules.RULES`. Without those rules in context
 (the default 1x1x1 mesh) the constraints are no-ops, and `jaxscale.train` unboxes the initial parameters, so
 the param tree and its values are those of an unannotated model.
 """

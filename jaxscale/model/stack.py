@@ -11,80 +11,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxscale.config.remat_policies import remat_policy
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model import lora, precision, ring_attention
 from jaxscale.model.axes import Initializer, constrain, mesh_axis_size, partitioned
 
-# Named remat policies: name -> (what it keeps and its source, the names of the tags it saves per family, or a
-# jax.checkpoint_policies policy). The tags (jax.ad_checkpoint.checkpoint_name) both families put on their
-# activations: `qkv_proj` (gpt's fused q, k, v) or `query_proj`, `key_proj`, `value_proj` (llama's); `context`
-# (the attention's output, before the out projection) with the chunked and flash kernels' `attention_out` and
-# `attention_lse` (their residuals, docs/attention.md); `out_proj` (the out projection's output); `mlp_gate`
-# (llama), `mlp_up` (the up projection's output, before the activation); `mlp_hidden` (the down projection's
-# input); `mlp_down` (the down projection's output). An unknown name is a KeyError, caught by config validation.
-_QKV = ("qkv_proj", "query_proj", "key_proj", "value_proj")
-_CONTEXT = ("context", "attention_out", "attention_lse")
-_WEIGHT_DOTS = (*_QKV, "out_proj", "mlp_gate", "mlp_up", "mlp_down")
-OFFLOADED = "qkv_proj_offloaded"  # the policy that moves activations to pinned host memory
-REMAT_POLICIES: dict[str, tuple[str, object]] = {
-    "nothing_saveable": ("keeps nothing: recomputes the whole module (JAX)", jax.checkpoint_policies.nothing_saveable),
-    "dots_saveable": (
-        "keeps every matmul's output, the attention's T x T logits included (JAX)",
-        jax.checkpoint_policies.dots_saveable,
-    ),
-    "dots_with_no_batch_dims_saveable": (
-        "keeps the weight matmuls' outputs, not the attention einsums' (JAX; MaxText's old `minimal`)",
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    ),
-    "save_qkv_proj": ("keeps q, k and v (MaxText's `save_qkv_proj`)", {"gpt": _QKV, "llama": _QKV}),
-    "save_out_proj": (
-        "keeps the attention's out projection output (MaxText's `save_out_proj`)",
-        {"gpt": ("out_proj",), "llama": ("out_proj",)},
-    ),
-    "save_dot_with_context_except_mlp": (
-        "keeps q, k, v, the attention output and the out projection's, none of the MLP's "
-        "(MaxText's `save_dot_with_context_except_mlp`)",
-        {"gpt": (*_QKV, *_CONTEXT, "out_proj"), "llama": (*_QKV, *_CONTEXT, "out_proj")},
-    ),
-    "minimal_flash": (
-        "keeps every weight matmul's output and the attention output (with flash or chunked, the kernel's "
-        "output and log-sum-exp), recomputes the rest (MaxText's `minimal_flash` / `minimal_with_context`)",
-        {"gpt": (*_WEIGHT_DOTS, *_CONTEXT), "llama": (*_WEIGHT_DOTS, *_CONTEXT)},
-    ),
-    "selective_op": (
-        "keeps the outputs of every second matmul of the block in forward order (the 1st, 3rd, ...) and the "
-        "attention output, never its T x T (torchtitan's selective op activation checkpointing, `_save_list`)",
-        # gpt's matmuls: qkv, out, up, down; llama's: q, k, v, out, gate, up, down.
-        {
-            "gpt": ("qkv_proj", "mlp_up", *_CONTEXT),
-            "llama": ("query_proj", "value_proj", "mlp_gate", "mlp_down", *_CONTEXT),
-        },
-    ),
-    OFFLOADED: (
-        "moves q, k and v to pinned host memory and back for the backward pass (MaxText's "
-        "`qkv_proj_offloaded`, jax.checkpoint_policies.save_and_offload_only_these_names)",
-        None,
-    ),
-}
-
-
-def remat_policy(name: str, family: str):
-    """The jax.checkpoint policy of REMAT_POLICIES[name] for the model family `family`."""
-    _, policy = REMAT_POLICIES[name]
-    if name == OFFLOADED:
-        return jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
-            names_which_can_be_offloaded=list(_QKV),
-            offload_src="device",
-            offload_dst="pinned_host",
-        )
-    if isinstance(policy, dict):
-        return jax.checkpoint_policies.save_only_these_names(*policy[family])
-    return policy
-
 
 def maybe_remat(module: type[nn.Module], target: str, cfg: ModelConfig) -> type[nn.Module]:
-    """Wraps `module` in nn.remat when `target` is in cfg.remat.
+    """Wraps `module` in nn.remat when `target` is in cfg.remat, with the policy
+    jaxscale.config.remat_policies names cfg.remat_policy (the table the FLOP and memory models read too).
 
     prevent_cse: outside nn.scan it must be True, or XLA's common-subexpression elimination merges the
     backward pass's recomputation with the forward pass and silently undoes the remat. Inside nn.scan

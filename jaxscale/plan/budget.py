@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Mapping
 
-from jaxscale.plan.gpu_plan import PlanFlagError
+from jaxscale.plan.errors import PlanFlagError
 
 GIB = 2**30
 # JAX preallocates this fraction of the GPU's total memory for its allocator (JAX's documentation, "GPU memory

@@ -27,13 +27,15 @@ import jax
 import ml_collections
 
 from jaxscale.config import flatten, mesh_shape, validate
+from jaxscale.config.overrides import apply_overrides
+from jaxscale.config.spec import tokens_per_step
 from jaxscale.measure import flops, memory
 from jaxscale.plan import gpu_plan
 from jaxscale.train import abstract_inputs, make_train_step, param_columns
 
 # Remat choices the planner compares: (label, model.remat, model.remat_policy), roughly from least kept to most.
 # The named policies apply to the whole block (what they keep is per block, MaxText's usage); what each keeps,
-# with its source: jaxscale.model.stack.REMAT_POLICIES and docs/fit.md.
+# with its source: jaxscale.config.remat_policies.POLICIES and docs/fit.md.
 REMAT_CHOICES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "none": ("no remat", (), "nothing_saveable"),
     "mlp_attn": ("MLP+Attn", ("MLP", "Attn"), "nothing_saveable"),
@@ -122,9 +124,7 @@ def with_finetune(config: ml_collections.ConfigDict, method: str) -> ml_collecti
     """
     config = copy.deepcopy(config)
     _, changes = FINETUNE_CHOICES[method]
-    for field, value in changes.items():
-        group, key = field.split(".")
-        config[group][key] = value
+    apply_overrides(config, changes, f"--finetune {method}")
     if config.finetune.train == "adapters" and not config.model.lora_rank:
         config.model.lora_rank = DEFAULT_LORA_RANK
     if config.finetune.train == "all":
@@ -364,7 +364,7 @@ def fit_row(config: ml_collections.ConfigDict, choice: str, search: Search, sett
     chosen = search.largest or min(search.probes, key=lambda p: p.minibatch)
     planned = with_minibatch(config, choice, chosen.minibatch)
     row: dict[str, Any] = {"status": "ok", "error": None, **flatten(planned), **chosen.row}
-    row["tokens_per_step"] = planned.data.batch_size * planned.data.seq_len
+    row["tokens_per_step"] = tokens_per_step(planned)
     row.update(flops.analytic_columns(planned), **memory.analytic_columns(planned, chosen.peak_bytes))
     if search.largest is None:
         row["status"] = "error" if chosen.failed else "oom"

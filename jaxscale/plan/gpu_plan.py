@@ -46,7 +46,8 @@ import ml_collections
 from jaxscale import _env
 from jaxscale.config import ConfigError, check_mesh_devices, mesh_shape
 from jaxscale.measure import kernels
-from jaxscale.plan import predict, target_compile, targets
+from jaxscale.plan import budget, predict, target_compile, targets
+from jaxscale.plan.errors import PlanError, PlanFlagError
 
 # Without a device XLA cannot autotune GEMMs and takes Triton kernels where it can; on a real GPU the
 # autotuner may pick cuBLAS instead. The plans differ, so both are compiled and the band is reported. Each
@@ -68,18 +69,6 @@ _REMAT_WARNING = re.compile(
 )
 REMAT_COLUMNS = ("compiled_remat_limit_bytes", "compiled_remat_reached_bytes", "compiled_remat_original_bytes")
 captured_stderr = target_compile.captured_stderr  # fd 2 of this process, collected (the fit's local plans)
-
-
-class PlanError(RuntimeError):
-    """The target compile failed (a crash, a signal or an XLA error); the message is one line."""
-
-
-class PlanFlagError(ValueError):
-    """A planning option that cannot be planned: --target, --gemm, --devices, or the mesh fields they need.
-
-    The message is one line naming the flag or field and what is allowed; the front doors (jaxscale.run,
-    jaxscale.sweep, jaxscale.fit) print it as their usage error (exit 2).
-    """
 
 
 def missing_extra() -> str | None:
@@ -356,8 +345,6 @@ def plan_for_target(
 def _allocator_note(peak: int, memory: int) -> str:
     """What a fitting plan needs of JAX's allocator on the GPU: nothing within its default pool, else the
     fraction to set (jaxscale.plan.budget), or that no fraction leaves room for the CUDA context."""
-    from jaxscale.plan import budget  # budget imports this module's PlanFlagError
-
     if peak <= budget.DEFAULT_MEM_FRACTION * memory:
         return f" (within JAX's default allocator, {budget.DEFAULT_MEM_FRACTION:.0%} of the memory)"
     needed = math.ceil(100 * peak / memory) / 100

@@ -65,6 +65,7 @@ import jax
 import ml_collections
 
 from jaxscale.config import mesh_shape
+from jaxscale.config.spec import tokens_per_step
 from jaxscale.measure import collectives, flops, kernels, peaks
 from jaxscale.plan import targets
 
@@ -392,7 +393,7 @@ def step_columns(
     found = kernels.resolve_causal(found, bool(config.model.causal))  # the Pallas calls' HLO does not say
     columns: dict[str, object] = dict(predict(found, roof))
     step = columns["predicted_step_s"]
-    tokens = config.data.batch_size * config.data.seq_len
+    tokens = tokens_per_step(config)
     model_flops = flops.model_flops_per_step(config)
     columns["predicted_tokens_per_s"] = tokens / step if step else None
     columns["predicted_mfu"] = model_flops / step / peak if step and peak else None

@@ -1,8 +1,9 @@
-"""The device mesh and the one table that maps the model's logical axis names onto it.
+"""The device mesh, and the shardings the one rules table gives the train step's state, batch and gradients.
 
 The model names every parameter's axes (`nn.with_logical_partitioning`) and constrains the activations
-between its sharded matmuls (`nn.with_logical_constraint`); `RULES` below is the only place that says which
-mesh axis splits which name. From the table and the mesh sizes (`config.mesh`) come all three layouts:
+between its sharded matmuls (`nn.with_logical_constraint`); `RULES` (jaxscale.config.layout_rules, re-exported
+here) is the only place that says which mesh axis splits which name, read by the analytic models too. From the
+table and the mesh sizes (`config.mesh`) come the layouts:
 
 - data parallel (`mesh.data`): the batch is split, every parameter is replicated, gradients are all-reduced;
 - FSDP / ZeRO-3 (`mesh.fsdp`): parameters, gradients and optimizer state are split along their `embed`
@@ -38,9 +39,9 @@ from jaxscale.config import (
     accumulates_locally,
     check_mesh_devices,
     mesh_shape,
-    sequence_parallel,
     zero_stage,
 )
+from jaxscale.config.layout_rules import RULES, rules  # the logical-to-mesh table (one home, config floor)
 from jaxscale.measure.params import removed_axis
 from jaxscale.train.step import (
     Batch,
@@ -54,50 +55,6 @@ from jaxscale.train.step import (
     train_step,
 )
 from jaxscale.train.step import abstract_inputs as unsharded_inputs
-
-# Logical axis name -> mesh axes, in order of precedence (Flax's logical_to_mesh_axes): a name takes its
-# mesh axes only when no earlier dimension of the same array took them. So in an activation
-# ("batch", "stream_seq", "embed") the batch takes data and fsdp and "embed" stays whole, while in a parameter
-# ("embed", "mlp") "embed" is split over fsdp. A name mapped to None (pos, head_dim, qkv, layers) is never
-# split. The names are the lab's conventions, shared by every model family (docs/mesh.md). This is the default
-# layout (ZeRO-3 on fsdp, no sequence parallelism); `rules` derives a config's from it.
-RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),  # activations and tokens: data parallel x FSDP
-    ("vocab", "tensor"),  # token embedding, output head, logits
-    ("heads", "tensor"),  # QKV, attention output, the attention itself
-    ("kv_heads", "tensor"),  # grouped-query K/V (the Llama family)
-    ("mlp", "tensor"),  # MLP up (and gate) columns, down rows, the hidden activation
-    # ZeRO-3: every parameter with an embed axis, and its gradient and optimizer state, split over fsdp and context
-    # (context-parallel devices hold the same weights and sum their gradients too: torchtitan shards over both)
-    ("embed", ("fsdp", "context")),
-    ("stream_seq", "context"),  # the residual stream's positions (block outputs, norms' inputs, dropout)
-    ("seq", "context"),  # every other activation's positions: context parallelism
-    ("layers", None),  # the stacked axis of nn.scan
-    ("pos", None),
-    ("head_dim", None),
-    ("qkv", None),
-)
-
-
-def rules(config: ml_collections.ConfigDict | None = None, *, params: bool = False) -> tuple:
-    """The logical-to-mesh table of `config`'s layout: RULES with what mesh.zero_stage and
-    mesh.sequence_parallel change.
-
-    Args:
-      config: the run config (None: RULES).
-      params: the table the parameters are laid out with. Below ZeRO stage 3 the parameters stay whole on
-        the fsdp axis (their "embed" is not split there), while the optimizer state (and, at stage 2, the
-        gradients) keep the default table's split.
-    """
-    if config is None:
-        return RULES
-    changes = {}
-    if params and zero_stage(config) < 3:
-        changes["embed"] = None
-    if sequence_parallel(config):  # Korthikanti et al. 2022: norms, dropout and residuals split over tensor
-        changes["stream_seq"] = ("context", "tensor")
-    return tuple((name, changes.get(name, axes)) for name, axes in RULES)
-
 
 BATCH_AXES = ("batch", "seq")  # a token batch [batch, seq]: rows over data x fsdp, positions over context
 

@@ -85,7 +85,7 @@ def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformati
     )
     # optimizer.state_dtype: the first moment (Adam's mu, SGD's momentum trace) in that dtype, through optax's
     # own mu_dtype / accumulator_dtype; Adam's second moment stays float32 (docs/finetune.md says why).
-    mu = None if opt.get("state_dtype", "float32") == "float32" else jnp.dtype(opt.state_dtype)
+    mu = None if opt.state_dtype == "float32" else jnp.dtype(opt.state_dtype)
     optimizers: dict[str, Callable[[], optax.GradientTransformation]] = {
         "adam": lambda: optax.adam(schedule, b1=opt.b1, b2=opt.b2, mu_dtype=mu),
         "adamw": lambda: optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mu_dtype=mu),
@@ -193,7 +193,7 @@ LossFn = Callable[[Any, Callable, Batch, jax.Array], tuple[jax.Array, Metrics]]
 
 def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
     """The step's loss: next_token_loss, or its chunked form when train.loss_chunk_len > 0."""
-    chunk_len = config.train.get("loss_chunk_len", 0)
+    chunk_len = config.train.loss_chunk_len
     if not chunk_len:
         return next_token_loss
     head_fn = models.head_fn(step_model(config))

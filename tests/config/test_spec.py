@@ -35,8 +35,6 @@ def test_mesh_shape_derives_devices_split_and_text():
     assert (mesh.devices, mesh.batch_split, mesh.text) == (32, 4, "2x2x2x4")
     assert mesh.axes_text == "data x fsdp x tensor x context"
     assert mesh.physical == (2, 2, 4, 2)  # the device array's order: data, fsdp, context, tensor (fastest)
-    del config.mesh["context"]  # a config from before the context axis
-    assert mesh_shape(config) == MeshShape(2, 2, 2, 1)
 
 
 def test_validation_reads_the_same_derived_sizes():

@@ -78,7 +78,7 @@ _POLICY_CELLS = [
 
 @pytest.mark.parametrize("target, policy", _POLICY_CELLS)
 def test_recompute_table_matches_the_compiled_matmuls_for_every_policy(target, policy):
-    """Every cell of flops.RECOMPUTED (docs/measurements.md's table): the scanned step's dots, each loop body
+    """Every cell of flops.recomputed (docs/measurements.md's table): the scanned step's dots, each loop body
     times its trip count, equal 3 x the forward matmuls plus what the table says remat recomputes."""
     config = load_config("bf16_remat")  # layers and minibatches scanned
     config.model.update(remat=(target,), remat_policy=policy, dropout_rate=0.0)
@@ -113,7 +113,7 @@ def test_mfu_divides_model_flops_per_second_by_the_peak(monkeypatch):
         (("MLP", "Attn"), "save_qkv_proj", True, True),
         pytest.param(("Block",), "dots_with_no_batch_dims_saveable", True, False, marks=SLOW),
         pytest.param(("Block",), "save_qkv_proj", False, True, marks=SLOW),
-        # torchtitan's every-second matmul: llama recomputes k alone and up without its gate (FAMILY_RECOMPUTED)
+        # torchtitan's every-second matmul: llama recomputes k alone and up without its gate (flops.recomputed)
         (("Block",), "selective_op", True, True),
         pytest.param(("Attn",), "selective_op", True, True, marks=SLOW),
         pytest.param(("MLP",), "selective_op", True, False, marks=SLOW),

@@ -16,7 +16,7 @@ from conftest import REPO, doc_table
 
 from jaxscale import run
 from jaxscale.measure import kernels, peaks
-from jaxscale.plan import calibrate, predict
+from jaxscale.plan import calibrate, calibration_io, predict
 from jaxscale.sweep import runner
 
 # A device whose numbers make the hand arithmetic plain: 1 GFLOP/s for everything, 1 GB/s of memory.
@@ -244,7 +244,7 @@ def test_a_run_from_another_device_is_refused():
 def test_a_cpu_run_measured_with_another_malloc_is_refused(monkeypatch):
     device = jax.devices()[0]
     here = {"backend": device.platform, "device_kind": device.device_kind, "hostname": platform.node()}
-    monkeypatch.setattr(calibrate.memory, "host_allocator", lambda: "glibc")
+    monkeypatch.setattr(calibration_io.memory, "host_allocator", lambda: "glibc")
     calibrate.check_device({**here, "host_allocator": "glibc"}, "r", device)
     calibrate.check_device(here, "r", device)  # a row from before the column: not checked
     with pytest.raises(calibrate.CalibrationError, match="measured with host_allocator 'tcmalloc', this run's is"):

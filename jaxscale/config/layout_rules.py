@@ -1,0 +1,71 @@
+"""The one table that maps the model's logical axis names onto the mesh axes, and a config's layout of it.
+
+The model names every parameter's axes and constrains its activations by logical names (jaxscale.model.axes);
+`RULES` is the only place that says which mesh axis splits which name, and `rules(config)` the only place that
+says what mesh.zero_stage and mesh.sequence_parallel change in it. The layout (jaxscale.train.sharding) applies
+it; the analytic parameter and memory models (jaxscale.measure.params, .memory) read the same table to count what
+one device holds. It lives on the config floor so that all of them may import it.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from jaxscale.config.spec import sequence_parallel, zero_stage
+
+# Logical axis name -> mesh axes, in order of precedence (Flax's logical_to_mesh_axes): a name takes its
+# mesh axes only when no earlier dimension of the same array took them. So in an activation
+# ("batch", "stream_seq", "embed") the batch takes data and fsdp and "embed" stays whole, while in a parameter
+# ("embed", "mlp") "embed" is split over fsdp. A name mapped to None (pos, head_dim, qkv, layers) is never
+# split. The names are the lab's conventions, shared by every model family (docs/mesh.md). This is the default
+# layout (ZeRO-3 on fsdp, no sequence parallelism); `rules` derives a config's from it.
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),  # activations and tokens: data parallel x FSDP
+    ("vocab", "tensor"),  # token embedding, output head, logits
+    ("heads", "tensor"),  # QKV, attention output, the attention itself
+    ("kv_heads", "tensor"),  # grouped-query K/V (the Llama family)
+    ("mlp", "tensor"),  # MLP up (and gate) columns, down rows, the hidden activation
+    # ZeRO-3: every parameter with an embed axis, and its gradient and optimizer state, split over fsdp and context
+    # (context-parallel devices hold the same weights and sum their gradients too: torchtitan shards over both)
+    ("embed", ("fsdp", "context")),
+    ("stream_seq", "context"),  # the residual stream's positions (block outputs, norms' inputs, dropout)
+    ("seq", "context"),  # every other activation's positions: context parallelism
+    ("layers", None),  # the stacked axis of nn.scan
+    ("pos", None),
+    ("head_dim", None),
+    ("qkv", None),
+)
+
+
+def rules(config: ml_collections.ConfigDict | None = None, *, params: bool = False) -> tuple:
+    """The logical-to-mesh table of `config`'s layout: RULES with what mesh.zero_stage and
+    mesh.sequence_parallel change.
+
+    Args:
+      config: the run config (None: RULES).
+      params: the table the parameters are laid out with. Below ZeRO stage 3 the parameters stay whole on
+        the fsdp axis (their "embed" is not split there), while the optimizer state (and, at stage 2, the
+        gradients) keep the default table's split.
+    """
+    if config is None:
+        return RULES
+    changes = {}
+    if params and zero_stage(config) < 3:
+        changes["embed"] = None
+    if sequence_parallel(config):  # Korthikanti et al. 2022: norms, dropout and residuals split over tensor
+        changes["stream_seq"] = ("context", "tensor")
+    return tuple((name, changes.get(name, axes)) for name, axes in RULES)
+
+
+def mesh_axes(name: str, table: tuple = RULES) -> tuple[str, ...]:
+    """The mesh axes `table` splits a logical name over (() where it is never split, or the name is not in it).
+
+    Args:
+      name: a logical axis name (jaxscale.model.axes).
+      table: a rules table (RULES, or a config's `rules`).
+
+    Returns:
+      The mesh axes, in the table's order.
+    """
+    axes = dict(table).get(name)
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)

@@ -1,0 +1,165 @@
+"""The named remat policies: what each saves for the backward pass, the one table the model, FLOPs and memory read.
+
+Like `jax.checkpoint_policies`, one table of names -> policies (`POLICIES`): the model builds its jax.checkpoint
+policy from an entry (`remat_policy`), and the analytic FLOP and memory models ask the same entry which tensors
+it keeps (`kept`, `not_recomputed`) instead of restating it per policy.
+
+The tags (jax.ad_checkpoint.checkpoint_name) both families put on their activations: `qkv_proj` (gpt's fused q,
+k, v) or `query_proj`, `key_proj`, `value_proj` (llama's); `context` (the attention's output, before the out
+projection) with the chunked and flash kernels' `attention_out` and `attention_lse` (their residuals,
+docs/attention.md); `out_proj` (the out projection's output); `mlp_gate` (llama), `mlp_up` (the up projection's
+output, before the activation); `mlp_hidden` (the down projection's input); `mlp_down` (the down projection's
+output). The analytic models see a tag as the tensor it holds (`TAG_TENSORS`): q, k, v, logits (the T x T
+attention matrix), context (the attention's output), out, gate, up, hidden, down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+TAG_TENSORS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q", "k", "v"),
+    "query_proj": ("q",),
+    "key_proj": ("k",),
+    "value_proj": ("v",),
+    "context": ("context",),
+    "attention_out": ("context",),
+    "attention_lse": ("context",),
+    "out_proj": ("out",),
+    "mlp_gate": ("gate",),
+    "mlp_up": ("up",),
+    "mlp_hidden": ("hidden",),
+    "mlp_down": ("down",),
+}
+# The matmul outputs of each family's block ("logits" and "context" are the attention's two einsums, which have
+# batch dimensions; the others are the weight matmuls, which have none).
+FAMILY_TENSORS: dict[str, frozenset[str]] = {
+    "gpt": frozenset({"q", "k", "v", "logits", "context", "out", "up", "down"}),
+    "llama": frozenset({"q", "k", "v", "logits", "context", "out", "gate", "up", "down"}),
+}
+_WEIGHT_DOTS = frozenset({"q", "k", "v", "out", "gate", "up", "down"})
+_QKV = ("qkv_proj", "query_proj", "key_proj", "value_proj")
+_CONTEXT = ("context", "attention_out", "attention_lse")
+_WEIGHT_DOT_TAGS = (*_QKV, "out_proj", "mlp_gate", "mlp_up", "mlp_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """One named policy.
+
+    Attributes:
+      doc: what it keeps, with its source.
+      names: family -> the checkpoint_name tags it saves on the device (jax.checkpoint_policies.save_only_these_names).
+      builtin: the jax.checkpoint_policies attribute it is, where it is JAX's own (saving by the kind of dot).
+      dots: the tensors a builtin saves by their kind of dot (every matmul output, or those without batch dims).
+      offloads: the tags it moves to pinned host memory and back (save_and_offload_only_these_names).
+    """
+
+    doc: str
+    names: dict[str, tuple[str, ...]] | None = None
+    builtin: str | None = None
+    dots: frozenset[str] = frozenset()
+    offloads: tuple[str, ...] = ()
+
+
+def _both(tags: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    return {"gpt": tags, "llama": tags}
+
+
+OFFLOADED = "qkv_proj_offloaded"  # the policy that moves activations to pinned host memory
+POLICIES: dict[str, RematPolicy] = {
+    "nothing_saveable": RematPolicy("keeps nothing: recomputes the whole module (JAX)", builtin="nothing_saveable"),
+    "dots_saveable": RematPolicy(
+        "keeps every matmul's output, the attention's T x T logits included (JAX)",
+        builtin="dots_saveable",
+        dots=FAMILY_TENSORS["llama"],
+    ),
+    "dots_with_no_batch_dims_saveable": RematPolicy(
+        "keeps the weight matmuls' outputs, not the attention einsums' (JAX; MaxText's old `minimal`)",
+        builtin="dots_with_no_batch_dims_saveable",
+        dots=_WEIGHT_DOTS,
+    ),
+    "save_qkv_proj": RematPolicy("keeps q, k and v (MaxText's `save_qkv_proj`)", names=_both(_QKV)),
+    "save_out_proj": RematPolicy(
+        "keeps the attention's out projection output (MaxText's `save_out_proj`)", names=_both(("out_proj",))
+    ),
+    "save_dot_with_context_except_mlp": RematPolicy(
+        "keeps q, k, v, the attention output and the out projection's, none of the MLP's "
+        "(MaxText's `save_dot_with_context_except_mlp`)",
+        names=_both((*_QKV, *_CONTEXT, "out_proj")),
+    ),
+    "minimal_flash": RematPolicy(
+        "keeps every weight matmul's output and the attention output (with flash or chunked, the kernel's "
+        "output and log-sum-exp), recomputes the rest (MaxText's `minimal_flash` / `minimal_with_context`)",
+        names=_both((*_WEIGHT_DOT_TAGS, *_CONTEXT)),
+    ),
+    "selective_op": RematPolicy(
+        "keeps the outputs of every second matmul of the block in forward order (the 1st, 3rd, ...) and the "
+        "attention output, never its T x T (torchtitan's selective op activation checkpointing, `_save_list`)",
+        # gpt's matmuls: qkv, out, up, down; llama's: q, k, v, out, gate, up, down.
+        names={
+            "gpt": ("qkv_proj", "mlp_up", *_CONTEXT),
+            "llama": ("query_proj", "value_proj", "mlp_gate", "mlp_down", *_CONTEXT),
+        },
+    ),
+    OFFLOADED: RematPolicy(
+        "moves q, k and v to pinned host memory and back for the backward pass (MaxText's "
+        "`qkv_proj_offloaded`, jax.checkpoint_policies.save_and_offload_only_these_names)",
+        offloads=_QKV,
+    ),
+}
+
+
+def remat_policy(name: str, family: str):
+    """The jax.checkpoint policy of POLICIES[name] for the model family `family`.
+
+    Args:
+      name: a key of POLICIES (an unknown name is a KeyError, caught by config validation).
+      family: the model family ("gpt" or "llama").
+
+    Returns:
+      The policy object jax.checkpoint / nn.remat take.
+    """
+    policy = POLICIES[name]
+    if policy.offloads:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=list(policy.offloads),
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    if policy.names is not None:
+        return jax.checkpoint_policies.save_only_these_names(*policy.names[family])
+    return getattr(jax.checkpoint_policies, policy.builtin)
+
+
+def _tensors(tags: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(tensor for tag in tags for tensor in TAG_TENSORS[tag])
+
+
+def kept(name: str, family: str) -> frozenset[str]:
+    """The tensors of `family`'s block that POLICIES[name] keeps on the device for the backward pass.
+
+    Args:
+      name: a key of POLICIES.
+      family: the model family.
+
+    Returns:
+      A subset of FAMILY_TENSORS[family] (a tag the family does not put, such as gpt's mlp_gate, keeps nothing).
+    """
+    policy = POLICIES[name]
+    saved = policy.dots if policy.names is None else _tensors(policy.names[family])
+    return saved & FAMILY_TENSORS[family]
+
+
+def not_recomputed(name: str, family: str) -> frozenset[str]:
+    """The tensors the backward pass gets back without recomputing them: those kept and those offloaded."""
+    return kept(name, family) | (_tensors(POLICIES[name].offloads) & FAMILY_TENSORS[family])
+
+
+def saves_by_dot_type(name: str) -> bool:
+    """Whether the policy is one of JAX's that save matmul outputs by their kind (every dot without batch
+    dimensions at least: a LoRA adapter's x @ A is kept too), not by name."""
+    return bool(POLICIES[name].dots)

@@ -1,0 +1,66 @@
+"""A result row in words: the run summary printed after a run."""
+
+from __future__ import annotations
+
+import pathlib
+
+from jaxscale.config import finetune
+from jaxscale.config.spec import mesh_axes_text
+from jaxscale.measure import columns
+from jaxscale.plan import cost, gpu_plan, predict
+from jaxscale.train import loop as train_loop
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.3f} GiB"
+
+def _cache_text(row: dict) -> str:
+    if row.get("compile_cache_hit"):
+        return f" (from the compilation cache; it saved {row['compile_cache_saved_s']:.1f} s)"
+    return "" if row.get("compile_cache_hit") is None else " (compiled: not in the compilation cache)"
+
+def summary(row: dict) -> str:
+    """A short human-readable account of a result row."""
+    lines = [f"run {row['name']}: {row['status']}" + (f" ({row['error']})" if row["error"] else "")]
+    if row.get("params") is not None:
+        lines.append(
+            f"  params {row['params']:,}   tokens/step {row['tokens_per_step']:,}   compile {row['compile_s']:.1f} s"
+            + _cache_text(row)
+        )
+        lines += [line for line in [finetune.summary_line(row)] if line]  # what trains (and what is frozen)
+        lines.append(
+            f"  compiled plan ({row['compiled_backend']}): peak {_gib(row['compiled_peak_bytes'])} = "
+            f"args {_gib(row['compiled_argument_bytes'])} + out {_gib(row['compiled_output_bytes'])} - "
+            f"alias {_gib(row['compiled_alias_bytes'])} + temp {_gib(row['compiled_temp_bytes'])}"
+        )
+    if row.get("plan_target") is not None:
+        lines.append(gpu_plan.summary_line(row))
+    if row.get("step_s_median") is not None:
+        lines.append(
+            f"  step {row['step_s_median']:.4f} s median, {row['step_s_p90']:.4f} s p90 over "
+            f"{len(row['step_s_all'])} steps   {row['tokens_per_s']:,.0f} tokens/s"
+        )
+        first = "n/a: resumed" if row.get("loss_first") is None else f"{row['loss_first']:.4f}"
+        lines.append(f"  loss {row['loss']:.4f} (first step {first})   accuracy {row['accuracy']:.4f}")
+    lines += train_loop.summary_lines(row)
+    lines += columns.summary_lines(row)
+    if row.get("predicted_step_s") is not None:
+        lines.append(predict.summary_line(row))
+    if cost.cost_text(row):
+        lines.append(f"  {cost.cost_text(row)}")
+    if row.get("mesh_devices", 1) > 1:
+        layout = f"{mesh_axes_text(row['mesh'])}: {row.get('mesh_layout', '')}"
+        lines.insert(1, f"  mesh {row['mesh']} ({layout}) on {row['mesh_devices']} devices, "
+                        f"{row['process_count']} process(es); memory figures are per device")  # fmt: skip
+    lines += [f"  shape warning: {warning}" for warning in row.get("shape_warnings") or ()]
+    device = _gib(row["device_peak_bytes"]) if row["device_peak_bytes"] is not None else row["device_peak_note"]
+    malloc = f" (malloc: {row['host_allocator']})" if row.get("host_allocator") else ""
+    if row.get("host_allocator") == "glibc" and row.get("backend") == "cpu":
+        malloc = " (malloc: glibc, which maps buffers over 32 MiB afresh each step; see docs/measurements.md)"
+    lines.append(f"  device peak: {device}   host peak RSS: {_gib(row['host_peak_rss_bytes'])}{malloc}")
+    if row.get("trace_dir"):
+        lines.append(
+            f"  trace: {row['trace_dir']}  (tensorboard --logdir {pathlib.Path(row['trace_dir']).parent} "
+            "--host 127.0.0.1)"
+        )
+    return "\n".join(lines)
