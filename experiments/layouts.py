@@ -14,7 +14,9 @@ kernel, as flash runs interpreted there).
 Each layout runs twice: with a minibatch of one sequence per device that splits the batch (data x fsdp), so
 the accumulation count is the batch / (data x fsdp), as tensor- and context-parallel devices share their
 sequences; and (`_whole`) with the whole batch in one minibatch, which gathers the weights and reduces the
-gradients once a step instead of once a minibatch but keeps more activations. The table
+gradients once a step instead of once a minibatch but keeps more activations. ZeRO-2, which reduces every
+minibatch's gradients by default, runs a third time (`_step`) accumulating them on each device and reducing once a
+step (mesh.reduce_gradients=step: a whole float32 accumulator per device). The table
 shows, per variant, the plan's peak per GPU beside the analytic model, the collectives' bytes, and the predicted
 tokens/s per GPU; docs/mesh.md has the answer.
 experiments/layouts_x64.py is the same sweep for 64 GPUs (8 hosts of 8).
@@ -78,6 +80,9 @@ def variants_for(config, layouts: dict):
         variants.append({"name": name, **mesh, "train.num_minibatches": minibatches})
         if minibatches > 1:
             variants.append({"name": f"{name}_whole", **mesh, "train.num_minibatches": 1})
+        if minibatches > 1 and stage == 2:  # ZeRO-2 reduces every minibatch by default; once a step as llm.c does
+            variants.append({"name": f"{name}_step", **mesh, "train.num_minibatches": minibatches,
+                             "mesh.reduce_gradients": "step"})  # fmt: skip
     return variants
 
 

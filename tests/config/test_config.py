@@ -124,3 +124,49 @@ def test_zero_stage_below_3_with_something_to_split_validates(mesh):
     config.model.attention = "chunked"  # context parallelism runs attention as a ring of chunks
     config.mesh.update({"zero_stage": 1, **mesh})
     validate(config)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--config.mesh.reduce_gradients=sometimes"],
+         "mesh.reduce_gradients: unknown 'sometimes'; allowed: auto, step, minibatch"),
+        (["--config.mesh.fsdp=2", "--config.mesh.reduce_gradients=step"],
+         "mesh.reduce_gradients: step accumulates a whole gradient on each device, which ZeRO-3 over mesh.fsdp=2 "
+         "does not hold (its parameters are split); use minibatch or auto, or mesh.zero_stage 1 or 2"),
+    ],
+)
+def test_reduce_gradients_bad_values_are_one_line(overrides, message, tmp_path, capsys, monkeypatch):
+    """mesh.reduce_gradients: an unknown value, or a once-a-step reduction where ZeRO-3 splits the parameters."""
+    from jaxscale import run
+
+    monkeypatch.chdir(CONFIGS.parent)
+    code = run.main(["jaxscale.run", "--config", "configs/bf16.py:tiny", *overrides, "--plan", "--output_root",
+                     str(tmp_path)])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"jaxscale: error: {message}" and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "mesh,minibatches,expected",
+    [
+        (dict(data=2), 2, True),  # data parallel: auto is once a step
+        (dict(fsdp=2, zero_stage=1), 2, True),  # ZeRO-1: auto is once a step
+        (dict(fsdp=2, zero_stage=2), 2, False),  # ZeRO-2: auto reduces every minibatch (DeepSpeed's stage 2)
+        (dict(fsdp=2, zero_stage=2, reduce_gradients="step"), 2, True),
+        (dict(fsdp=2), 2, False),  # ZeRO-3 (FSDP2's default)
+        (dict(data=2, reduce_gradients="minibatch"), 2, False),
+        (dict(data=2), 1, False),  # one minibatch: one reduction a step anyway
+        (dict(), 2, False),  # one device: nothing to reduce
+    ],
+    ids=str,
+)
+def test_which_layouts_accumulate_locally(mesh, minibatches, expected):
+    """config.accumulates_locally, written out per layout (docs/mesh.md's rule)."""
+    from jaxscale.config import accumulates_locally
+
+    config = base_config("tiny", "local")
+    config.mesh.update(mesh)
+    config.train.num_minibatches = minibatches
+    validate(config)
+    assert accumulates_locally(config) is expected

@@ -357,26 +357,39 @@ def test_zero_1_and_2_gather_each_parameter_once_a_step(stage):
 
 @needs_extra
 @pytest.mark.parametrize(
-    "mesh", [{"mesh.data": 2}, {"mesh.fsdp": 2, "mesh.zero_stage": 1}, {"mesh.fsdp": 2, "mesh.zero_stage": 2}]
+    "mesh",
+    [
+        {"mesh.data": 2},
+        {"mesh.fsdp": 2, "mesh.zero_stage": 1},
+        {"mesh.fsdp": 2, "mesh.zero_stage": 2, "mesh.reduce_gradients": "step"},
+    ],
 )
 def test_data_parallel_and_zero_1_2_reduce_gradients_once_a_step(mesh):
-    """Data parallelism and ZeRO-1/2 accumulate the minibatches' gradients on each device and reduce them once a
-    step (DDP's no_sync, llm.c, Megatron's distributed optimizer): the compiled step's reduction bytes (all-reduce
-    plus reduce-scatter) are the same with 4 minibatches as with 1, and about the float32 parameters once. Failed
-    before: every minibatch's gradients were reduced inside the accumulation loop (3.78x the bytes at 4)."""
+    """Data parallelism and ZeRO-1 (by default) and ZeRO-2 (mesh.reduce_gradients=step) accumulate the minibatches'
+    gradients on each device and reduce them once a step (DDP's no_sync, llm.c, Megatron's distributed optimizer):
+    the compiled step's reduction bytes (all-reduce plus reduce-scatter) are the same with 4 minibatches as with 1,
+    and about the float32 parameters once. Failed before: every minibatch's gradients were reduced inside the
+    accumulation loop (3.78x the bytes at 4)."""
     params = _float32_params_bytes()
     one, four = (_reduced(_layout_plan(mesh, minibatches)) for minibatches in (1, 4))
     assert params <= four <= params + 4096 and abs(four - one) <= 4096, (one, four, params)
 
 
 @needs_extra
-def test_zero_3_reduces_every_minibatch():
-    """ZeRO-3 keeps the per-minibatch reduce-scatter (torchtitan's FSDP2 default: a whole local gradient copy would
-    undo its memory saving): with 4 minibatches it reduces at least 3.5x the bytes of 1 (4x the gradients, less
-    what XLA moves out of the loop), and with 1 about the float32 parameters."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_2_and_3_reduce_every_minibatch_by_default(stage):
+    """ZeRO-2 and ZeRO-3 reduce-scatter every minibatch's gradients by default (DeepSpeed's stage 2 and torchtitan's
+    FSDP2: a whole local accumulator would undo their split gradients): with 4 minibatches at least 3.5x the bytes
+    of 1 (4x the gradients, less what XLA moves out of the loop), with 1 about the float32 parameters; and the
+    per-device temporaries stay below those of the same stage accumulating locally (mesh.reduce_gradients=step,
+    ZeRO-2 only: ZeRO-3 refuses it)."""
     params = _float32_params_bytes()
-    one, four = (_reduced(_layout_plan({"mesh.fsdp": 2}, minibatches)) for minibatches in (1, 4))
-    assert one == pytest.approx(params, rel=0.02) and four >= 3.5 * one, (one, four, params)
+    mesh = {"mesh.fsdp": 2, "mesh.zero_stage": stage}
+    one, four = (_layout_plan(mesh, minibatches) for minibatches in (1, 4))
+    assert _reduced(one) == pytest.approx(params, rel=0.02) and _reduced(four) >= 3.5 * _reduced(one)
+    if stage == 2:
+        local = _layout_plan({**mesh, "mesh.reduce_gradients": "step"}, 4)
+        assert four["compiled_temp_bytes"] < local["compiled_temp_bytes"]
 
 
 @needs_extra
