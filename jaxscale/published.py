@@ -176,6 +176,19 @@ def check_layout(published: dict, config: ml_collections.ConfigDict) -> None:
         raise UsageError(f"{where}: {missing}")
 
 
+def excluded(published: dict, row: dict) -> str | None:
+    """Why the run is not counted in the mean error, or None: the runs file's reason (a published figure that is
+    not a physical measurement), or the lab's plan not fitting the GPU the run used. A run that ran fitted its
+    card, so a plan that does not is a program the run never was (the lab cannot pose it as it ran), and its
+    predicted time is of a program that could not run there."""
+    if published.get("exclude"):
+        return published["exclude"]
+    if row.get("plan_fits") is False:
+        return (f"the lab's nearest program does not fit the {published['gpu']} the run used "
+                f"({row.get('plan_fits_reason')}); the run fitted, so the lab has not posed it as it ran")  # fmt: skip
+    return None
+
+
 def compare(published: dict, row: dict) -> dict[str, Any]:
     """The published figures beside the plan's row, and predicted / published for time and memory."""
     step, how = published_step_s(published)
@@ -199,7 +212,7 @@ def compare(published: dict, row: dict) -> dict[str, Any]:
         "published_peak_gib": measured.get("peak_memory_gib"),
         "published_memory_kind": measured.get("memory_kind"),
         "published_differences": published["lab"]["differences"],
-        "published_excluded": published.get("exclude"),  # why a published figure is not held against the lab
+        "published_excluded": excluded(published, row),  # why a published figure is not held against the lab
         "predicted_tokens_per_s_per_gpu": tokens / devices if tokens else None,
         "predicted_over_published_step": predicted / step if predicted and step else None,
         "plan_over_published_memory": plan_gib / measured["peak_memory_gib"]

@@ -66,6 +66,25 @@ def test_an_excluded_run_is_one_whose_published_step_is_above_its_gpus_peak():
     assert per_gpu > peak == 312e12 and "328 TFLOP/s" in run["exclude"] and round(per_gpu / 1e12) == 328
 
 
+def test_a_run_whose_plan_does_not_fit_its_card_is_not_counted():
+    """A published run fitted its GPU; a lab plan that does not is not the program that ran, so its prediction is
+    shown but not held in the mean: the row says why, and the table's mean leaves it out (hand-made rows)."""
+    run = {**published.load_runs()[0], "exclude": None}
+    reason = published.excluded(run, {"plan_fits": False, "plan_fits_reason": "planned peak 9 bytes > device memory 8"})
+    assert reason.startswith("the lab's nearest program does not fit the ") and "planned peak 9 bytes" in reason
+    assert published.excluded(run, {"plan_fits": True}) is None
+
+    def row(name: str, ratio: float, fits: bool) -> dict:
+        return {"status": "ok", "variant": name, "published_n_gpus": 8, "plan_target": "h100", "published_step_s": 1.0,
+                "predicted_step_s": ratio, "predicted_over_published_step": ratio, "published_peak_gib": None,
+                "compiled_peak_bytes": 2**30, "plan_fits": fits,
+                "published_excluded": published.excluded(run, {"plan_fits": fits, "plan_fits_reason": "x"})}  # fmt: skip
+
+    table = published.format_table([row("a", 1.1, True), row("b", 0.8, True), row("c", 3.0, False)])
+    assert "| c (excluded: see its row) |" in table
+    assert "mean absolute error 15.0% over 2 runs, 2 within ±25%" in table  # (10% + 20%) / 2, c left out
+
+
 def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gpu_plan, "missing_extra", lambda: None)  # bad input is bad on any machine
     assert published.main(["published", "--only", "nope"]) == 2

@@ -158,13 +158,13 @@ def zero_stage(config: ml_collections.ConfigDict) -> int:
 def accumulates_locally(config: ml_collections.ConfigDict) -> bool:
     """Whether the step accumulates gradients on each device over its minibatches and reduces them once a step
     (mesh.reduce_gradients "step"; "auto" chooses it where the gradients are whole anyway: data parallelism and
-    ZeRO-1), rather than reducing every minibatch's ("minibatch"; "auto" for ZeRO-2, whose point is split
+    ZeRO-1, without context parallelism), rather than reducing every minibatch's ("minibatch"; "auto" for ZeRO-2, whose point is split
     gradients, and ZeRO-3, torchtitan's FSDP2 default). Only where several minibatches split over devices. The
     one rule the layout (jaxscale.train.sharding.local_accumulation) and the analytic memory model read."""
     mesh, stage = mesh_shape(config), zero_stage(config)
     mode = config.mesh.reduce_gradients
     if mode == "auto":
-        mode = "step" if stage == 1 or mesh.fsdp * mesh.context == 1 else "minibatch"
+        mode = "step" if mesh.context == 1 and (stage == 1 or mesh.fsdp == 1) else "minibatch"
     return config.train.num_minibatches > 1 and mesh.batch_split > 1 and mode == "step"
 
 

@@ -224,6 +224,9 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
            "mesh.reduce_gradients", "step accumulates a whole gradient on each device, which ZeRO-3 over "
            f"mesh.fsdp={fsdp} does not hold (its parameters are split); use minibatch or auto, or "
            "mesh.zero_stage 1 or 2")  # fmt: skip
+    _check(config.mesh.reduce_gradients != "step" or context == 1, "mesh.reduce_gradients",
+           f"step is not built for context parallelism (mesh.context={context}: the ring attention's shard_map is "
+           "not taken per group of rows); use minibatch or auto")  # fmt: skip
     _check(isinstance(config.mesh.sequence_parallel, bool), "mesh.sequence_parallel",
            f"must be True or False, got {config.mesh.sequence_parallel!r}")  # fmt: skip
     _check(not config.mesh.sequence_parallel or tensor > 1, "mesh.sequence_parallel",

@@ -134,6 +134,10 @@ def test_zero_stage_below_3_with_something_to_split_validates(mesh):
         (["--config.mesh.fsdp=2", "--config.mesh.reduce_gradients=step"],
          "mesh.reduce_gradients: step accumulates a whole gradient on each device, which ZeRO-3 over mesh.fsdp=2 "
          "does not hold (its parameters are split); use minibatch or auto, or mesh.zero_stage 1 or 2"),
+        (["--config.mesh.data=2", "--config.mesh.context=2", "--config.model.attention=chunked",
+          "--config.mesh.reduce_gradients=step"],
+         "mesh.reduce_gradients: step is not built for context parallelism (mesh.context=2: the ring attention's "
+         "shard_map is not taken per group of rows); use minibatch or auto"),
     ],
 )
 def test_reduce_gradients_bad_values_are_one_line(overrides, message, tmp_path, capsys, monkeypatch):
@@ -157,6 +161,7 @@ def test_reduce_gradients_bad_values_are_one_line(overrides, message, tmp_path, 
         (dict(fsdp=2), 2, False),  # ZeRO-3 (FSDP2's default)
         (dict(data=2, reduce_gradients="minibatch"), 2, False),
         (dict(data=2), 1, False),  # one minibatch: one reduction a step anyway
+        (dict(fsdp=2, zero_stage=1, context=2), 2, False),  # the context ring is not taken per group
         (dict(), 2, False),  # one device: nothing to reduce
     ],
     ids=str,
@@ -166,6 +171,7 @@ def test_which_layouts_accumulate_locally(mesh, minibatches, expected):
     from jaxscale.config import accumulates_locally
 
     config = base_config("tiny", "local")
+    config.model.attention = "chunked"  # context parallelism runs attention as a ring of chunks
     config.mesh.update(mesh)
     config.train.num_minibatches = minibatches
     validate(config)
