@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from absl import flags
 
 from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
-from jaxscale.report import mesh_tables
+from jaxscale.report import mesh_tables, models_tables
 from jaxscale.sweep.results import read_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -59,6 +59,18 @@ _LAYOUTS_64 = _sweep("layouts_x64_llama3.1-8b_plan_h100_triton_x64", "experiment
 _PUBLISHED = (f"{RESULTS}/published/results.jsonl", "experiments/published_runs.json")
 _LONG = _sweep("long_context_llama3.1-8b_plan_h100_triton_x8", "experiments/long_context.py:llama3.1-8b")
 
+
+def _fits(*names: str) -> tuple[str, ...]:
+    return tuple(f"{RESULTS}/fit_bf16_remat_{name}/results.jsonl" for name in names)
+
+
+_LLAMA1B = _fits("llama3.2-1b_a5000", "llama3.2-1b_l4", "llama3.2-1b_adafactor_a5000", "llama3.2-1b_adafactor_l4",
+                 "llama3.2-1b_a5000_xla_ignore", "llama3.2-1b_l4_xla_ignore",
+                 "llama3.2-1b_adafactor_a5000_xla_ignore")  # fmt: skip
+_LLAMA1B_FLASH = _fits("llama3.2-1b_adafactor_flash_a5000", "llama3.2-1b_adafactor_flash_l4",
+                       "llama3.2-1b_adafactor_a5000", "llama3.2-1b_adafactor_l4")  # fmt: skip
+_MODELS = "docs/models.md"
+
 TABLES: tuple[DocTable, ...] = (
     DocTable("layouts-8xh100", "docs/mesh.md", _LAYOUTS_8, mesh_tables.layouts_table),
     DocTable("layouts-64xh100", "docs/mesh.md", _LAYOUTS_64, mesh_tables.layouts_table),
@@ -71,6 +83,18 @@ TABLES: tuple[DocTable, ...] = (
     DocTable("mesh-h100", "docs/mesh.md", _sweep("mesh_seed_plan_h100_x8", "experiments/mesh.py:seed"),
              mesh_tables.gpu_mesh_table),  # fmt: skip
     DocTable("published", "docs/published.md", _PUBLISHED, _published),
+    DocTable("fit-llama3.2-1b", _MODELS, _LLAMA1B, models_tables.optimizers_by_gpu_table),
+    DocTable("fit-llama3.2-1b-flash", _MODELS, _LLAMA1B_FLASH, models_tables.two_gpu_table),
+    DocTable("fit-gpt2", _MODELS, _fits("gpt2_rtx4090", "gpt2_rtx4090_xla_ignore"), models_tables.reference_fit_table),
+    DocTable("fit-gpt2-flash", _MODELS, _fits("gpt2_flash_rtx4090", "gpt2_rtx4090"),
+             models_tables.flash_beside_reference_table),  # fmt: skip
+    DocTable("fit-gpt2-chunked-loss", _MODELS, _fits("gpt2_flash_chunked_loss_rtx4090", "gpt2_flash_rtx4090"),
+             models_tables.chunked_loss_table),  # fmt: skip
+    DocTable("fit-llama3.1-8b-flash", _MODELS, _fits("llama3.1-8b_flash_h100_x8"), models_tables.sharded_fit_table),
+    DocTable("fit-llama3.1-8b-flash-step", _MODELS, _fits("llama3.1-8b_flash_h100_x8"),
+             models_tables.sharded_fit_step_table),  # fmt: skip
+    DocTable("fit-llama3.1-8b-cudnn", _MODELS, _fits("llama3.1-8b_cudnn_h100_x8", "llama3.1-8b_flash_h100_x8"),
+             models_tables.attention_pair_table),  # fmt: skip
 )
 
 
