@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from absl import flags
 
 from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
-from jaxscale.report import mesh_tables, models_tables
+from jaxscale.report import measurements_tables, mesh_tables, models_tables, predict_tables
 from jaxscale.sweep.results import read_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -70,6 +70,16 @@ _LLAMA1B = _fits("llama3.2-1b_a5000", "llama3.2-1b_l4", "llama3.2-1b_adafactor_a
 _LLAMA1B_FLASH = _fits("llama3.2-1b_adafactor_flash_a5000", "llama3.2-1b_adafactor_flash_l4",
                        "llama3.2-1b_adafactor_a5000", "llama3.2-1b_adafactor_l4")  # fmt: skip
 _MODELS = "docs/models.md"
+_PREDICT = "docs/predict.md"
+
+
+def _cpu(name: str, file: str = "results.jsonl") -> str:
+    return f"{RESULTS}/seed_table_cpu_{name}/{file}"
+
+
+_CALIBRATE = (_cpu("calibrate"), _cpu("calibrate", "calibration.jsonl"))
+_QUIET_A = _cpu("calibrate_a", "calibration_cell.jsonl")
+_TCMALLOC_D = _cpu("tcmalloc_d", "calibration_cell.jsonl")
 
 TABLES: tuple[DocTable, ...] = (
     DocTable("layouts-8xh100", "docs/mesh.md", _LAYOUTS_8, mesh_tables.layouts_table),
@@ -95,6 +105,26 @@ TABLES: tuple[DocTable, ...] = (
              models_tables.sharded_fit_step_table),  # fmt: skip
     DocTable("fit-llama3.1-8b-cudnn", _MODELS, _fits("llama3.1-8b_cudnn_h100_x8", "llama3.1-8b_flash_h100_x8"),
              models_tables.attention_pair_table),  # fmt: skip
+    DocTable("calibration-cpu", _PREDICT, _CALIBRATE, predict_tables.calibration_table),
+    DocTable("calibration-cpu-again", _PREDICT, (*_CALIBRATE, _cpu("calibrated_bf16_scan")),
+             predict_tables.measured_again_table),  # fmt: skip
+    DocTable("calibration-a-leave-one-in", _PREDICT,
+             (_cpu("calibrate_a"), _cpu("calibrate_a", "calibration_group.jsonl"), _QUIET_A),
+             predict_tables.leave_one_in_table),  # fmt: skip
+    DocTable("calibration-a-out-of-sample", _PREDICT,
+             (_QUIET_A, _cpu("calibrate_a"), _cpu("calibrate_b"), _cpu("calibrated_bf16_remat_batch64")),
+             predict_tables.out_of_sample_table),  # fmt: skip
+    DocTable("calibration-sweep-c", _PREDICT, (_cpu("calibrated_bf16_remat_batch64"),), predict_tables.sweep_c_table),
+    DocTable("calibration-d-tcmalloc", _PREDICT,
+             (_TCMALLOC_D, *(_cpu(name) for name in ("tcmalloc_d", "tcmalloc_e", "tcmalloc_f",
+                                                      "calibrated_bf16_scan_remat_mlp_attn"))),
+             predict_tables.four_sweeps_table),  # fmt: skip
+    DocTable("calibration-sweep-g", _PREDICT, (_cpu("calibrated_bf16_scan_remat_mlp_attn"),),
+             predict_tables.sweep_g_table),  # fmt: skip
+    DocTable("cpu-allocator", "docs/measurements.md",
+             tuple(_cpu(name) for name in ("calibrate_a", "calibrate_b", "calibrated_bf16_remat_batch64", "tcmalloc_d",
+                                           "tcmalloc_e", "tcmalloc_f", "calibrated_bf16_scan_remat_mlp_attn")),
+             measurements_tables.allocator_table),  # fmt: skip
 )
 
 

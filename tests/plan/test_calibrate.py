@@ -12,11 +12,12 @@ import statistics
 
 import jax
 import pytest
-from conftest import REPO, doc_table
+from conftest import REPO
 
 from jaxscale import run
 from jaxscale.measure import kernels, peaks
 from jaxscale.plan import calibrate, calibration_io, predict
+from jaxscale.report import docs_tables
 from jaxscale.sweep import runner
 
 # A device whose numbers make the hand arithmetic plain: 1 GFLOP/s for everything, 1 GB/s of memory.
@@ -321,8 +322,12 @@ def _jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _doc_table(header_start: str) -> list[list[str]]:
-    return doc_table("predict.md", header_start)
+def _table(name: str) -> list[list[str]]:
+    """The body cells of docs/predict.md's generated table `name`, as docs_tables writes it from the committed
+    rows (tests/report/test_docs_tables.py holds the doc to it; here its cells are redone by hand)."""
+    (table,) = [table for table in docs_tables.TABLES if table.name == name]
+    lines = docs_tables.render(table).splitlines()[2:]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
 def test_the_committed_calibration_rows_redo_by_hand_and_hold_docs_predict_md():
@@ -349,7 +354,7 @@ def test_the_committed_calibration_rows_redo_by_hand_and_hold_docs_predict_md():
     runs = list(dict.fromkeys(r["calibrated_on"] for r in rows))
     errors = {on: [abs(r["predicted_step_s"] / r["step_s_median"] - 1) for r in rows if r["calibrated_on"] == on]
               for on in runs}  # fmt: skip
-    table = _doc_table("| calibrated on | max abs error |")
+    table = _table("calibration-cpu")
     assert [row[0] for row in table] == [*runs, "uncalibrated"]
     for row in table[:-1]:
         first = next(r for r in rows if r["calibrated_on"] == row[0])
@@ -362,10 +367,12 @@ def test_the_committed_calibration_rows_redo_by_hand_and_hold_docs_predict_md():
         assert row[3] == ("yes" if flipped == 0 else "no") and row[4] == f"{flipped} of 15"
     uncalibrated = [abs(r["predicted_step_s"] / r["step_s_median"] - 1) for r in measured.values()]
     assert table[-1][1:3] == [f"{max(uncalibrated):.0%}", f"{sum(uncalibrated) / 7:.0%}"]
+    assert all("no efficiency factors, no launch cost" in r["predicted_roofline_source"] for r in measured.values())
+    assert table[-1][5:] == ["1.00", "1.00", "1.00", "0"]  # uncalibrated: the roofline itself, no launch cost
     best = min(runs, key=lambda on: max(errors[on]))
     assert best == "bf16_scan"  # the docs' choice: the smallest largest error
     again = {r["variant"]: r for r in _jsonl(CALIBRATED_SWEEP / "results.jsonl")}
-    for row in _doc_table("| variant | measured s | uncalibrated s | calibrated s |"):
+    for row in _table("calibration-cpu-again"):
         name, r = row[0], measured[row[0]]
         assert row[1:3] == [f"{r['step_s_median']:.2f}", f"{r['predicted_step_s']:.2f}"]
         if name == best:
@@ -557,7 +564,7 @@ def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_table
     moved = max(abs(m[v] / a[v] - 1) for m in (b, c) for v in a)
     assert f"moved by up to {moved:.0%} from sweep A's" in text
     assert f"(`bf16_scan` {a['bf16_scan']:.3f}, {b['bf16_scan']:.3f}, {c['bf16_scan']:.3f} s)" in text
-    leave_one_in = _doc_table("| calibrated on | groups: max / mean abs error |")
+    leave_one_in = _table("calibration-a-leave-one-in")
     assert [row[0] for row in leave_one_in] == list(a)
     for row in leave_one_in:
         by_cell, by_group = _predictions(cells, row[0]), _predictions(groups, row[0])
@@ -566,7 +573,7 @@ def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_table
             _max_mean(_errors(by_cell, a)),
             f"{_wrong(by_cell, a)} of 15",
         ]
-    out_of_sample = _doc_table("| calibrated on (sweep A) | vs sweep B")
+    out_of_sample = _table("calibration-a-out-of-sample")
     assert [row[0] for row in out_of_sample] == list(a)
     for row in out_of_sample:
         pred = _predictions(cells, row[0])
@@ -577,7 +584,7 @@ def test_the_cell_calibration_rows_redo_by_hand_and_hold_the_quiet_machine_table
         assert row[1:5] == [_max_mean(eb), _max_mean(ec), spans, f"{_wrong(pred, b, kept)} of {len(kept)}"]
     sweep_c = {r["variant"]: r for r in _jsonl(QUIET["calibrated_bf16_remat_batch64"] / "results.jsonl")}
     best = _predictions(cells, "bf16_remat_batch64")
-    table_c = _doc_table("| variant | measured s (C) |")
+    table_c = _table("calibration-sweep-c")
     assert [row[0] for row in table_c] == [v for v in a if v != "bf16_remat_batch64"]
     for row in table_c:
         r = sweep_c[row[0]]
@@ -690,7 +697,7 @@ def test_the_tcmalloc_calibration_rows_redo_by_hand_and_hold_docs_predict_md_and
     text = " ".join((REPO / "docs" / "predict.md").read_text().split())
     assert f"Order is judged on the pairs all four sweeps order alike ({len(settled)} of the 21)" in text
 
-    table = _doc_table("| calibrated on (sweep D) | leave-one-in on D")
+    table = _table("calibration-d-tcmalloc")
     assert [row[0] for row in table] == list(d)
     in_sample = {}
     for row in table:
@@ -707,7 +714,7 @@ def test_the_tcmalloc_calibration_rows_redo_by_hand_and_hold_docs_predict_md_and
     chosen = min(in_sample, key=in_sample.get)
     assert chosen == "bf16_scan_remat_mlp_attn"
     sweep_g = {r["variant"]: r for r in _jsonl(TCMALLOC["calibrated_bf16_scan_remat_mlp_attn"] / "results.jsonl")}
-    table_g = _doc_table("| variant | measured s (G) |")
+    table_g = _table("calibration-sweep-g")
     assert [row[0] for row in table_g] == list(d)
     best = _predictions(cells, chosen)
     for row in table_g:
