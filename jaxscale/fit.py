@@ -253,6 +253,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     if fv.max_minibatch < 1 or fv.max_compiles < 1:
         raise UsageError("--max_minibatch and --max_compiles: must be >= 1")
     gpu_plan.check_target_flag(fv.target, plan=True, gemm=fv.gemm, attention=config.model.attention)
+    gpu_plan.check_flash_blocks(config, fv.target)
     check_cost_flags(fv)
     if fv.devices is not None or mesh_shape(config).devices > 1:
         if fv.target is None:

@@ -44,7 +44,7 @@ import jax
 import ml_collections
 
 from jaxscale import _env
-from jaxscale.config import ConfigError, check_mesh_devices, mesh_shape
+from jaxscale.config import ConfigError, check_mesh_devices, kernel_blocks, mesh_shape
 from jaxscale.measure import kernels
 from jaxscale.plan import budget, predict, target_compile, targets
 from jaxscale.plan.errors import PlanError, PlanFlagError
@@ -118,6 +118,36 @@ def check_target_flag(target: str | None, plan: bool, gemm: str = "both", attent
     missing = missing_extra() or (missing_cudnn() if attention == "cudnn" else None)
     if missing:
         raise PlanFlagError(missing)
+
+
+def check_flash_blocks(config: ml_collections.ConfigDict, target: str | None) -> None:
+    """The flash kernel's blocks against the target's own shared memory (config validation checks only the largest
+    of any target's): the forward kernel's bytes by its architecture's rule (config.kernel_blocks), before any
+    compile, so a plan for an Ada or Ampere card with Hopper-sized blocks is one line rather than XLA's error.
+
+    Raises:
+      PlanFlagError: one line naming the block field, the target, the bytes and the largest square block that fits.
+    """
+    m = config.model
+    if target is None or m.attention != "flash":
+        return
+    spec = targets.get_target(target)
+    cc, itemsize, seq_len = spec.compute_capability, 4 if m.dtype == "float32" else 2, config.data.seq_len
+    default = kernel_blocks.default_block(m.head_dim, seq_len, itemsize)
+    block_q, block_k = m.attention_block_q or default, m.attention_block_k or default
+    need = kernel_blocks.forward_shared_memory(block_q, block_k, m.head_dim, itemsize, cc)
+    limit = kernel_blocks.shared_memory_limit(cc)
+    if need <= limit:
+        return
+    fitting = [b for b in (1 << i for i in range(default.bit_length())) if seq_len % b == 0
+               and kernel_blocks.forward_shared_memory(b, b, m.head_dim, itemsize, cc) <= limit]  # fmt: skip
+    field = "model.attention_block_q" if m.attention_block_q else "model.attention_block_k"
+    raise PlanFlagError(
+        f"{field}: blocks of {block_q} queries and {block_k} keys at model.head_dim={m.head_dim} ({m.dtype}) need "
+        f"{need:,} bytes of shared memory in the flash forward kernel on {target} (compute capability "
+        f"{cc[0]}.{cc[1]}), over its {limit:,}; set model.attention_block_q and _k to "
+        + (f"{max(fitting)} or less" if fitting else "blocks that fit")
+    )
 
 
 def check_devices_flag(config: ml_collections.ConfigDict, target: str | None, devices: int | None) -> None:

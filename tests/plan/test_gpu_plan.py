@@ -477,3 +477,28 @@ def test_a_plan_keeps_the_targets_compiled_program_beside_its_row(tmp_path, monk
         assert row["compile_cache_hit"] is True
     finally:
         compile_cache.set_enabled(False)
+
+
+_ADA_TOO_LARGE = {"model.attention": "flash", "model.hidden_size": 512, "model.head_dim": 256, "data.seq_len": 256,
+                  "model.max_seq_len": 256, "model.attention_block_q": 64, "model.attention_block_k": 64}  # fmt: skip
+
+
+def test_flash_blocks_too_large_for_the_targets_shared_memory_are_one_line(tmp_path, capsys, monkeypatch):
+    """Blocks of 64 at head_dim 256 fit an H100's shared memory but not an RTX 4090's: XLA's deviceless compile for
+    the 4090 refuses them ("requested 106496, available: 101376", docs/attention.md; tests/model/test_attention.py
+    compiles it), so the plan is refused first, in one line naming the field, the target and the bytes, and the
+    largest square block that fits; nothing is written. The H100 plan of the same config passes the check."""
+    monkeypatch.setattr(gpu_plan, "missing_extra", lambda: None)
+    overrides = [f"--config.{field}={value}" for field, value in _ADA_TOO_LARGE.items()]
+    argv = ["run", "--config", "configs/bf16_remat.py:tiny", *overrides, "--plan", "--target", "rtx4090",
+            "--output_root", str(tmp_path)]  # fmt: skip
+    monkeypatch.chdir(REPO)
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxscale: error: model.attention_block_q: blocks of 64 queries")
+    assert "need 106,496 bytes" in err and "on rtx4090 (compute capability 8.9), over its 101,376" in err
+    assert err.rstrip().endswith("set model.attention_block_q and _k to 32 or less") and not any(tmp_path.iterdir())
+    config = load_config("bf16_remat", "tiny")
+    apply_overrides(config, _ADA_TOO_LARGE, "bf16_remat")
+    validate(config)
+    gpu_plan.check_flash_blocks(config, "h100")  # (64 + 4 x 64) x 256 x 2 = 163,840 <= 232,448: no error
