@@ -67,6 +67,16 @@ def _flop(value: float | None) -> str:
     return f"{value / scale:.3g} {unit}FLOP"
 
 
+def _above_peak(row: dict) -> str:
+    """Why a utilization above 100% cannot be: the step ran faster than the peak it is divided by, so the peak is
+    wrong; a CPU's is a measurement (jaxscale.measure.peaks), cached, and one taken while the machine was loaded
+    stays low until a faster one replaces it."""
+    if row.get("backend") == "cpu":
+        return ("  utilization above 100%: this step ran faster than the cached roofline, which was measured while "
+                "the machine was busier; `python -m jaxscale.bench` measures it again and keeps the faster")  # fmt: skip
+    return "  utilization above 100%: this step ran faster than the peak it is divided by; that peak is wrong"
+
+
 def summary_lines(row: dict) -> list[str]:
     """Human-readable lines for jaxscale.run's summary: FLOPs, MFU, analytic memory, trace shares."""
     lines = []
@@ -93,6 +103,8 @@ def summary_lines(row: dict) -> list[str]:
         lines.append(
             f"  MFU {row['mfu']:.1%}  HFU {_fmt(row.get('hfu'), 0.01, '.1f')}%  (peak: {row['peak_flops_source']})"
         )
+        if max(row["mfu"], row.get("hfu") or 0) > 1:
+            lines.append(_above_peak(row))
     if row.get("trace_step_s") is not None:
         lines.append(
             f"  trace analysis: step {row['trace_step_s']:.4f} s; matmul {row['trace_matmul_share']:.0%}, fusion "
