@@ -79,6 +79,7 @@ def _cpu(name: str, file: str = "results.jsonl") -> str:
 
 _CALIBRATE = (_cpu("calibrate"), _cpu("calibrate", "calibration.jsonl"))
 _QUIET_A = _cpu("calibrate_a", "calibration_cell.jsonl")
+_SEED_A5000 = f"{RESULTS}/seed_table_seed_plan_a5000/results.jsonl"
 _TCMALLOC_D = _cpu("tcmalloc_d", "calibration_cell.jsonl")
 
 TABLES: tuple[DocTable, ...] = (
@@ -105,6 +106,9 @@ TABLES: tuple[DocTable, ...] = (
              models_tables.sharded_fit_step_table),  # fmt: skip
     DocTable("fit-llama3.1-8b-cudnn", _MODELS, _fits("llama3.1-8b_cudnn_h100_x8", "llama3.1-8b_flash_h100_x8"),
              models_tables.attention_pair_table),  # fmt: skip
+    DocTable("notebook-a5000", _PREDICT, (_SEED_A5000,), predict_tables.notebook_check_table),
+    DocTable("seed-plan-h100", _PREDICT, (f"{RESULTS}/seed_table_seed_plan_h100/results.jsonl", _SEED_A5000),
+             predict_tables.h100_plan_table),  # fmt: skip
     DocTable("calibration-cpu", _PREDICT, _CALIBRATE, predict_tables.calibration_table),
     DocTable("calibration-cpu-again", _PREDICT, (*_CALIBRATE, _cpu("calibrated_bf16_scan")),
              predict_tables.measured_again_table),  # fmt: skip

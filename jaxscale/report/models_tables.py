@@ -81,12 +81,25 @@ def _xla_limit(rows: list[dict]) -> float:
     return limits.pop() / GIB
 
 
+def _budget(rows: list[dict]) -> str:
+    """The fit's budget in GiB (`fit_budget_bytes`, the same in every row of a fit)."""
+    budgets = {row["fit_budget_bytes"] for row in rows}
+    if len(budgets) != 1:
+        raise ValueError(f"expected one budget among the fit's rows, found {sorted(budgets)}")
+    return f"{budgets.pop() / GIB:.2f}"
+
+
+def _xla_limit_or_none(rows: list[dict]) -> str:
+    """XLA's rematerialization limit in GiB where a row of the fit met it, else –."""
+    return f"{_xla_limit(rows):.2f}" if any(row.get("compiled_remat_limit_bytes") for row in rows) else NONE
+
+
 def sharded_fit_table(rows: pathlib.Path) -> str:
     """A fit on several GPUs: per remat choice, the largest sequences per GPU, the plan there and at one more, and
     the predicted tokens/s per GPU (the fastest in bold)."""
     found = fit_rows(rows)
     fastest = max((_per_device(r) for r in found if r["fit_largest_minibatch"]), default=None)
-    header = ("remat", "largest sequences per GPU", "plan GiB there",
+    header = ("remat", f"largest sequences per GPU (budget {_budget(found)} GiB)", "plan GiB there",
               f"plan GiB at one more (refused: XLA's rematerialization stays above its {_xla_limit(found):.2f} GiB "
               "limit)", "predicted tokens/s per GPU there")  # fmt: skip
     lines = []
@@ -124,9 +137,10 @@ def two_gpu_table(first: pathlib.Path, second: pathlib.Path, *reference: pathlib
     and the largest minibatch of the same fits with the reference attention (`reference`: one fit per GPU)."""
     found, other = fit_rows(first), _by_choice(second)
     before = [_by_choice(path) for path in reference]
-    gpus = [next(iter(read_rows(path)))["fit_target"].upper() for path in (first, second)]
-    header = ("remat", f"{gpus[0]}: largest minibatch (plan GiB)", "predicted tokens/s",
-              f"{gpus[1]}: largest minibatch (plan GiB)", "predicted tokens/s",
+    gpus = [read_rows(path)[0]["fit_target"].upper() for path in (first, second)]
+    budgets = [_budget(read_rows(path)) for path in (first, second)]
+    header = ("remat", f"{gpus[0]} (budget {budgets[0]} GiB): largest minibatch (plan GiB)", "predicted tokens/s",
+              f"{gpus[1]} (budget {budgets[1]} GiB): largest minibatch (plan GiB)", "predicted tokens/s",
               f"reference attention: {' / '.join(gpus)}")  # fmt: skip
     lines = []
     for row in found:
@@ -138,11 +152,11 @@ def two_gpu_table(first: pathlib.Path, second: pathlib.Path, *reference: pathlib
 
 def flash_beside_reference_table(rows: pathlib.Path, reference: pathlib.Path) -> str:
     """A fit with flash attention beside the same fit with the reference attention (largest minibatch, plan GiB)."""
-    before = _by_choice(reference)
-    header = ("remat", "flash: largest minibatch (plan GiB)", "predicted tokens/s",
+    before, found = _by_choice(reference), fit_rows(rows)
+    header = ("remat", f"flash (budget {_budget(found)} GiB): largest minibatch (plan GiB)", "predicted tokens/s",
               "reference attention: largest minibatch (plan GiB)")  # fmt: skip
     lines = [(row["fit_remat"], _answer(row), _rate(row), _answer(before.get(row["fit_choice"])))
-             for row in fit_rows(rows)]  # fmt: skip
+             for row in found]  # fmt: skip
     return markdown(header, lines)
 
 
@@ -196,9 +210,15 @@ def optimizers_by_gpu_table(*fits: pathlib.Path) -> str:
     optimizers = list(dict.fromkeys(key[0] for key in grouped))
     gpus = list(dict.fromkeys(key[2] for key in grouped))
     ignore_budget = next((_card_budget(next(iter(g.values()))) for k, g in grouped.items() if k[1] == "ignore"), "")
-    header = ("optimizer", "remat", *(f"{gpu.upper()}: largest minibatch (plan GiB)" for gpu in gpus),
+    budgets = {gpu: _budget([row for k, g in grouped.items() if k[1:] == ("respect", gpu) for row in g.values()])
+               for gpu in gpus}  # fmt: skip
+    header = ("optimizer", "remat",
+              *(f"{gpu.upper()} (budget {budgets[gpu]} GiB): largest minibatch (plan GiB)" for gpu in gpus),
+              f"XLA's limit GiB: {' / '.join(gpu.upper() for gpu in gpus)}",
               f"with `--xla_limit ignore`{ignore_budget}: {' / '.join(gpu.upper() for gpu in gpus)}")  # fmt: skip
     names = {"adam": "Adam", "adafactor": "Adafactor"}
+    limits = {optimizer: " / ".join(_xla_limit_or_none(list(grouped.get((optimizer, "respect", gpu), {}).values()))
+                                    for gpu in gpus) for optimizer in optimizers}  # fmt: skip
     lines = []
     for optimizer in optimizers:
         choices = [c for c in REMAT_CHOICES if any(c in g for k, g in grouped.items() if k[0] == optimizer)]
@@ -206,7 +226,8 @@ def optimizers_by_gpu_table(*fits: pathlib.Path) -> str:
             respect = [_answer(grouped.get((optimizer, "respect", gpu), {}).get(choice)) for gpu in gpus]
             ignored = [_short(grouped.get((optimizer, "ignore", gpu), {}).get(choice)) for gpu in gpus]
             label = REMAT_CHOICES[choice][0]
-            lines.append((names.get(optimizer, optimizer), label, *respect, " / ".join(ignored)))
+            lines.append((names.get(optimizer, optimizer), label, *respect, limits[optimizer],
+                          " / ".join(ignored)))  # fmt: skip
     return markdown(header, lines)
 
 

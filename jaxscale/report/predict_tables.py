@@ -197,3 +197,56 @@ def sweep_c_table(rows: pathlib.Path) -> str:
 def sweep_g_table(rows: pathlib.Path) -> str:
     """Sweep G (calibrated on a run of sweep D): every variant's measured step and predictions, its own included."""
     return _calibrated_sweep(rows, "G", with_calibration_run=True)
+
+
+def _seconds(row: dict, *groups: str) -> list[str]:
+    return [f"{row[f'predicted_{group}_s']:.3f}" for group in groups]
+
+
+def notebook_check_table(rows: pathlib.Path) -> str:
+    """Each variant's predicted step (the faster GEMM mode) against the step the notebook measured on its A5000
+    (`notebook_step_s`, which the sweep joins into its a5000 rows), both modes' predictions and the faster one's
+    breakdown.
+
+    Args:
+      rows: the `--plan --target a5000` sweep's results.jsonl.
+
+    Returns:
+      The markdown table.
+    """
+    header = ("variant", "notebook s", "predicted s", "predicted / notebook", "Triton GEMMs s", "cuBLAS GEMMs s",
+              "roofline bound s", "matmul s", "fusions s", "copies + DUS s", "launch s", "kernels",
+              "predicted MFU")  # fmt: skip
+    lines = []
+    for row in read_rows(rows):
+        notebook = row.get("notebook_step_s")
+        lines.append((row["variant"], f"{notebook:g}" if notebook else "not timed", *_seconds(row, "step"),
+                      f"**{row['predicted_step_s'] / notebook:.2f}**" if notebook else "-",
+                      *_seconds(row, "triton_step", "cublas_step", "step_lower_bound", "matmul", "fusion",
+                                "copy_dus", "launch"),
+                      f"{row['predicted_kernel_launches']:,}", f"{row['predicted_mfu']:.1%}"))  # fmt: skip
+    return markdown(header, lines)
+
+
+def h100_plan_table(rows: pathlib.Path, a5000: pathlib.Path) -> str:
+    """Each variant's predicted H100 step with its breakdown, and how many times longer its A5000 prediction is.
+
+    Args:
+      rows: the `--plan --target h100` sweep's results.jsonl.
+      a5000: the same sweep's `--plan --target a5000` results.jsonl.
+
+    Returns:
+      The markdown table.
+    """
+    on_a5000 = steps_predicted(a5000)
+    header = ("variant", "predicted s", "roofline bound s", "matmul s", "fusions s", "copies + DUS s", "launch s",
+              "predicted MFU", "A5000 / H100")  # fmt: skip
+    lines = [(row["variant"], *_seconds(row, "step", "step_lower_bound", "matmul", "fusion", "copy_dus", "launch"),
+              f"{row['predicted_mfu']:.1%}", f"{on_a5000[row['variant']] / row['predicted_step_s']:.1f}x")
+             for row in read_rows(rows)]  # fmt: skip
+    return markdown(header, lines)
+
+
+def steps_predicted(rows: pathlib.Path) -> dict[str, float]:
+    """variant -> predicted step (seconds) of a plan sweep's results.jsonl, in the file's order."""
+    return {row["variant"]: row["predicted_step_s"] for row in read_rows(rows)}

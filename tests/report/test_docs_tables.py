@@ -98,3 +98,38 @@ def test_the_long_context_answers_are_the_largest_fitting_sequence_of_each_layou
             largest[layout] = max(largest.get(layout, 0), row["config.data.seq_len"])
     shown = {line[0].strip("`"): int(line[1].replace(",", "")) for line in _cells("long-context-answers")}
     assert shown == largest
+
+
+def _doc_cells(doc: str, table: str) -> list[list[str]]:
+    """The body cells (bold marks stripped) of a doc's table between the markers of `table`."""
+    text = (REPO / "docs" / doc).read_text()
+    block = text.split(f"<!-- table:{table} -->\n")[1].split(f"<!-- /table:{table} -->")[0]
+    return [[cell.strip().strip("*") for cell in line.strip("|").split("|")] for line in block.splitlines()[2:]]
+
+
+def test_the_notebook_table_shows_the_sweep_files_notebook_steps_and_their_ratio():
+    """The notebook's steps come from the sweep file (NOTEBOOK_STEP_S), not the rows the table is written from;
+    the ratio column is the shown predicted step over the shown notebook step, to its rounding."""
+    import runpy
+
+    notebook = runpy.run_path(str(REPO / "experiments" / "seed_table.py"))["NOTEBOOK_STEP_S"]["seed"]
+    lines = _doc_cells("predict.md", "notebook-a5000")
+    timed = {line[0]: line for line in lines if line[1] != "not timed"}
+    assert {name: float(line[1]) for name, line in timed.items()} == notebook
+    for line in timed.values():
+        assert float(line[3]) == pytest.approx(float(line[2]) / float(line[1]), abs=0.005 + 0.0005 / float(line[1]))
+
+
+def test_the_xla_limit_column_is_the_limit_xlas_refusals_name():
+    """The A5000 / L4 Adam fits refuse every choice; each row's error quotes XLA's limit in bytes."""
+    import re
+
+    limits = []
+    for gpu in ("a5000", "l4"):
+        path = REPO / "experiments" / "results" / f"fit_bf16_remat_llama3.2-1b_{gpu}" / "results.jsonl"
+        errors = [json.loads(line)["error"] for line in path.read_text().splitlines()]
+        quoted = {int(re.search(r"its limit of (\d+) bytes", error).group(1)) for error in errors}
+        assert len(quoted) == 1
+        limits.append(f"{quoted.pop() / 2**30:.2f}")
+    adam = [line for line in _doc_cells("models.md", "fit-llama3.2-1b") if line[0] == "Adam"]
+    assert adam and {line[4] for line in adam} == {" / ".join(limits)}
