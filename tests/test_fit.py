@@ -324,11 +324,11 @@ def test_the_committed_llama1b_flash_fits_hold_what_docs_models_says():
             # the next minibatch was planned and refused: above the budget, or by XLA's own limit (no bytes)
             refused = [p for p in r["fit_probes"] if p[0] == r["fit_largest_minibatch"] + 1]
             assert refused and refused[0][2] is False
-    doc = " ".join((REPO / "docs" / "models.md").read_text().split())
-    for gpu in ("a5000", "l4"):
+    for gpu in ("a5000", "l4"):  # docs/models.md: Adam's smallest flash plan is below the reference's, above budget
         adam = rows(f"fit_bf16_remat_llama3.2-1b_flash_{gpu}")
+        reference = rows(f"fit_bf16_remat_llama3.2-1b_{gpu}")
         assert all(r["status"] == "oom" for r in adam.values())
-        assert f"{adam['block']['compiled_peak_bytes'] / 2**30:.2f} GiB (was 20.20" in doc
+        assert adam["block"]["compiled_peak_bytes"] < reference["block"]["compiled_peak_bytes"]
         assert adam["block"]["compiled_peak_bytes"] > adam["block"]["fit_budget_bytes"]
 
 
