@@ -339,10 +339,15 @@ def batch_gradients(
         )
         return grads, step_metrics
 
+    def constrained_grad_fn(params, minibatch, minibatch_rng):
+        grads, step_metrics = grad_fn(params, minibatch, minibatch_rng)
+        return constrain_grads(grads), step_metrics
+
     if local is None or num_minibatches == 1:
-        constrained = lambda *args: (lambda g, m: (constrain_grads(g), m))(*grad_fn(*args))  # noqa: E731
-        return accumulate_gradients(constrained, state.params, batch, rng, num_minibatches, accumulate, constrain_grads)
-    carry = lambda grads: jax.lax.with_sharding_constraint(grads, local.carry)  # noqa: E731
+        return accumulate_gradients(
+            constrained_grad_fn, state.params, batch, rng, num_minibatches, accumulate, constrain_grads
+        )
+    carry = functools.partial(jax.lax.with_sharding_constraint, shardings=local.carry)
     grads, metrics = accumulate_gradients(
         _per_group(grad_fn, local), state.params, batch, rng, num_minibatches, accumulate, carry
     )
