@@ -57,6 +57,12 @@ def rules(config: ml_collections.ConfigDict | None = None, *, params: bool = Fal
     return tuple((name, changes.get(name, axes)) for name, axes in RULES)
 
 
+def gradient_rules(config: ml_collections.ConfigDict) -> tuple:
+    """The table the step's reduced gradients are laid out with: the optimizer state's at ZeRO stage 2 (split,
+    reduce-scattered), the parameters' otherwise. Read by the layout and the analytic memory model."""
+    return rules(config) if zero_stage(config) == 2 else rules(config, params=True)
+
+
 def mesh_axes(name: str, table: tuple = RULES) -> tuple[str, ...]:
     """The mesh axes `table` splits a logical name over (() where it is never split, or the name is not in it).
 

@@ -24,7 +24,6 @@ from jaxscale.config.spec import (
     mesh_shape,
     minibatch_per_device,
     sequence_parallel,
-    zero_stage,
 )
 from jaxscale.measure import params
 
@@ -377,9 +376,11 @@ def zero_splits(config: ml_collections.ConfigDict) -> dict[str, int]:
     def ways(table: tuple) -> int:  # how many devices split a parameter's embed axis (the model state's)
         return math.prod(getattr(mesh, axis) for axis in layout_rules.mesh_axes("embed", table))
 
-    params_ways, state_ways = ways(layout_rules.rules(config, params=True)), ways(layout_rules.rules(config))
-    grads = state_ways if zero_stage(config) == 2 else params_ways  # as jaxscale.train.sharding.make_layout
-    return {"params": params_ways, "grads": grads, "optimizer": state_ways}
+    return {
+        "params": ways(layout_rules.rules(config, params=True)),
+        "grads": ways(layout_rules.gradient_rules(config)),
+        "optimizer": ways(layout_rules.rules(config)),
+    }
 
 
 def trained_param_count(config: ml_collections.ConfigDict, fsdp: int | None = None) -> int:

@@ -39,9 +39,8 @@ from jaxscale.config import (
     accumulates_locally,
     check_mesh_devices,
     mesh_shape,
-    zero_stage,
 )
-from jaxscale.config.layout_rules import RULES, rules  # the logical-to-mesh table (one home, config floor)
+from jaxscale.config.layout_rules import RULES, gradient_rules, rules  # the rules table: its one home
 from jaxscale.measure.params import removed_axis
 from jaxscale.train.step import (
     Batch,
@@ -187,7 +186,7 @@ def make_layout(config: ml_collections.ConfigDict, mesh: Mesh, init_fn: Callable
     state = named(logical_state).replace(
         params=named(logical_state.params, param_table), frozen=named(logical_state.frozen, param_table)
     )
-    grads = named(logical_state.params) if zero_stage(config) == 2 else state.params
+    grads = named(logical_state.params, gradient_rules(config))
     return Layout(mesh=mesh, state=state, metrics=named(metrics), batch=named(batch), grads=grads,
                   rules=param_table, local=local_accumulation(config, mesh, state.params))  # fmt: skip
 
