@@ -84,7 +84,10 @@ def slow_except(cases: list, fast, ids: list[str] | None = None) -> list:
 
 def run_cli(*args: str, cwd: pathlib.Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Runs `python -m <args>` in a fresh process, as a user would."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    # The checkout first, then the caller's own PYTHONPATH: a GPU machine that runs the lab from its source tree
+    # brings its missing packages on PYTHONPATH (docs/gpu.md), and the runs a test starts need them too.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -11,6 +11,11 @@ parsing here). Where the ops are, by backend (the XPlane conventions of TSL/xpro
   `MemcpyD2D`) and carry XLA's annotation as stats: `hlo_op` (the HLO instruction, e.g. `fusion.12`,
   `custom-call.3`), `hlo_module`, `correlation_id`. xprof's derived lines, where present, are
   `XLA Modules` (one event per execution of a program) and `XLA Ops` (one per HLO op, named after it).
+  Where XLA ran ops as a CUDA graph (its command buffers, on by default from JAX 0.11: seen on an H200),
+  every kernel of the graph carries the thunk's `hlo_op` (`command_buffer_184`), so such an op is named after
+  its kernel instead: XLA names a kernel after its HLO instruction with `.` and `-` made `_`
+  (`gemm_fusion_dot_51` for `gemm_fusion_dot.51`; XLA's `llvm_ir::SanitizeFunctionName`), which
+  `op_table` maps back to the instruction.
   Ops are taken from `XLA Ops` when the plane has it, else from the stream lines (an event without
   `hlo_op`, such as a memcpy, is named after its kernel); executions from `XLA Modules`, else, per
   annotated step, the span of the device ops that started inside it (jaxscale.profiling waits for each
@@ -46,6 +51,7 @@ HLO_FILE = "step.hlo.txt.gz"  # the compiled step's HLO text, which jaxscale.run
 DEVICE_PLANE = "/device:"  # /device:GPU:0, /device:TPU:0
 HOST_PLANE = "/host:"  # /host:CPU
 OPS_LINE, MODULES_LINE, STREAM_LINE = "XLA Ops", "XLA Modules", "Stream #"
+_COMMAND_BUFFER = re.compile(r"command_buffer_\d+")  # the hlo_op of every kernel of one of XLA's CUDA graphs
 
 
 @dataclasses.dataclass
@@ -101,6 +107,7 @@ def _line_events(line, named_by_line: bool) -> list[tuple[str, float, float, int
         stats = dict(event.stats)
         if "hlo_op" in stats or named_by_line:
             name = str(stats.get("hlo_op") or event.name)
+            name = event.name if _COMMAND_BUFFER.fullmatch(name) else name  # a kernel of a CUDA graph: its own name
             kernel = event.name if event.name != name else None
             found.append((name, event.start_ns, event.duration_ns, stats.get("run_id"), kernel))
     return found
@@ -222,6 +229,11 @@ _NAME_RULES = (
 )
 
 
+def kernel_name(instruction: str) -> str:
+    """The name XLA's GPU backend gives the kernel of an HLO instruction: `.` and `-` made `_`."""
+    return re.sub(r"[.-]", "_", instruction)
+
+
 def _name_category(name: str) -> str:
     """Category from a name alone (no HLO at hand): XLA names fusions after what they contain."""
     return next((c for c, pattern in _NAME_RULES if re.search(pattern, name, re.IGNORECASE)), "other")
@@ -233,6 +245,7 @@ def op_table(ops: list[OpEvent], num_steps: int, hlo_text: str | None) -> list[d
     The category comes from the HLO (by instruction name) where given, else from the op's name, else, for
     a GPU op whose name says nothing (custom-call.3), from its kernel's name (the first seen)."""
     table = hlo.op_table(hlo.parse(hlo_text)) if hlo_text else {}
+    by_kernel_name = {kernel_name(instruction): instruction for instruction in table}
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     kernels: dict[str, str] = {}
     for op in ops:
@@ -243,7 +256,7 @@ def op_table(ops: list[OpEvent], num_steps: int, hlo_text: str | None) -> list[d
     everything = sum(total for _, total in totals.values()) or 1.0
     rows = []
     for name, (count, total) in totals.items():
-        category, remat = table.get(name, (_name_category(name), None))
+        category, remat = table.get(name) or table.get(by_kernel_name.get(name, ""), (_name_category(name), None))
         if name not in table and category == "other" and name in kernels:
             category = _name_category(kernels[name])
         rows.append(

@@ -227,6 +227,41 @@ def test_a_gpu_trace_gives_step_times_and_shares(derived, tmp_path):
     assert summary["trace_top_op"] == "custom-call.3" and summary["trace_remat_share"] is None  # no HLO given
 
 
+# A step XLA ran as one CUDA graph (its command buffers, JAX 0.11 on an H200): every kernel carries the graph's
+# hlo_op; the kernel is named after its HLO instruction with "." made "_" (fusion.3 -> fusion_3).
+GRAPH_HLO = """HloModule graph, is_scheduled=true
+
+%fused_dot (param_0: f32[8,16], param_1: f32[16,4]) -> f32[8,4] {
+  %param_0 = f32[8,16]{1,0} parameter(0)
+  %param_1 = f32[16,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,4]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,4]{1,0} parameter(1)
+  ROOT %fusion.3 = f32[8,4]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(f)/checkpoint/rematted_computation/dot_general"}
+}
+"""
+
+
+def test_kernels_of_a_cuda_graph_are_named_and_categorised_by_their_own_instruction(tmp_path):
+    def build(space):
+        host = Plane(space, "/host:CPU")
+        _steps(host, [(0, 0, 1000), (1, 1000, 2000)])
+        gpu = Plane(space, "/device:GPU:0")
+        for begin in (0, 1000):
+            for kernel, start, ns in (("fusion_3", 100, 300), ("memcpy32_post", 400, 100)):
+                gpu.add("Stream #14(Compute)", kernel, begin + start, ns, hlo_op="command_buffer_184")
+
+    summary, rows = traces.analyze(write_space(tmp_path / "run", build), GRAPH_HLO, write_csv=False)
+    by_op = {row["op"]: (row["category"], row["rematerialized"]) for row in rows}
+    # "fusion_3" alone would read as a fusion; the HLO says it is a rematerialized dot. The memcpy has no instruction.
+    assert by_op == {"fusion_3": ("matmul", True), "memcpy32_post": ("copy", None)}
+    assert summary["trace_matmul_share"] == pytest.approx(0.75) and summary["trace_copy_share"] == pytest.approx(0.25)
+    assert summary["trace_remat_share"] == pytest.approx(0.75) and summary["trace_steps"] == 2
+
+
 def test_gpu_kernel_and_op_names_map_to_categories():
     names = {
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
