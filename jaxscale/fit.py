@@ -254,6 +254,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
         raise UsageError("--max_minibatch and --max_compiles: must be >= 1")
     gpu_plan.check_target_flag(fv.target, plan=True, gemm=fv.gemm, attention=config.model.attention)
     gpu_plan.check_flash_blocks(config, fv.target)
+    gpu_plan.check_fp8(config, fv.target)
     check_cost_flags(fv)
     if fv.devices is not None or mesh_shape(config).devices > 1:
         if fv.target is None:

@@ -14,10 +14,12 @@ No constant of the predictor is fitted to these rows: they only check it.
 
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
 import re
 import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +41,10 @@ RESULTS_NAME = "published"
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a run's id names its directory under runs/
 # the fields this command reads, and their JSON types (positive for numbers, non-empty for text and lists)
 RUN_FIELDS = {"id": str, "project": str, "source": str, "model": str, "gpu": str, "n_gpus": int, "seq_len": int,
-              "global_batch": int, "measured": dict, "lab": dict}  # fmt: skip
+              "global_batch": int, "lab": dict}  # fmt: skip
+# A run has `measured` (its published figures) and/or `first_sight` (the lab's prediction, registered before the
+# figures entered the repository: `--register`); a new run has neither until it is registered.
+FIRST_SIGHT_FIELDS = ("predicted_step_s", "commit", "registered")
 LAB_FIELDS = {"config": str, "preset": str, "overrides": dict, "target": str, "devices": int, "differences": list}
 MEASURED_FIELDS = ("step_time_s", "tokens_per_s_per_gpu", "sequences_per_s", "peak_memory_gib")  # a number or null
 _KINDS = {str: "a non-empty string", int: "a positive integer", dict: "an object", list: "a non-empty list"}
@@ -96,8 +101,14 @@ def check_fields(published: dict, index: int = 0) -> None:
                 raise UsageError(f"{where}: {prefix}{field}: must be {_KINDS[kind]}, got {node[field]!r}")
     if not _SAFE_ID.fullmatch(name):
         raise UsageError(f"{where}: id: use letters, digits, '_', '-' and '.' (it names the run's directory)")
+    if "measured" in published and not isinstance(published["measured"], dict):
+        raise UsageError(f"{where}: measured: must be an object, got {published['measured']!r}")
+    first = published.get("first_sight")
+    if first is not None and (not isinstance(first, dict) or any(f not in first for f in FIRST_SIGHT_FIELDS)):
+        raise UsageError(f"{where}: first_sight: must be an object with {', '.join(FIRST_SIGHT_FIELDS)} (written by "
+                         f"--register), got {first!r}")  # fmt: skip
     for field in MEASURED_FIELDS:
-        value = published["measured"].get(field)
+        value = published.get("measured", {}).get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise UsageError(f"{where}: measured.{field}: must be a positive number or null, got {value!r}")
 
@@ -105,7 +116,7 @@ def check_fields(published: dict, index: int = 0) -> None:
 def published_step_s(published: dict) -> tuple[float | None, str]:
     """The published run's step in seconds and how it follows from what was published: a step time as
     published, or the tokens (sequences) of one step over the published tokens/s per GPU x GPUs (sequences/s)."""
-    measured = published["measured"]
+    measured = published.get("measured", {})
     tokens = published["global_batch"] * published["seq_len"]
     if measured.get("step_time_s"):
         return float(measured["step_time_s"]), "published step time"
@@ -180,9 +191,14 @@ def excluded(published: dict, row: dict) -> str | None:
     """Why the run is not counted in the mean error, or None: the runs file's reason (a published figure that is
     not a physical measurement), or the lab's plan not fitting the GPU the run used. A run that ran fitted its
     card, so a plan that does not is a program the run never was (the lab cannot pose it as it ran), and its
-    predicted time is of a program that could not run there."""
+    predicted time is of a program that could not run there. Where the run's card had more memory than the lab's
+    target (`gpu_memory_gib`, e.g. torchtitan's 96 GB H100s against the 80 GB target) and the planned peak is
+    below it, the plan's not fitting the target says nothing of the run's card: it is counted."""
     if published.get("exclude"):
         return published["exclude"]
+    card, peak = published.get("gpu_memory_gib"), row.get("compiled_peak_bytes")
+    if card and peak and peak / GIB < card:  # a larger card than the lab's target (a 96 GB H100): it had the room
+        return None
     if row.get("plan_fits") is False:
         return (f"the lab's nearest program does not fit the {published['gpu']} the run used "
                 f"({row.get('plan_fits_reason')}); the run fitted, so the lab has not posed it as it ran")  # fmt: skip
@@ -192,8 +208,9 @@ def excluded(published: dict, row: dict) -> str | None:
 def compare(published: dict, row: dict) -> dict[str, Any]:
     """The published figures beside the plan's row, and predicted / published for time and memory."""
     step, how = published_step_s(published)
-    measured = published["measured"]
+    measured = published.get("measured", {})
     devices = published["lab"]["devices"]
+    first = published.get("first_sight") or {}
     predicted = row.get("predicted_step_s")
     tokens = row.get("predicted_tokens_per_s")
     plan_gib = row["compiled_peak_bytes"] / GIB if row.get("compiled_peak_bytes") else None
@@ -217,6 +234,12 @@ def compare(published: dict, row: dict) -> dict[str, Any]:
         "predicted_over_published_step": predicted / step if predicted and step else None,
         "plan_over_published_memory": plan_gib / measured["peak_memory_gib"]
         if plan_gib and measured.get("peak_memory_gib")
+        else None,
+        "published_pending": "measured" not in published,  # registered, its figures not yet in the repository
+        "first_sight_step_s": first.get("predicted_step_s"),
+        "first_sight_commit": first.get("commit"),
+        "first_sight_over_published_step": first["predicted_step_s"] / step
+        if first.get("predicted_step_s") and step
         else None,
     }
 
@@ -259,41 +282,127 @@ def _number(value: float | None, digits: int = 2) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
-def format_table(rows: list[dict]) -> str:
-    """The markdown table: one line per run, then the mean absolute errors."""
+def _summary(label: str, ratios: Sequence[float]) -> str:
+    error = mean_abs_error(ratios)
+    within = sum(0.75 <= r <= 1.25 for r in ratios)
+    return (f"{label}: mean absolute error {_number(None if error is None else 100 * error, 1)}% over {len(ratios)} "
+            f"runs, {within} within ±25%")  # fmt: skip
+
+
+def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
+    """The markdown table: one line per run, then the mean absolute errors.
+
+    With `runs` (the runs file) each row's comparison is taken again from the file as it is now (a figure added
+    after the run was planned counts without planning it again). Pre-registered runs (`first_sight`) get their
+    first-sight prediction beside the current one, and a summary of their own: the development set (runs the
+    predictor was corrected on) and the runs it first saw at registration are never mixed.
+    """
+    by_id = {r["id"]: r for r in runs or ()}
+    rows = [{**row, **compare(by_id[row["variant"]], row)} if row["variant"] in by_id and row.get("status") == "ok"
+            else row for row in rows]  # fmt: skip
     lines = [
-        "| run | GPUs | published step s | predicted step s | predicted / published | published GiB | plan GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| run | GPUs | published step s | predicted step s | predicted / published | first sight / published "
+        "| published GiB | plan GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row.get("status") != "ok":
-            lines.append(f"| {row['variant']} | – | – | {row.get('status')}: {row.get('error')} | – | – | – |")
+            lines.append(f"| {row['variant']} | – | – | {row.get('status')}: {row.get('error')} | – | – | – | – |")
             continue
         plan_gib = row["compiled_peak_bytes"] / GIB if row.get("compiled_peak_bytes") else None
         excluded = " (excluded: see its row)" if row.get("published_excluded") else ""
+        pending = row.get("published_pending")
+        published_step = "registered, not yet measured" if pending else _number(row["published_step_s"], 3)
         lines.append(
             f"| {row['variant']}{excluded} | {row['published_n_gpus']} x {row['plan_target']} "
-            f"| {_number(row['published_step_s'], 3)} | {_number(row.get('predicted_step_s'), 3)} "
-            f"| {_number(row.get('predicted_over_published_step'))} | {_number(row.get('published_peak_gib'), 1)} "
+            f"| {published_step} | {_number(row.get('predicted_step_s'), 3)} "
+            f"| {_number(row.get('predicted_over_published_step'))} "
+            f"| {_number(row.get('first_sight_over_published_step'))} | {_number(row.get('published_peak_gib'), 1)} "
             f"| {_number(plan_gib, 1)} |"
         )
-    held = [r for r in rows if not r.get("published_excluded")]
-    time_ratios = [r["predicted_over_published_step"] for r in held if r.get("predicted_over_published_step")]
+    held = [r for r in rows if r.get("status") == "ok" and not r.get("published_excluded")]
+    development = [r for r in held if not r.get("first_sight_step_s")]
+    registered = [r for r in held if r.get("first_sight_step_s") and not r.get("published_pending")]
+    time_ratios = [r["predicted_over_published_step"] for r in development if r.get("predicted_over_published_step")]
     memory_ratios = [r["plan_over_published_memory"] for r in held if r.get("plan_over_published_memory")]
-    time_error, memory_error = mean_abs_error(time_ratios), mean_abs_error(memory_ratios)
-    within = sum(0.75 <= r <= 1.25 for r in time_ratios)
+    memory_error = mean_abs_error(memory_ratios)
     lines.append("")
     lines.append(
-        f"time: mean absolute error {_number(None if time_error is None else 100 * time_error, 1)}% over "
-        f"{len(time_ratios)} runs, {within} within ±25%; memory: "
+        f"{_summary('time, development set', time_ratios)}; memory: "
         f"{_number(None if memory_error is None else 100 * memory_error, 1)}% over {len(memory_ratios)} runs"
     )
+    if registered or any(r.get("first_sight_step_s") for r in held):
+        first = [r["first_sight_over_published_step"] for r in registered if r.get("first_sight_over_published_step")]
+        now = [r["predicted_over_published_step"] for r in registered if r.get("predicted_over_published_step")]
+        waiting = sum(bool(r.get("published_pending")) for r in held)
+        lines.append("")
+        lines.append(f"{_summary('time, first sight (pre-registered)', first)}; the current predictor on them: "
+                     f"{_summary('', now).removeprefix(': ')}; {waiting} registered runs await their figures")  # fmt: skip
     return "\n".join(lines)
+
+
+PLAN_FORMAT = ("a jaxscale.published row: XLA's deviceless plan of the lab's configuration for the run's GPU target "
+               "and count, both GEMM modes compiled, the faster one's predicted step (jaxscale.plan.predict)")
+
+
+def uncommitted_code() -> str | None:
+    """The lab's code and configs that differ from the last commit (what a registered prediction would not name),
+    or None when they are committed; None also outside a git checkout (nothing to name)."""
+    try:
+        done = subprocess.run(["git", "status", "--porcelain", "--", "jaxscale", "configs"], cwd=REPO,
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return ", ".join(line[3:] for line in done.stdout.splitlines()) or None
+
+
+def head_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+
+def to_register(runs: list[dict], only: Sequence[str]) -> list[dict]:
+    """The runs --register plans: those without figures or a first-sight prediction (of `only`, if given).
+
+    Raises:
+      UsageError: an --only run that has its figures already (a prediction made after them is not first sight) or a
+        first-sight prediction (never rewritten).
+    """
+    for published in _wanted(runs, only) if only else ():
+        if "measured" in published or "first_sight" in published:
+            has = "its figures (measured)" if "measured" in published else "a first-sight prediction"
+            raise UsageError(f"--register: run {published['id']!r} has {has} already; a run is registered once, "
+                             "before its figures enter the repository")  # fmt: skip
+    return [r for r in _wanted(runs, only) if "measured" not in r and "first_sight" not in r]
+
+
+def first_sight(row: dict, commit: str) -> dict[str, Any]:
+    """What --register writes into a run: the prediction of its plan row, the commit of the code that made it."""
+    devices = row.get("plan_devices") or 1
+    tokens = row.get("predicted_tokens_per_s")
+    return {
+        "predicted_step_s": row.get("predicted_step_s"),
+        "predicted_tokens_per_s_per_gpu": tokens / devices if tokens else None,
+        "plan_peak_gib": row["compiled_peak_bytes"] / GIB if row.get("compiled_peak_bytes") else None,
+        "plan_fits": row.get("plan_fits"),
+        "commit": commit,
+        "registered": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "plan_format": PLAN_FORMAT,
+    }
+
+
+def write_runs(runs: list[dict], path: pathlib.Path) -> None:
+    """The runs file as it is kept: JSON, one space of indent, a newline at the end (atomically replaced)."""
+    tmp = pathlib.Path(path).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(runs, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def _flag_values() -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_string("runs", str(RUNS_FILE), "The published runs (JSON).", flag_values=fv)
+    flags.DEFINE_bool("register", False, "Pre-register: plan the runs that have neither figures nor a first-sight "
+                      "prediction, and write each one's prediction and the code's commit into the runs file "
+                      "(refused while jaxscale/ or configs/ has uncommitted changes).", flag_values=fv)  # fmt: skip
     flags.DEFINE_list("only", [], "Plan only these run ids (default: every run).", flag_values=fv)
     flags.DEFINE_bool("rerun", False, "Plan again where a row exists.", flag_values=fv)
     flags.DEFINE_string("output_root", ".", "Root of experiments/results/.", flag_values=fv)
@@ -301,12 +410,13 @@ def _flag_values() -> flags.FlagValues:
 
 
 USAGE = Usage(
-    command="python -m jaxscale.published [--only ID,...] [--rerun]",
+    command="python -m jaxscale.published [--only ID,...] [--rerun] [--register]",
     summary="Plans and predicts each published training run in experiments/published_runs.json with the lab's "
     "nearest configuration (deviceless, for the published GPU and count) and tables predicted / published.",
     examples=(
         "python -m jaxscale.published",
         "python -m jaxscale.published --only llmc-gpt2-124m-8xa100 --rerun",
+        "python -m jaxscale.published --register     # new runs: their predictions first, their figures later",
     ),
     notes=(
         "Needs the gpu-plan extra (without it: one line naming what to install, exit 2). The whole runs file is "
@@ -315,6 +425,9 @@ USAGE = Usage(
         "(a missing library, a compiler failure) keeps its earlier ok row and is one line on stderr, exit 1.",
         "Rows: experiments/results/published/results.jsonl; table: published.md beside it; docs/published.md "
         "explains them.",
+        "Pre-registration: a new run enters the runs file without `measured`; --register plans it and writes its "
+        "`first_sight` prediction with the code's commit into the file (refused while jaxscale/ or configs/ differ "
+        "from that commit); commit that, then add the figures. A first-sight prediction is never rewritten.",
     ),  # fmt: skip
 )
 
@@ -345,24 +458,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         no_arguments(fv, argv, "flags only (--only, --rerun, --runs, --output_root)")
         check_extra()
         runs = load_runs(pathlib.Path(fv.runs))
-        wanted = _wanted(runs, fv.only)
+        wanted = to_register(runs, fv.only) if fv.register else _wanted(runs, fv.only)
+        dirty = uncommitted_code() if fv.register else None
+        if dirty:
+            raise UsageError(f"--register: the lab's code has uncommitted changes ({dirty}); commit them first, so "
+                             "that each prediction names the code that made it")  # fmt: skip
         configs = {r["id"]: lab_config(r) for r in runs}  # the whole file checked before anything is compiled
         store = ResultsFile(pathlib.Path(fv.output_root) / "experiments" / "results" / RESULTS_NAME)
         failures = []
         with store.locked():
             done = {r["variant"] for r in store.rows() if r.get("status") == "ok"}
             for published in wanted:
-                if published["id"] in done and not fv.rerun:
+                if published["id"] in done and not fv.rerun and not fv.register:
                     continue
                 print(f"{published['id']}: planning {published['lab']['devices']} x {published['lab']['target']}",
                       flush=True)  # fmt: skip
                 row = plan_run(published, pathlib.Path(fv.output_root), configs[published["id"]])
                 failures.append(record(store, json.loads(json.dumps(row, default=str)), published["id"] in done))
+                if fv.register and row["status"] == "ok":
+                    published["first_sight"] = first_sight(row, head_commit())
+                    write_runs(runs, pathlib.Path(fv.runs))  # after each run: a later failure loses nothing
             order = {r["id"]: n for n, r in enumerate(runs)}
             rows = sorted((r for r in store.rows() if r["variant"] in order), key=lambda r: order[r["variant"]])
     except (UsageError, gpu_plan.PlanFlagError) as error:
         return fail(str(error))
-    table = format_table(rows)
+    table = format_table(rows, runs)
     (store.directory / "published.md").write_text(table + "\n")
     print(table)
     print(f"results: {store.path}")

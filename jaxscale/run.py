@@ -187,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         compile_cache.set_enabled(fv.compilation_cache)
         gpu_plan.check_target_flag(fv.target, fv.plan, fv.gemm, config.model.attention)
         gpu_plan.check_flash_blocks(config, fv.target)
+        gpu_plan.check_fp8(config, fv.target)
         if fv.plan and config.finetune.init_from:  # a plan loads no weights: its program is the same without them
             raise UsageError(f"finetune.init_from: {config.finetune.init_from!r} cannot be loaded with --plan, which "
                              "compiles the step and loads no weights (the plan is the same without them); drop "

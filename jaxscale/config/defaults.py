@@ -50,6 +50,7 @@ ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype and finetune.frozen_dtype
+FP8_MODES = ("none", "dynamic")  # model.fp8 (jaxscale.model.fp8)
 DATA_SOURCES = ("synthetic", "text")
 
 
@@ -103,6 +104,9 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.dropout_rate = 0.1  # dropout after embeddings, attention output and MLP output
     c.model.dtype = "bfloat16"  # compute dtype of activations and matmuls; params are always float32
     c.model.reduce_dtype = "float32"  # weight gradients summed over a mesh's devices in float32 or the compute dtype
+    # FP8 matmuls (jaxscale.model.fp8; docs/fp8.md): none, or dynamic (current tensorwise scaling, torchtitan's Float8)
+    c.model.fp8 = "none"
+    c.model.fp8_targets = ("attention", "mlp")  # projections in FP8: attention, mlp, all, head, or names (q, up, ...)
     c.model.softmax_dtype = "float32"  # dtype of attention logits and softmax (cast back afterwards)
     c.model.causal = True  # causal attention mask (next-token prediction needs it)
     c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")

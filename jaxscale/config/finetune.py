@@ -30,6 +30,7 @@ PROJECTIONS = {
     "llama": {"attention": ("q", "k", "v", "out"), "mlp": ("gate", "up", "down")},
 }
 TARGET_GROUPS = ("attention", "mlp", "all")
+HEAD, HEAD_MODULE = "head", "output"  # model.fp8_targets' name for the untied output head, and its module's
 MULTI_INPUT = {"out": 2}  # projections whose kernel contracts more than one input dim: out's (heads, head_dim)
 TRAIN_CHOICES = ("auto", "all", "adapters", "last_blocks")
 LORA_PARAMS = ("lora_a", "lora_b")
@@ -77,6 +78,17 @@ def lora_projections(family: str, targets: tuple[str, ...] | list[str]) -> tuple
         else:
             raise KeyError(target)
     return tuple(name for name in family_projections(family) if name in chosen)
+
+
+def fp8_projections(family: str, targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The module names `model.fp8_targets` selects (jaxscale.model.fp8): projections as lora_projections reads
+    them, and the untied output head (module "output") when HEAD is among them.
+
+    Raises:
+      KeyError: a target is neither a projection of the family, a group, nor HEAD (validation names it).
+    """
+    rest = [target for target in targets if target != HEAD]
+    return (*lora_projections(family, rest), *((HEAD_MODULE,) if HEAD in targets else ()))
 
 
 def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

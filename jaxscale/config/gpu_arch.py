@@ -34,7 +34,20 @@ ARCH_LIMITS: dict[tuple[int, int], dict[str, int]] = {
         shared_memory_per_block_optin=232448,
         fpus_per_core=128,
     ),
+    # Blackwell B200 (sm_100): the same limits in the guide's table, and in OpenXLA's B200 spec read from a device
+    # (xla/backends/gpu/target_config/specs/b200.txtpb @ 300ec95: shared_memory_per_core 233472, fpus_per_core 128).
+    (10, 0): dict(
+        threads_per_core_limit=2048,
+        shared_memory_per_core=233472,
+        shared_memory_per_block_optin=232448,
+        fpus_per_core=128,
+    ),
 }
+
+# FP8 tensor cores (e4m3 / e5m2 GEMMs: model.fp8) from Ada (8.9) and Hopper (9.0) on; Ampere (8.0, 8.6) has none.
+# NVIDIA's Transformer Engine documents FP8 for Ada and Hopper (and later) GPUs, and cuBLASLt's FP8 matmul types
+# (CUDA_R_8F_E4M3 / _E5M2, cuBLAS docs, cublasLtMatmul) likewise need compute capability 8.9 or newer.
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 # The same on every architecture listed above (same guide).
 COMMON_LIMITS: dict[str, int] = dict(

@@ -47,6 +47,8 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("attention",)
+    fp8: str = "none"
+    fp8_targets: tuple[str, ...] = ("attention", "mlp")
 
     @property
     def num_heads(self) -> int:

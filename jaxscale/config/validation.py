@@ -19,6 +19,7 @@ from jaxscale.config.defaults import (
     REMAT_POLICIES,
     REMAT_TARGETS,
     STATE_DTYPES,
+    FP8_MODES,
     ConfigError,
 )
 from jaxscale.config.spec import ModelConfig, mesh_shape, mesh_text
@@ -164,6 +165,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
            f"{o.state_dtype} changes nothing for adafactor (no first moment; its factored second moments stay "
            "float32); use float32, or adam / adamw / sgd")  # fmt: skip
     _validate_lora(m)
+    _validate_fp8(m)
     _validate_finetune(config)
 
 
@@ -187,6 +189,55 @@ def _validate_lora(m: ml_collections.ConfigDict) -> None:
     shape = " x ".join(map(str, sizes[narrowest]))
     _check(m.lora_rank <= width, "model.lora_rank", f"{m.lora_rank} exceeds the {narrowest} projection's {shape} "
            f"(a rank is at most its smaller width); allowed: 1 to {width}")  # fmt: skip
+
+
+def _validate_fp8(m: ml_collections.ConfigDict) -> None:
+    """model.fp8 and model.fp8_targets: a known mode; known projections of the family, or the untied head."""
+    _one_of(m.fp8, FP8_MODES, "model.fp8")
+    allowed = ", ".join((*finetune.TARGET_GROUPS, finetune.HEAD, *finetune.family_projections(m.family)))
+    _check(isinstance(m.fp8_targets, tuple) and len(m.fp8_targets) > 0, "model.fp8_targets",
+           f"must be a non-empty tuple of {allowed}, got {m.fp8_targets!r}")  # fmt: skip
+    try:
+        finetune.fp8_projections(m.family, m.fp8_targets)
+    except KeyError as unknown:
+        raise ConfigError(f"model.fp8_targets: unknown {unknown.args[0]!r} for model.family={m.family}; "
+                          f"allowed: {allowed}") from None  # fmt: skip
+    _check(finetune.HEAD not in m.fp8_targets or not m.tie_embeddings, "model.fp8_targets",
+           "head: the output head is the token embedding here (model.tie_embeddings); FP8 covers an untied head only")
+
+
+def _validate_moe(config: ml_collections.ConfigDict) -> None:
+    """The mixture of experts (jaxscale.model.moe): llama only, k of E experts, a known routing and dispatch, dense
+    first layers only unscanned, no LoRA on the experts, expert widths the tensor axis divides."""
+    m = config.model
+    for field in ("num_experts", "experts_per_token", "moe_hidden_size", "num_shared_experts", "first_dense_layers"):
+        _non_negative_int(m[field], f"model.{field}")
+    if not m.num_experts:
+        _check(m.first_dense_layers == 0, "model.first_dense_layers",
+               f"{m.first_dense_layers} dense layers before the MoE ones, and model.num_experts=0 (every layer is "
+               "dense); set model.num_experts > 0, or 0")  # fmt: skip
+        return
+    _check(m.family == "llama", "model.num_experts", f"{m.num_experts}: the mixture of experts is built for "
+           f"model.family=llama (SwiGLU experts); allowed for {m.family}: 0")  # fmt: skip
+    _check(1 <= m.experts_per_token <= m.num_experts, "model.experts_per_token",
+           f"{m.experts_per_token}: allowed 1 to model.num_experts={m.num_experts}")  # fmt: skip
+    _one_of(m.moe_routing, MOE_ROUTINGS, "model.moe_routing")
+    _one_of(m.moe_dispatch, MOE_DISPATCHES, "model.moe_dispatch")
+    _check(m.moe_capacity_factor > 0, "model.moe_capacity_factor", f"must be > 0, got {m.moe_capacity_factor}")
+    for field in ("moe_aux_loss_weight", "moe_z_loss_weight"):
+        _check(m[field] >= 0, f"model.{field}", f"must be >= 0, got {m[field]}")
+    _check(m.first_dense_layers < m.num_layers, "model.first_dense_layers",
+           f"{m.first_dense_layers}: allowed 0 to model.num_layers - 1 = {m.num_layers - 1}")  # fmt: skip
+    _check(not (m.first_dense_layers and m.scan_layers), "model.first_dense_layers", f"{m.first_dense_layers} "
+           "dense layers before the MoE ones need unrolled layers (nn.scan stacks one kind of block); set "
+           "model.scan_layers=False, or 0")  # fmt: skip
+    mlp_adapters = set(finetune.lora_projections(m.family, tuple(m.lora_targets))) & {"gate", "up", "down"}
+    _check(not (m.lora_rank and mlp_adapters), "model.lora_targets", f"{sorted(mlp_adapters)}: the experts' "
+           "stacked weights carry no LoRA adapters; with model.num_experts > 0 allowed: attention, q, k, v, "
+           "out")  # fmt: skip
+    sizes, tensor = ModelConfig.from_config(m), config.mesh.tensor
+    _check(sizes.expert_width % tensor == 0, "mesh.tensor", f"{tensor} does not divide the experts' width "
+           f"{sizes.expert_width} (model.moe_hidden_size); tensor may be: {_divisors(sizes.expert_width)}")  # fmt: skip
 
 
 def _validate_finetune(config: ml_collections.ConfigDict) -> None:

@@ -38,7 +38,7 @@ def after_run(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled, 
 
     A trace that cannot be analysed does not fail the run: the row gets trace_analysis_error instead.
     """
-    columns = flops.utilization_columns(row, config.model.dtype)
+    columns = flops.utilization_columns(row, config.model.dtype, fp8=config.model.fp8 != "none")
     device_peak, _ = memory.device_peak_bytes()
     analytic = row.get("analytic_peak_bytes")
     columns["device_to_analytic_peak_ratio"] = device_peak / analytic if device_peak and analytic else None
@@ -105,6 +105,9 @@ def summary_lines(row: dict) -> list[str]:
         )
         if max(row["mfu"], row.get("hfu") or 0) > 1:
             lines.append(_above_peak(row))
+    if "mfu_fp8_peak" in row:  # model.fp8: the same FLOP/s over the FP8 tensor peak
+        value = row["mfu_fp8_peak"]
+        lines.append(f"  MFU of the FP8 peak {'n/a (no FP8 peak on this device)' if value is None else f'{value:.1%}'}")
     if row.get("trace_step_s") is not None:
         lines.append(
             f"  trace analysis: step {row['trace_step_s']:.4f} s; matmul {row['trace_matmul_share']:.0%}, fusion "

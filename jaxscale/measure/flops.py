@@ -276,8 +276,14 @@ def compiled_columns(compiled: jax.stages.Compiled, hlo_text: str | None = None)
     }
 
 
-def utilization_columns(row: dict, dtype: str, device: jax.Device | None = None) -> dict[str, object]:
+def utilization_columns(
+    row: dict, dtype: str, device: jax.Device | None = None, fp8: bool = False
+) -> dict[str, object]:
     """MFU = analytic model FLOP/s / peak FLOP/s, and HFU with hardware FLOPs, from a row's median step.
+
+    With `fp8` (model.fp8 on) also mfu_fp8_peak: the same FLOP/s over the accelerator's FP8 tensor peak (NVIDIA's
+    FP8 tables divide so; `mfu` stays over the compute dtype's peak, torchtitan's convention), null on a CPU (no
+    FP8 units, no such peak) or where the datasheet gives none.
 
     On a CPU the peak is this machine's measured matmul roofline (peaks.measured_peak), so there MFU reads
     "fraction of what a large matmul reaches here", not of a datasheet peak. On a mesh of accelerators the
@@ -294,10 +300,15 @@ def utilization_columns(row: dict, dtype: str, device: jax.Device | None = None)
             peak, source = peak * devices, f"{devices} x {source}"
     model, hardware = row.get("analytic_model_flops_per_step"), row.get("analytic_hardware_flops_per_step")
     achieved = model / step_s if step_s and model else None
-    return {
+    columns = {
         "peak_flops_per_s": peak,
         "peak_flops_source": source,
         "achieved_model_flops_per_s": achieved,
         "mfu": achieved / peak if achieved and peak else None,
         "hfu": hardware / step_s / peak if step_s and hardware and peak else None,
     }
+    if fp8:
+        fp8_peak = None if device.platform == "cpu" else peaks.peak_flops(device.device_kind, peaks.FP8)[0]
+        fp8_peak = fp8_peak * devices if fp8_peak is not None else None
+        columns["mfu_fp8_peak"] = achieved / fp8_peak if achieved and fp8_peak else None
+    return columns

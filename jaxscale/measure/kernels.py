@@ -10,7 +10,7 @@ nothing and are left out. For each kernel:
 - flops: a GEMM's 2 · output elements · contracted size (the same count as hlo.matmul_flops); a fused
   attention call's matmuls from its shapes (attention_calls); for other kernels one FLOP per element per
   arithmetic op inside (a reduce: per input element);
-- flop_dtype: which peak the FLOPs run at: "bf16"/"f16" (tensor cores), "tf32" (a float32 dot at DEFAULT
+- flop_dtype: which peak the FLOPs run at: "f8" (FP8 operands), "bf16"/"f16" (tensor cores), "tf32" (a float32 dot at DEFAULT
   precision), "f32" (a float32 dot at HIGHEST), "vector" (elementwise work, CUDA cores / SIMD units);
 - bytes_read, bytes_written: at the kernel's boundary. A fusion reads a parameter in full unless it only
   slices it (dynamic-slice, slice, gather: the slices' bytes) or updates it in place (the buffer of a
@@ -116,6 +116,8 @@ def gemm_dtype(dot: hlo.Instruction, computation: dict[str, hlo.Instruction]) ->
     dtype = hlo.element_type(lhs.shape) if lhs is not None else hlo.element_type(dot.shape)
     if dtype in ("bf16", "f16"):
         return dtype
+    if dtype.startswith("f8"):
+        return "f8"  # e4m3 / e5m2 operands: the FP8 tensor peak (model.fp8)
     precision = _PRECISION.search(dot.attributes)
     if "tf32" in dot.attributes:
         return "tf32"

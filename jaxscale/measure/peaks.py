@@ -32,6 +32,7 @@ class Peak:
     tf32: float | None  # NVIDIA TensorFloat-32 tensor cores (what XLA uses for float32 dots by default)
     float32: float | None  # full-precision float32 (CUDA cores on NVIDIA)
     source: str
+    fp8: float | None = None  # FP8 tensor cores (e4m3/e5m2 inputs, float32 accumulate); None: no FP8 (A100, A5000)
 
     @property
     def is_tpu(self) -> bool:
@@ -43,11 +44,12 @@ _TPU = "Google Cloud TPU docs (system architecture)"
 # Most specific first: the first entry whose pattern matches device_kind wins. Word boundaries keep an
 # L40S from reading as an L4; unknown kinds (GH200, TPU v4 lite, ...) match nothing and get no peak.
 PEAKS: tuple[Peak, ...] = (
-    Peak(r"\bh100\b.*\bpcie\b", 756.5e12, 756.5e12, 378e12, 51.2e12, f"{_NV}, H100 PCIe (sparse figures / 2)"),
-    Peak(r"\bh100\b.*\bnvl\b", 835.5e12, 835.5e12, 417.5e12, 60e12, f"{_NV}, H100 NVL (sparse figures / 2)"),
-    Peak(r"\bh100\b", 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H100 SXM5 (sparse figures / 2)"),
-    Peak(r"\bh200\b.*\bnvl\b", 835.5e12, 835.5e12, 417.5e12, 60e12, f"{_NV}, H200 NVL (sparse figures / 2)"),
-    Peak(r"\bh200\b", 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H200 SXM (sparse figures / 2)"),
+    Peak(r"\bh100\b.*\bpcie\b", 756.5e12, 756.5e12, 378e12, 51.2e12, f"{_NV}, H100 PCIe (sparse figures / 2)", 1513e12),
+    Peak(r"\bh100\b.*\bnvl\b", 835.5e12, 835.5e12, 417.5e12, 60e12, f"{_NV}, H100 NVL (sparse figures / 2)", 1670.5e12),
+    Peak(r"\bh100\b", 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H100 SXM5 (sparse figures / 2)", 1978.9e12),
+    Peak(r"\bh200\b.*\bnvl\b", 835.5e12, 835.5e12, 417.5e12, 60e12, f"{_NV}, H200 NVL (sparse figures / 2)", 1670.5e12),
+    Peak(r"\bh200\b", 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H200 SXM (sparse figures / 2)", 1978.9e12),
+    Peak(r"\bb200\b", 2250e12, 2250e12, 1100e12, 75e12, f"{_NV}, HGX B200 per GPU (sparse figures / 2)", 4500e12),
     Peak(r"\ba100\b", 312e12, 312e12, 156e12, 19.5e12, f"{_NV}, A100 SXM4/PCIe (dense figures)"),
     Peak(
         r"\ba5000\b",
@@ -57,14 +59,17 @@ PEAKS: tuple[Peak, ...] = (
         27.8e12,
         f"{_NV}, RTX A5000: 222.2 TFLOPS tensor (sparse) / 2; TF32 at half the FP16 tensor rate (GA102)",
     ),
-    Peak(r"\bl4\b", 121e12, 121e12, 60e12, 30.3e12, f"{_NV}, L4 (sparse figures / 2)"),
+    Peak(r"\bl40s\b", 362.05e12, 362.05e12, 183e12, 91.6e12, f"{_NV}, L40S (dense figures)", 733e12),
+    Peak(r"\bl4\b", 121e12, 121e12, 60e12, 30.3e12, f"{_NV}, L4 (sparse figures / 2)", 242.5e12),
     Peak(
         r"\brtx 4090\b",
         165.2e12,
         165.2e12,
         82.6e12,
         82.6e12,
-        "NVIDIA Ada Lovelace whitepaper, RTX 4090: FP16/BF16 tensor with FP32 accumulate (dense), TF32 dense",
+        "NVIDIA Ada Lovelace whitepaper, RTX 4090: FP16/BF16 tensor with FP32 accumulate (dense), TF32 dense; FP8 "
+        "with FP32 accumulate (dense)",
+        330.3e12,
     ),
     Peak(r"^tpu v4$", 275e12, None, None, None, f"{_TPU}, v4: 275 TFLOPS bf16 per chip"),
     Peak(r"^tpu v5( lite|e)$", 197e12, None, None, None, f"{_TPU}, v5e: 197 TFLOPS bf16 per chip"),
@@ -73,6 +78,7 @@ PEAKS: tuple[Peak, ...] = (
 )
 
 _FULL_FP32_PRECISIONS = ("highest", "float32", "fp32")
+FP8 = "float8"  # peak_flops' name for the FP8 tensor peak (model.fp8's GEMMs)
 
 
 def find_peak(device_kind: str) -> Peak | None:
@@ -86,7 +92,7 @@ def peak_flops(device_kind: str, dtype: str, precision: str | None = None) -> tu
 
     Args:
       device_kind: jax.Device.device_kind.
-      dtype: the run's compute dtype name: bfloat16, float16 or float32.
+      dtype: the run's compute dtype name: bfloat16, float16 or float32; or FP8 ("float8"), the FP8 tensor peak.
       precision: jax_default_matmul_precision (None = XLA's DEFAULT). At DEFAULT precision XLA runs
         float32 dots on TF32 tensor cores (NVIDIA Ampere and newer) and as one bfloat16 pass on TPU, so
         those rates are the float32 peak; 'highest' selects the full-float32 rate.
@@ -106,7 +112,7 @@ def peak_flops(device_kind: str, dtype: str, precision: str | None = None) -> tu
         if full:
             return peak.float32, f"{peak.source}; full float32 (CUDA cores)"
         return peak.tf32, f"{peak.source}; TF32 tensor cores (XLA's DEFAULT precision for float32 dots)"
-    value = {"bfloat16": peak.bfloat16, "float16": peak.float16}.get(dtype)
+    value = {"bfloat16": peak.bfloat16, "float16": peak.float16, FP8: peak.fp8}.get(dtype)
     return value, peak.source if value is not None else f"{peak.source}; no figure for {dtype}"
 
 

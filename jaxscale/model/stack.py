@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxscale.config.remat_policies import remat_policy
 from jaxscale.config.spec import ModelConfig
-from jaxscale.model import lora, precision, ring_attention
+from jaxscale.model import fp8, lora, precision, ring_attention
 from jaxscale.model.axes import Initializer, constrain, mesh_axis_size, partitioned
 
 
@@ -115,7 +115,8 @@ def dense(
       kernel_axes: logical names of the kernel's dims, contracted dims first.
       axis: the input dims contracted.
     With model.lora_rank > 0 and `name` among the projections of model.lora_targets, the projection carries a
-    LoRA adapter (jaxscale.model.lora.LoraDenseGeneral).
+    LoRA adapter (jaxscale.model.lora.LoraDenseGeneral); with model.fp8 on and `name` among model.fp8_targets, its
+    matmul runs in FP8 (jaxscale.model.fp8).
     """
     outputs = 1 if isinstance(features, int) else len(features)
     fields = dict(
@@ -126,7 +127,7 @@ def dense(
         kernel_init=partitioned(nn.initializers.lecun_normal(), kernel_axes),
         bias_init=partitioned(nn.initializers.zeros_init(), kernel_axes[-outputs:]),
         promote_dtype=precision.keep_kernel_dtype,
-        dot_general=precision.weight_dot_general(cfg, kernel_axes),
+        dot_general=(fp8.dot_general if fp8.applies(cfg, name) else precision.weight_dot_general)(cfg, kernel_axes),
         name=name,
     )
     if lora.adapted(cfg, name):  # a LoRA adapter beside the kernel (jaxscale.model.lora)

@@ -45,6 +45,7 @@ import ml_collections
 
 from jaxscale import _env
 from jaxscale.config import ConfigError, check_mesh_devices, kernel_blocks, mesh_shape
+from jaxscale.config.gpu_arch import FP8_MIN_COMPUTE_CAPABILITY
 from jaxscale.measure import kernels
 from jaxscale.plan import budget, predict, target_compile, targets
 from jaxscale.plan.errors import PlanError, PlanFlagError
@@ -118,6 +119,21 @@ def check_target_flag(target: str | None, plan: bool, gemm: str = "both", attent
     missing = missing_extra() or (missing_cudnn() if attention == "cudnn" else None)
     if missing:
         raise PlanFlagError(missing)
+
+
+def check_fp8(config: ml_collections.ConfigDict, target: str | None) -> None:
+    """model.fp8 needs FP8 tensor cores: a target below compute capability 8.9 (A100, A5000) is one line.
+
+    Raises:
+      PlanFlagError: naming model.fp8, the target and its compute capability.
+    """
+    if target is None or config.model.fp8 == "none":
+        return
+    cc = targets.get_target(target).compute_capability
+    if cc < FP8_MIN_COMPUTE_CAPABILITY:
+        low = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
+        raise PlanFlagError(f"model.fp8: {config.model.fp8!r} needs FP8 tensor cores (compute capability {low} or "
+                            f"newer: Ada, Hopper, Blackwell); {target} is {cc[0]}.{cc[1]}; use model.fp8=none")  # fmt: skip
 
 
 def check_flash_blocks(config: ml_collections.ConfigDict, target: str | None) -> None:
@@ -351,6 +367,7 @@ def plan_for_target(
     if gemm not in GEMM_CHOICES:
         raise ValueError(f"gemm: unknown {gemm!r}; allowed: {', '.join(GEMM_CHOICES)}")
     spec = targets.get_target(target)
+    check_fp8(config, target)
     text = targets.target_config_text(spec)
     modes = (GEMM_MODES if enough is None else ("cublas", "triton")) if gemm == "both" else (gemm,)
     compile_one = compile_in_process if in_process else compile_in_subprocess

@@ -44,7 +44,12 @@ The constants and their sources:
   "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3,
   arXiv 2407.08608, abstract); the Pallas kernel is FlashAttention-2-like (no warp specialization, no TMA
   pipelining). cuDNN's fused attention gets the same figure (none of its own was found; on Hopper it is
-  probably faster, so its predictions are conservative). Not fitted to any step time.
+  probably faster, so its predictions are conservative). Blackwell (10.x) 0.35: Hopper's figure, assumed (no
+  published FlashAttention-2 figure on a B200 was found). Not fitted to any step time.
+- FP8 GEMMs (model.fp8: e4m3/e5m2 operands, flop_dtype "f8") run at the target's FP8 dense peak
+  (jaxscale.measure.peaks, from each datasheet) times the same GEMM_EFFICIENCY and tile quantization as bf16:
+  an assumption, not a measurement (no FP8 GEMM table was read); the scaling work (amax reductions, casts,
+  scale multiplies) is elementwise and priced as the memory-bound fusions it compiles to.
 - Collective bytes: NCCL's bus-bandwidth factors (nccl-tests doc/PERFORMANCE.md): all-reduce 2(n-1)/n,
   all-gather, reduce-scatter and all-to-all (n-1)/n, collective-permute 1, of the full buffer.
 
@@ -70,7 +75,7 @@ from jaxscale.measure import collectives, flops, kernels, peaks
 from jaxscale.plan import targets
 
 GEMM_EFFICIENCY = 0.80
-ATTENTION_EFFICIENCY = {8: 0.50, 9: 0.35}  # by compute capability major: Ampere/Ada, Hopper (see above)
+ATTENTION_EFFICIENCY = {8: 0.50, 9: 0.35, 10: 0.35}  # by compute capability major: Ampere/Ada, Hopper, Blackwell
 GEMM_TILE = 128
 MEMORY_EFFICIENCY = 0.85
 LAUNCH_S = 5.8e-6
@@ -214,6 +219,7 @@ def gpu_roofline(
             "f16": peak.float16 or peak.bfloat16,
             "tf32": peak.float32 if full_fp32 or peak.tf32 is None else peak.tf32,
             "f32": peak.float32,
+            "f8": peak.fp8 or peak.bfloat16,  # a GPU without FP8 (none is planned: model.fp8 is refused there)
         },
         vector_flops_per_s=peak.float32,
         memory_bytes_per_s=float(target.memory_bandwidth),
@@ -248,7 +254,8 @@ def cpu_roofline(shared_by: int = 1) -> Roofline:
     shared = f"; one of {shared_by} simulated devices sharing them (1/{shared_by} each)" if shared_by > 1 else ""
     return Roofline(
         name="cpu",
-        matmul_flops_per_s={"bf16": bf16 * share, "f16": bf16 * share, "tf32": f32 * share, "f32": f32 * share},
+        matmul_flops_per_s={"bf16": bf16 * share, "f16": bf16 * share, "tf32": f32 * share, "f32": f32 * share,
+                            "f8": bf16 * share},  # a CPU has no FP8 units: XLA converts and multiplies in bf16
         vector_flops_per_s=f32 * share,
         memory_bytes_per_s=bandwidth * share,
         link_bytes_per_s=bandwidth * share,
@@ -374,7 +381,11 @@ def predict(found: Iterable[kernels.Kernel], roof: Roofline) -> dict[str, float]
 
 
 def step_columns(
-    config: ml_collections.ConfigDict, found: list[kernels.Kernel], roof: Roofline, peak: float | None
+    config: ml_collections.ConfigDict,
+    found: list[kernels.Kernel],
+    roof: Roofline,
+    peak: float | None,
+    fp8_peak: float | None = None,
 ) -> dict[str, object]:
     """The predicted_* columns of a row for one compiled program on one roofline.
 
@@ -383,6 +394,7 @@ def step_columns(
       found: the program's kernels (jaxscale.measure.kernels.kernels).
       roof: the device's roofline.
       peak: the peak FLOP/s that MFU divides by (the same as the row's `mfu` uses), or None.
+      fp8_peak: with model.fp8, the FP8 tensor peak a second MFU divides by (predicted_mfu_fp8_peak), or None.
     Returns:
       predicted_step_s and its breakdown (see predict), predicted_tokens_per_s, predicted_mfu (the analytic
       model FLOPs, flops.model_flops_per_step, the numerator of the row's `mfu`: attention over the full T x T
@@ -397,6 +409,8 @@ def step_columns(
     model_flops = flops.model_flops_per_step(config)
     columns["predicted_tokens_per_s"] = tokens / step if step else None
     columns["predicted_mfu"] = model_flops / step / peak if step and peak else None
+    if config.model.fp8 != "none":  # the same FLOPs against the FP8 peak, labelled (NVIDIA's FP8 tables divide so)
+        columns["predicted_mfu_fp8_peak"] = model_flops / step / fp8_peak if step and fp8_peak else None
     columns["predicted_unknown_trip_count_kernels"] = sum(None in k.trips for k in found)
     columns["predicted_roofline_source"] = roof.source
     return columns
@@ -422,7 +436,9 @@ def target_columns(
         return {"predicted_step_s": None, "predicted_error": str(error)}
     peak, _ = peaks.peak_flops(target.device_kind, config.model.dtype)
     peak = None if peak is None else peak * devices
-    per_mode = {mode: step_columns(config, found, roof, peak) for mode, found in by_mode.items()}
+    fp8_peak, _ = peaks.peak_flops(target.device_kind, peaks.FP8)
+    fp8_peak = None if fp8_peak is None else fp8_peak * devices
+    per_mode = {mode: step_columns(config, found, roof, peak, fp8_peak) for mode, found in by_mode.items()}
     best = min(per_mode, key=lambda m: per_mode[m]["predicted_step_s"])
     return {
         **per_mode[best],
@@ -441,10 +457,11 @@ def local_roofline(device: jax.Device, devices: int = 1) -> Roofline | None:
     return gpu_roofline(match) if match is not None else None
 
 
-def local_peak(config: ml_collections.ConfigDict, device: jax.Device) -> float | None:
+def local_peak(config: ml_collections.ConfigDict, device: jax.Device, dtype: str | None = None) -> float | None:
     """The peak predicted MFU divides by, as the row's `mfu` (flops.utilization_columns): a mesh of GPUs has
-    devices x one GPU's; simulated CPU devices share the one machine's measured roofline."""
-    peak, _ = peaks.resolve_peak(config.model.dtype, device)
+    devices x one GPU's; simulated CPU devices share the one machine's measured roofline. `dtype`: another
+    peak than the compute dtype's (peaks.FP8)."""
+    peak, _ = peaks.resolve_peak(dtype or config.model.dtype, device)
     devices = mesh_shape(config).devices
     return peak * devices if peak is not None and device.platform != "cpu" else peak
 
@@ -455,7 +472,8 @@ def local_columns(config: ml_collections.ConfigDict, hlo_text: str, device: jax.
     roof = local_roofline(device, mesh_shape(config).devices)
     if roof is None:
         return {"predicted_step_s": None, "predicted_error": f"no roofline for device_kind {device.device_kind!r}"}
-    return step_columns(config, kernels.kernels(hlo_text), roof, local_peak(config, device))
+    fp8_peak = local_peak(config, device, peaks.FP8) if device.platform != "cpu" else None  # a CPU has no FP8 peak
+    return step_columns(config, kernels.kernels(hlo_text), roof, local_peak(config, device), fp8_peak)
 
 
 def over_measured(row: dict) -> float | None:

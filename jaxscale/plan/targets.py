@@ -94,6 +94,9 @@ INTERCONNECT_SOURCES: dict[str, str] = {
     "joined by 4 NVSwitches (NVLink domain of 8), one 400 Gb/s ConnectX-7 per GPU (50 GB/s)",
     "h200": "H200 datasheet: NVLink 900 GB/s (bidirectional), PCIe 5.0 x16; HGX H200 (8 GPUs on NVSwitch: "
     "NVLink domain of 8) networked like DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s)",
+    "b200": "NVIDIA HGX B200 datasheet: fifth-generation NVLink 1.8 TB/s (bidirectional) per GPU, 8 GPUs on "
+    "NVSwitch (NVLink domain of 8), PCIe Gen5 128 GB/s (bidirectional); DGX B200 datasheet: 8 single-port 400 Gb/s "
+    "ConnectX-7 for the compute fabric (50 GB/s per GPU)",
     "pcie-only": "datasheet: no NVLink; PCIe 4.0 x16; no network",
 }
 
@@ -180,6 +183,38 @@ TARGETS: dict[str, GpuTarget] = {
             pcie_bandwidth=PCIE5_X16,
             network_bandwidth=50_000_000_000,
             interconnect_source=INTERCONNECT_SOURCES["h200"],
+        ),
+        GpuTarget(
+            name="b200",
+            device_kind="NVIDIA B200",
+            compute_capability=(10, 0),
+            core_count=148,
+            device_memory_size=191514411008,
+            memory_bandwidth=7_672_320_000_000,
+            l2_cache_size=132644864,
+            clock_rate_ghz=1.965,
+            source="OpenXLA xla/backends/gpu/target_config/specs/b200.txtpb @ 300ec95 (figures read from a real "
+            "device: 148 SMs, 191514411008 B, 7.67 TB/s, 126.5 MiB L2, 1965 MHz); HGX B200 datasheet: 180 GB HBM3e, "
+            "7.7 TB/s per GPU",
+            nvlink_bandwidth=900_000_000_000,
+            nvlink_domain=8,
+            pcie_bandwidth=PCIE5_X16,
+            network_bandwidth=50_000_000_000,
+            interconnect_source=INTERCONNECT_SOURCES["b200"],
+        ),
+        GpuTarget(
+            name="l40s",
+            device_kind="NVIDIA L40S",
+            compute_capability=(8, 9),
+            core_count=142,
+            device_memory_size=46068 * MIB,
+            memory_bandwidth=864_000_000_000,
+            l2_cache_size=96 * MIB,
+            clock_rate_ghz=2.52,
+            source="NVIDIA L40S datasheet (48 GB GDDR6, 864 GB/s, 18,176 CUDA cores = 142 SMs, PCIe Gen4 x16, no "
+            "NVLink), Ada whitepaper (AD102: 96 MB L2), 2520 MHz boost; memory = nvidia-smi total 46068 MiB",
+            pcie_bandwidth=PCIE4_X16,
+            interconnect_source=INTERCONNECT_SOURCES["pcie-only"],
         ),
         GpuTarget(
             name="l4",

@@ -47,7 +47,7 @@ def _published(rows: pathlib.Path, runs: pathlib.Path) -> str:
 
     order = {run["id"]: n for n, run in enumerate(published.load_runs(runs))}
     found = sorted((row for row in read_rows(rows) if row.get("variant") in order), key=lambda r: order[r["variant"]])
-    return published.format_table(found)
+    return published.format_table(found, published.load_runs(runs))
 
 
 def _sweep(name: str, experiment: str) -> tuple[str, str]:

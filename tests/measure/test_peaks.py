@@ -50,8 +50,9 @@ def test_full_precision_float32_and_unknown_devices():
     assert peaks.peak_flops("TPU v4", "float32", precision="highest")[0] is None
     value, source = peaks.peak_flops("Some Future Accelerator", "bfloat16")
     assert value is None and "no datasheet peak" in source
-    for lookalike in ("NVIDIA L40S", "TPU v4 lite", "NVIDIA GH200 480GB"):  # not in the table: no borrowed peak
+    for lookalike in ("NVIDIA L40", "TPU v4 lite", "NVIDIA GH200 480GB"):  # not in the table: no borrowed peak
         assert peaks.peak_flops(lookalike, "bfloat16")[0] is None, lookalike
+    assert peaks.peak_flops("NVIDIA L40S", "bfloat16")[0] != peaks.peak_flops("NVIDIA L4", "bfloat16")[0]
     assert peaks.peak_flops("cpu", "float32")[0] is None  # a CPU gets a measured roofline instead
 
 
@@ -155,3 +156,17 @@ def test_resolve_peak_on_cpu_measures(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSCALE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(peaks, "measure_matmul_flops", lambda dtype, size=2048, repeats=5: 1.5e11)
     assert peaks.resolve_peak("bfloat16")[0] == 1.5e11
+
+
+def test_fp8_peaks_are_twice_the_bf16_ones_and_absent_without_fp8_tensor_cores():
+    """Each datasheet gives FP8 (FP32 accumulate) at twice its BF16 rate on Ada, Hopper and Blackwell: the table's
+    FP8 figures, typed from the datasheets, hold that; Ampere has none (None, not a borrowed figure)."""
+    with_fp8 = [t for t in targets.TARGETS.values() if t.compute_capability >= (8, 9)]
+    assert {t.name for t in with_fp8} >= {"h100", "h200", "b200", "l40s", "l4", "rtx4090"}
+    for target in with_fp8:
+        fp8, source = peaks.peak_flops(target.device_kind, peaks.FP8)
+        bf16, _ = peaks.peak_flops(target.device_kind, "bfloat16")
+        # 2% : the L40S datasheet itself gives BF16 dense 362.05 but sparse 733 (= 2 x 366.5), and FP8 dense 733
+        assert fp8 == pytest.approx(2 * bf16, rel=0.02), (target.name, source)
+    for target in (t for t in targets.TARGETS.values() if t.compute_capability < (8, 9)):
+        assert peaks.peak_flops(target.device_kind, peaks.FP8)[0] is None, target.name

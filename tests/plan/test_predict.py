@@ -38,7 +38,8 @@ STREAM_SCALE_OF_DATASHEET = 1704e9 / 2.0e12
 H100_GEMM_MEASURED = (0.803, 783 / 989)
 # FlashAttention-2 on an A100: "50-73% of the theoretical maximum FLOPs/s" (Dao 2023, arXiv 2307.08691, abstract),
 # the low end; on an H100: "only 35% utilization" (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract).
-FLASH_ATTENTION_2 = {8: 0.50, 9: 0.35}
+# Blackwell (10.x): no published FlashAttention-2 figure was found; Hopper's is assumed (predict.py says so).
+FLASH_ATTENTION_2 = {8: 0.50, 9: 0.35, 10: 0.35}
 # The smallest GEMMs of OpenXLA's H100 table: 67 MFLOP at 11.5 TFLOP/s, less that work at the bf16 peak (989 TFLOP/s).
 SMALLEST_GEMM_OVERHEAD_S = 67e6 / 11.5e12 - 67e6 / 989e12
 
