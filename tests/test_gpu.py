@@ -97,12 +97,14 @@ def test_a_gpu_trace_gives_step_times_and_category_shares(tmp_path):
         shares = {c: row[f"trace_{c}_share"] for c in ("matmul", "fusion", "dus", "copy", "control_flow", "other")}
         assert shares["matmul"] > 0, shares
         assert shares["other"] < 0.2, shares  # kernels and ops are recognised, not left uncategorised
-        # Every GEMM of the compiled step (a Triton GEMM fusion or a cuBLAS call, read from the HLO text here, not
-        # through jaxscale.measure.hlo) ran and was read as a matmul, also from inside XLA's CUDA graphs.
+        # The ops read as matmuls are GEMMs of the compiled step (Triton GEMM fusions or cuBLAS calls, read from the
+        # HLO text here, not through jaxscale.measure.hlo), also from inside XLA's CUDA graphs. Not all of them by
+        # name: XLA compiles identical fusions once (the unrolled layers' GEMMs) and the trace names the kernel after
+        # the first (seen on an H200: bf16_noscan's read set was a subset), so every name read must be one of them.
         run_dir = pathlib.Path(row["trace_ops_csv"]).parent
         hlo_text = gzip.open(run_dir / traces.HLO_FILE, "rt").read()
         gemms = set(re.findall(r"%(\S+) = .*(?:custom_call_target=\"__cublas|\"kind\":\"__triton\w*gemm)", hlo_text))
         with open(row["trace_ops_csv"]) as handle:
             read = {op["op"] for op in csv.DictReader(handle) if op["category"] == "matmul"}
-        assert gemms and {traces.kernel_name(g) for g in gemms} == {traces.kernel_name(op) for op in read}
+        assert read and {traces.kernel_name(op) for op in read} <= {traces.kernel_name(g) for g in gemms}
     assert rows["bf16"]["trace_dus_share"] > rows["bf16_noscan"]["trace_dus_share"]

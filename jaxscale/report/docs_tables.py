@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from absl import flags
 
 from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
-from jaxscale.report import measurements_tables, mesh_tables, models_tables, predict_tables
+from jaxscale.report import gpu_tables, measurements_tables, mesh_tables, models_tables, predict_tables
 from jaxscale.sweep.results import read_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -94,6 +94,12 @@ TABLES: tuple[DocTable, ...] = (
     DocTable("mesh-h100", "docs/mesh.md", _sweep("mesh_seed_plan_h100_x8", "experiments/mesh.py:seed"),
              mesh_tables.gpu_mesh_table),  # fmt: skip
     DocTable("published", "docs/published.md", _PUBLISHED, _published),
+    DocTable("fp8-h200", "docs/fp8.md", tuple(f"{RESULTS}/fp8_{model}_{kind}h200/results.jsonl"
+                                              for model in ("seed", "llama3.2-1b") for kind in ("plan_", "")),
+             gpu_tables.fp8_table),  # fmt: skip
+    DocTable("seed-h200", "docs/gpu.md", (f"{RESULTS}/seed_table_seed_h200/results.jsonl",
+                                          f"{RESULTS}/seed_table_seed_plan_h200/results.jsonl"),
+             gpu_tables.seed_on_gpu_table),  # fmt: skip
     DocTable("fit-llama3.2-1b", _MODELS, _LLAMA1B, models_tables.optimizers_by_gpu_table),
     DocTable("fit-llama3.2-1b-flash", _MODELS, _LLAMA1B_FLASH, models_tables.two_gpu_table),
     DocTable("fit-gpt2", _MODELS, _fits("gpt2_rtx4090", "gpt2_rtx4090_xla_ignore"), models_tables.reference_fit_table),
