@@ -336,8 +336,9 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
         now = [r["predicted_over_published_step"] for r in registered if r.get("predicted_over_published_step")]
         waiting = sum(bool(r.get("published_pending")) for r in held)
         lines.append("")
+        current = _summary("", now).removeprefix(": ")
         lines.append(f"{_summary('time, first sight (pre-registered)', first)}; the current predictor on them: "
-                     f"{_summary('', now).removeprefix(': ')}; {waiting} registered runs await their figures")  # fmt: skip
+                     f"{current}; {waiting} registered runs await their figures")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -27,7 +27,8 @@ def test_the_runs_are_at_least_8_from_4_projects_each_quoting_its_source_and_a_m
     for run in runs:
         assert run["source"] and run["quote"] and run["source_url"].startswith("https://"), run["id"]
         if "measured" not in run:  # pre-registered, awaiting its figures: its prediction is there
-            assert run["first_sight"]["predicted_step_s"] and re.fullmatch(r"[0-9a-f]{40}", run["first_sight"]["commit"])
+            first = run["first_sight"]
+            assert first["predicted_step_s"] and re.fullmatch(r"[0-9a-f]{40}", first["commit"]), run["id"]
             continue
         measured = run["measured"]
         assert any(measured.get(k) for k in ("step_time_s", "tokens_per_s_per_gpu", "sequences_per_s")), run["id"]
@@ -78,8 +79,8 @@ def test_a_run_whose_plan_does_not_fit_its_card_is_not_counted():
     assert published.excluded(run, {"plan_fits": True}) is None
     bigger_card = {**run, "gpu_memory_gib": 96}  # torchtitan's 96 GB H100s against the lab's 80 GB target
     assert published.excluded(bigger_card, {"plan_fits": False, "compiled_peak_bytes": 60 * 2**30}) is None
-    assert published.excluded(bigger_card, {"plan_fits": False, "compiled_peak_bytes": 100 * 2**30,
-                                            "plan_fits_reason": "x"}).startswith("the lab's nearest program")  # fmt: skip
+    too_big = {"plan_fits": False, "compiled_peak_bytes": 100 * 2**30, "plan_fits_reason": "x"}
+    assert published.excluded(bigger_card, too_big).startswith("the lab's nearest program")
 
     def row(name: str, ratio: float, fits: bool) -> dict:
         return {"status": "ok", "variant": name, "published_n_gpus": 8, "plan_target": "h100", "published_step_s": 1.0,

@@ -49,9 +49,19 @@ REMAT_POLICIES = tuple(remat_policies.POLICIES)  # what each keeps, with its sou
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
-STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype and finetune.frozen_dtype
+STATE_DTYPES = ("float32", "bfloat16", "int8")  # optimizer.state_dtype (int8: jaxscale/train/quantized_state.py)
+FROZEN_DTYPES = ("float32", "bfloat16")  # finetune.frozen_dtype
+# optimizer.state_dtype=int8 (adam, adamw): each moment of a tensor of at least INT8_MIN_SIZE elements is stored as
+# one uint8 code per element and one float32 absmax per block of INT8_BLOCK_SIZE elements (Dettmers et al. 2022,
+# arXiv 2110.02861, section 2.1: blocks of 2048); smaller tensors keep float32 moments (bitsandbytes' min_8bit_size,
+# 4096). Read by the optimizer (jaxscale.train.quantized_state) and the analytic memory model.
+INT8_BLOCK_SIZE = 2048
+INT8_MIN_SIZE = 4096
 FP8_MODES = ("none", "dynamic")  # model.fp8 (jaxscale.model.fp8)
 DATA_SOURCES = ("synthetic", "text")
+QK_NORMS = ("none", "head", "full")  # model.qk_norm
+MOE_ROUTINGS = ("topk_softmax", "softmax_topk", "softmax_topk_norm")  # model.moe_routing (jaxscale.model.moe)
+MOE_DISPATCHES = ("ragged", "capacity", "dense")  # model.moe_dispatch (jaxscale.model.moe)
 
 
 def all_presets() -> dict[str, dict[str, dict[str, object]]]:
@@ -100,12 +110,24 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.rope_theta = 10000.0  # base of the rotary position embedding's frequencies (llama)
     c.model.norm_epsilon = 1e-6  # epsilon of LayerNorm (gpt) or RMSNorm (llama)
     c.model.tie_embeddings = False  # output head = token embedding transposed, no bias (GPT-2, Llama 3.2)
+    c.model.num_attention_heads = 0  # query heads (llama); 0: hidden_size // head_dim (Qwen3 has more, e.g. 32 x 128)
+    c.model.qk_norm = "none"  # llama: RMSNorm of q and k before RoPE: none, head (per head: Qwen3), full (OLMoE)
+    # Mixture of experts (llama; jaxscale/model/moe.py, docs/models.md): the SwiGLU MLP replaced by routed experts.
+    c.model.num_experts = 0  # routed experts per MoE layer; 0: the dense SwiGLU MLP
+    c.model.experts_per_token = 2  # experts each token is routed to (top-k)
+    c.model.moe_hidden_size = 0  # each expert's SwiGLU width (moe_intermediate_size); 0: the dense MLP's width
+    c.model.num_shared_experts = 0  # experts every token also goes through (one SwiGLU n x moe_hidden_size wide)
+    c.model.moe_routing = "topk_softmax"  # topk_softmax (Mixtral), softmax_topk (OLMoE), softmax_topk_norm (Qwen3)
+    c.model.moe_dispatch = "ragged"  # ragged (sorted, lax.ragged_dot, dropless), capacity (one-hot, drops), dense
+    c.model.moe_capacity_factor = 1.25  # capacity: slots per expert = ceil(factor x seq_len x k / num_experts)
+    c.model.moe_aux_loss_weight = 0.01  # weight of the load-balancing loss num_experts x sum_e f_e x P_e (Switch)
+    c.model.moe_z_loss_weight = 0.0  # weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE)
+    c.model.first_dense_layers = 0  # the first N blocks keep the dense MLP (DeepSeek); needs scan_layers=False
     c.model.max_seq_len = 512  # rows of the learned positional embedding
     c.model.dropout_rate = 0.1  # dropout after embeddings, attention output and MLP output
     c.model.dtype = "bfloat16"  # compute dtype of activations and matmuls; params are always float32
     c.model.reduce_dtype = "float32"  # weight gradients summed over a mesh's devices in float32 or the compute dtype
-    # FP8 matmuls (jaxscale.model.fp8; docs/fp8.md): none, or dynamic (current tensorwise scaling, torchtitan's Float8)
-    c.model.fp8 = "none"
+    c.model.fp8 = "none"  # FP8 matmuls (docs/fp8.md): none, or dynamic (current tensorwise scaling, torchtitan's Float8)
     c.model.fp8_targets = ("attention", "mlp")  # projections in FP8: attention, mlp, all, head, or names (q, up, ...)
     c.model.softmax_dtype = "float32"  # dtype of attention logits and softmax (cast back afterwards)
     c.model.causal = True  # causal attention mask (next-token prediction needs it)
@@ -151,7 +173,8 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.999  # Adam second-moment decay
     c.optimizer.weight_decay = 0.0  # decoupled weight decay (adamw only)
     c.optimizer.grad_clip_norm = 0.0  # clip gradients to this global norm; 0 disables clipping
-    c.optimizer.state_dtype = "float32"  # dtype the optimizer's moments are stored in: float32 or bfloat16
+    # int8 (adam/adamw only): both moments block-wise quantized to 8 bits (jaxscale/train/quantized_state.py)
+    c.optimizer.state_dtype = "float32"  # dtype the optimizer's moments are stored in: float32, bfloat16 or int8
 
     # Fine-tuning (jaxscale.config.finetune, docs/finetune.md): which parameters train; the rest stay frozen.
     c.finetune = ml_collections.ConfigDict()

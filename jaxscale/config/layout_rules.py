@@ -34,6 +34,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("pos", None),
     ("head_dim", None),
     ("qkv", None),
+    ("expert", None),  # a mixture of experts' stacked experts (jaxscale.model.moe): no expert parallelism yet
 )
 
 

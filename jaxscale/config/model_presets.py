@@ -142,4 +142,65 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, object]]] = {
         "train": dict(num_minibatches=4, steps=10, warmup_steps=2),
         "profile": dict(steps=2),
     },
+    # Mixtures of experts (jaxscale.model.moe): Llama blocks whose SwiGLU MLP is routed experts. Counts are exact
+    # (tests/model/test_moe.py writes each out by hand); "active" is the parameters one token multiplies by (the 6N
+    # rule's N: k of the E experts, the router, attention, norms and the output head; not the embedding lookup).
+    # 46,702,792,704 parameters, 12,748,853,248 active. Source: the Hugging Face config.json of
+    # mistralai/Mixtral-8x7B-v0.1: hidden 4096, 32 layers, 32 heads of 128, 8 KV heads, intermediate 14336, 8 local
+    # experts, 2 per token, vocabulary 32000, rope_theta 1e6, rms_norm_eps 1e-5, 32768 positions, untied,
+    # router_aux_loss_coef 0.02; the router's softmax over all experts renormalised over the top 2 is the softmax of
+    # the top-2 logits (HF MixtralSparseMoeBlock).
+    "mixtral-8x7b": {
+        "model": dict(
+            family="llama", vocab_size=32000, hidden_size=4096, head_dim=128, num_layers=32, num_kv_heads=8,
+            mlp_hidden_size=14336, rope_theta=1e6, norm_epsilon=1e-5, max_seq_len=32768, dropout_rate=0.0,
+            tie_embeddings=False, num_experts=8, experts_per_token=2, moe_routing="topk_softmax",
+            moe_aux_loss_weight=0.02,
+        ),
+        "data": dict(batch_size=8, seq_len=2048),
+        **_TRAIN,
+    },
+    # 6,919,161,856 parameters, 1,178,994,688 active. Source: the config.json of allenai/OLMoE-1B-7B-0924 (as
+    # its fine-tunes copy it, e.g. huggingface.co/interview-eval/olmoe-math-train-gsm8k-2, and as transformers'
+    # OlmoeConfig defaults restate it): hidden 2048, 16 layers, 16 heads of 128 (16 KV heads), intermediate 1024 per
+    # expert, 64 experts, 8 per token, norm_topk_prob false, vocabulary 50304, rope_theta 10000, rms_norm_eps 1e-5,
+    # 4096 positions, untied, router_aux_loss_coef 0.01; q and k RMSNorm over their whole width (transformers'
+    # OlmoeAttention: q_norm of hidden_size, k_norm of the K/V width).
+    "olmoe-1b-7b": {
+        "model": dict(
+            family="llama", vocab_size=50304, hidden_size=2048, head_dim=128, num_layers=16, num_kv_heads=16,
+            mlp_hidden_size=1024, rope_theta=10000.0, norm_epsilon=1e-5, max_seq_len=4096, dropout_rate=0.0,
+            tie_embeddings=False, qk_norm="full", num_experts=64, experts_per_token=8, moe_routing="softmax_topk",
+            moe_aux_loss_weight=0.01,
+        ),
+        "data": dict(batch_size=8, seq_len=2048),
+        **_TRAIN,
+    },
+    # 30,532,122,624 parameters, 3,041,867,776 active. Source: the Hugging Face config.json of Qwen/Qwen3-30B-A3B,
+    # as Megatron scripts restate it (slime's scripts/models/qwen3-30B-A3B.sh, github.com/zyzshishui/slime) and
+    # transformers' Qwen3MoeConfig documents it: hidden 2048, 48 layers, 32 heads of 128 (more than hidden /
+    # head_dim), 4 KV heads, intermediate 6144 (unused: every layer is MoE), moe_intermediate_size 768, 128 experts,
+    # 8 per token, norm_topk_prob true, vocabulary 151936, rope_theta 1e6, rms_norm_eps 1e-6, 40960 positions,
+    # untied, router_aux_loss_coef 0.001; q and k RMSNorm per head (Qwen3MoeAttention's q_norm, k_norm of head_dim).
+    "qwen3-30b-a3b": {
+        "model": dict(
+            family="llama", vocab_size=151936, hidden_size=2048, head_dim=128, num_attention_heads=32,
+            num_layers=48, num_kv_heads=4, mlp_hidden_size=6144, moe_hidden_size=768, rope_theta=1e6,
+            norm_epsilon=1e-6, max_seq_len=40960, dropout_rate=0.0, tie_embeddings=False, qk_norm="head",
+            num_experts=128, experts_per_token=8, moe_routing="softmax_topk_norm", moe_aux_loss_weight=0.001,
+        ),
+        "data": dict(batch_size=8, seq_len=2048),
+        **_TRAIN,
+    },
+    # tiny-llama's blocks with 4 experts of width 32, 2 per token (tests; a CPU step in milliseconds).
+    "tiny-moe": {
+        "model": dict(
+            family="llama", num_layers=2, hidden_size=64, head_dim=16, num_kv_heads=2, mlp_hidden_size=192,
+            vocab_size=128, max_seq_len=32, norm_epsilon=1e-5, dropout_rate=0.0, tie_embeddings=True,
+            num_experts=4, experts_per_token=2, moe_hidden_size=32,
+        ),
+        "data": dict(batch_size=8, seq_len=32),
+        "train": dict(num_minibatches=2, steps=3, warmup_steps=1),
+        "profile": dict(steps=1),
+    },
 }  # fmt: skip

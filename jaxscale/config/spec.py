@@ -44,6 +44,18 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_epsilon: float = 1e-6
     tie_embeddings: bool = False
+    num_attention_heads: int = 0
+    qk_norm: str = "none"
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_hidden_size: int = 0
+    num_shared_experts: int = 0
+    moe_routing: str = "topk_softmax"
+    moe_dispatch: str = "ragged"
+    moe_capacity_factor: float = 1.25
+    moe_aux_loss_weight: float = 0.01
+    moe_z_loss_weight: float = 0.0
+    first_dense_layers: int = 0
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("attention",)
@@ -52,8 +64,14 @@ class ModelConfig:
 
     @property
     def num_heads(self) -> int:
-        """Query heads: hidden_size // head_dim."""
-        return self.hidden_size // self.head_dim
+        """Query heads: num_attention_heads, or hidden_size // head_dim when it is 0."""
+        return self.num_attention_heads or self.hidden_size // self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        """Width of the queries (and of the attention's output before its projection): heads x head_dim
+        (hidden_size unless num_attention_heads says otherwise, as in Qwen3)."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -69,6 +87,16 @@ class ModelConfig:
     def mlp_width(self) -> int:
         """The MLP's hidden width: mlp_hidden_size, or mlp_expansion * hidden_size when it is 0."""
         return self.mlp_hidden_size or self.mlp_expansion * self.hidden_size
+
+    @property
+    def expert_width(self) -> int:
+        """One routed expert's SwiGLU width: moe_hidden_size, or mlp_width when it is 0."""
+        return self.moe_hidden_size or self.mlp_width
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose feed-forward is the mixture of experts: all but the first_dense_layers (0 when dense)."""
+        return self.num_layers - self.first_dense_layers if self.num_experts else 0
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict) -> ModelConfig:

@@ -14,12 +14,16 @@ from jaxscale.config.defaults import (
     DATA_SOURCES,
     DTYPES,
     FAMILIES,
+    FP8_MODES,
+    FROZEN_DTYPES,
+    MOE_DISPATCHES,
+    MOE_ROUTINGS,
     OPTIMIZERS,
+    QK_NORMS,
     REDUCE_DTYPES,
     REMAT_POLICIES,
     REMAT_TARGETS,
     STATE_DTYPES,
-    FP8_MODES,
     ConfigError,
 )
 from jaxscale.config.spec import ModelConfig, mesh_shape, mesh_text
@@ -44,7 +48,7 @@ def _one_of(value: object, allowed: tuple, field: str) -> None:
 def _validate_family(m: ml_collections.ConfigDict) -> None:
     """The fields of the model family: grouped-query heads, MLP width, RoPE and norm settings."""
     _one_of(m.family, FAMILIES, "model.family")
-    for field in ("num_kv_heads", "mlp_hidden_size"):
+    for field in ("num_kv_heads", "mlp_hidden_size", "num_attention_heads"):
         value = m[field]
         _check(isinstance(value, int) and value >= 0, f"model.{field}", f"must be an integer >= 0, got {value!r}")
     sizes = ModelConfig.from_config(m)
@@ -71,6 +75,10 @@ def _validate_family(m: ml_collections.ConfigDict) -> None:
     _check(
         isinstance(m.tie_embeddings, bool), "model.tie_embeddings", f"must be True or False, got {m.tie_embeddings!r}"
     )
+    _one_of(m.qk_norm, QK_NORMS, "model.qk_norm")
+    for field, default in (("num_attention_heads", 0), ("qk_norm", "none")):
+        _check(m.family == "llama" or m[field] == default, f"model.{field}",
+               f"{m[field]!r} is built for model.family=llama only; allowed for gpt: {default!r}")  # fmt: skip
 
 
 def _flash_blocks(m: ml_collections.ConfigDict, seq_len: int) -> None:
@@ -161,10 +169,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check(o.transition_steps > 0, "optimizer.transition_steps", f"must be > 0, got {o.transition_steps}")
     _check(o.grad_clip_norm >= 0, "optimizer.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
     _one_of(o.state_dtype, STATE_DTYPES, "optimizer.state_dtype")
+    _check(o.state_dtype != "int8" or o.name in ("adam", "adamw"), "optimizer.state_dtype",
+           f"int8 (block-wise quantized Adam moments) needs optimizer.name adam or adamw, got {o.name}; "
+           f"allowed with {o.name}: float32" + (", bfloat16" if o.name == "sgd" else ""))  # fmt: skip
     _check(o.state_dtype == "float32" or o.name != "adafactor", "optimizer.state_dtype",
            f"{o.state_dtype} changes nothing for adafactor (no first moment; its factored second moments stay "
            "float32); use float32, or adam / adamw / sgd")  # fmt: skip
     _validate_lora(m)
+    _validate_moe(config)
     _validate_fp8(m)
     _validate_finetune(config)
 
@@ -244,7 +256,7 @@ def _validate_finetune(config: ml_collections.ConfigDict) -> None:
     """Which parameters train (jaxscale.config.finetune) and the dtype the frozen ones are kept in."""
     f, m = config.finetune, config.model
     _one_of(f.train, finetune.TRAIN_CHOICES, "finetune.train")
-    _one_of(f.frozen_dtype, STATE_DTYPES, "finetune.frozen_dtype")
+    _one_of(f.frozen_dtype, FROZEN_DTYPES, "finetune.frozen_dtype")
     _check(isinstance(f.head, bool), "finetune.head", f"must be True or False, got {f.head!r}")
     _non_negative_int(f.last_blocks, "finetune.last_blocks")
     if f.train == "adapters":  # as given: "auto" resolves to adapters only where there are some

@@ -66,9 +66,10 @@ def param_count(model: ml_collections.ConfigDict) -> int:
 
 
 def non_embedding_params(model: ml_collections.ConfigDict) -> int:
-    """N of the 6N rule: every parameter that takes part in matmuls (all but gather-only embeddings; a tied
-    token embedding is the output head's matrix too, so it stays in N)."""
-    return params.param_count(model) - params.embedding_only_params(model)
+    """N of the 6N rule: every parameter that takes part in a token's matmuls (all but gather-only embeddings; a
+    tied token embedding is the output head's matrix too, so it stays in N; of a mixture of experts' routed
+    experts only the k a token goes to: params.active_param_count)."""
+    return params.active_param_count(model)
 
 
 def six_n_flops_per_step(config: ml_collections.ConfigDict) -> float:
@@ -84,18 +85,31 @@ def backward_params(config: ml_collections.ConfigDict) -> tuple[int, int]:
     when every parameter trains."""
     m = config.model
     gathers = {"pos_emb"} | (set() if m.tie_embeddings else {"embed/embedding"})
-    table = {k: math.prod(shape) for k, (shape, _) in params.param_table(m).items() if k not in gathers}
+    share = _active_share(m)
+    table = {k: share(k, math.prod(shape)) for k, (shape, _) in params.param_table(m).items() if k not in gathers}
     trained = sum(n for k, n in table.items() if finetune.trainable(k, config))
     through = sum(n for k, n in table.items() if finetune.in_backward(k, config))
     return through, trained
 
 
+def _active_share(model: ml_collections.ConfigDict):
+    """(path, size) -> the part of a parameter one token multiplies by: k / E of a routed expert's stacked weights
+    (jaxscale.model.moe's "mlp/experts/..."), the whole of every other."""
+    k, e = model.experts_per_token, model.num_experts
+
+    def share(path: str, size: int) -> int:
+        return size // e * k if "/mlp/experts/" in path else size
+
+    return share
+
+
 def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False) -> float:
     """Model FLOPs of one optimizer step (forward + backward), the PaLM / nanoGPT formula.
 
-    flops_per_token = 6·N + 12·L·H·Q·T, where N counts the parameters that take part in matmuls (all but the
-    embeddings used only as gathers; a tied token embedding is the output head too, so it counts), L layers,
-    H heads, Q head dim, T sequence length. The attention term counts QK^T and AV over the full T×T square;
+    flops_per_token = 6·N + 12·L·H·Q·T, where N counts the parameters that take part in a token's matmuls (all but
+    the embeddings used only as gathers; a tied token embedding is the output head too, so it counts; of a mixture
+    of experts' routed experts the k a token goes to, `non_embedding_params`), L layers, H heads, Q head dim, T
+    sequence length. The attention term counts QK^T and AV over the full T×T square;
     `causal=True` halves it (the useful half).
 
     Fine-tuning (jaxscale.config.finetune) takes the same three parts apart: 2·N forward, 2·N_through for the
@@ -103,7 +117,7 @@ def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False
     (`backward_params`); the attention's backward 8·L_through·H·Q·T. With everything trained this is 6·N + 12·L·H·Q·T.
     """
     m = config.model
-    per_layer = 4 * m.hidden_size * config.data.seq_len  # QK^T and AV forward: 2·(H·Q)·T each per token
+    per_layer = 4 * ModelConfig.from_config(m).q_width * config.data.seq_len  # QK^T and AV: 2·(H·Q)·T each per token
     attention = per_layer * (m.num_layers + 2 * finetune.backward_blocks(config))  # backward: twice the forward
     if causal:
         attention /= 2
@@ -115,24 +129,35 @@ def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False
 def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[str, float]:
     """Forward matmul FLOPs per token of one layer, by matmul (2 FLOPs per multiply-add), and of the head.
 
-    H hidden, F MLP width, K the K/V width (K/V heads x head_dim; H without grouped-query attention), T
-    sequence, V vocabulary. gpt: qkv 2·H·3H, up 2·H·F; llama: qkv 2·H·(H + 2K) (q, k and v), up 2·2·H·F (gate
-    and up). Both: logits (QK^T) 2·T·H, values (AV) 2·T·H (every query head, whatever K), out 2·H·H,
-    down 2·F·H; head 2·H·V (tied or not). The attention terms cover the full T×T square, as the reference
-    and 'xla' kernels compute it; a causal cuDNN kernel skips the masked half, so it gets half of them.
+    H hidden, F MLP width, K the K/V width (K/V heads x head_dim; H without grouped-query attention), Q the
+    query width (heads x head_dim: H unless model.num_attention_heads), T sequence, V vocabulary. gpt: qkv 2·H·3H,
+    up 2·H·F; llama: qkv 2·H·(Q + 2K) (q, k and v), up 2·2·H·F (gate and up). Both: logits (QK^T) 2·T·Q, values
+    (AV) 2·T·Q (every query head, whatever K), out 2·Q·H, down 2·F·H; head 2·H·V (tied or not). The attention
+    terms cover the full T×T square, as the reference and 'xla' kernels compute it; a causal cuDNN kernel skips
+    the masked half, so it gets half of them.
+
+    A mixture of experts' layer (jaxscale.model.moe): up 2·2·H·F_e·k + 2·2·H·F_s and down 2·F_e·H·k +
+    2·F_s·H (the k routed experts a token goes to, F_e = model.moe_hidden_size, and the shared experts' F_s =
+    num_shared_experts x F_e), and "router" 2·H·E; with model.first_dense_layers, up, down and router are the
+    mean over the layers (their sum over all layers is exact). The dispatch's own work (one-hot einsums, sorts)
+    and the experts the dense dispatch runs beyond the k are not model FLOPs and are not counted.
     """
     m, t = config.model, config.data.seq_len
     sizes = ModelConfig.from_config(m)
-    h, f, kv = sizes.hidden_size, sizes.mlp_width, sizes.kv_width
-    attention = 2 * t * h * (0.5 if m.attention == "cudnn" and m.causal else 1.0)
+    h, f, kv, q = sizes.hidden_size, sizes.mlp_width, sizes.kv_width, sizes.q_width
+    attention = 2 * t * q * (0.5 if m.attention == "cudnn" and m.causal else 1.0)
     llama = m.family == "llama"
+    moe_layers, fe = sizes.moe_layers, sizes.expert_width
+    moe_width = fe * sizes.experts_per_token + fe * sizes.num_shared_experts  # per token, through the experts
+    mean_width = ((m.num_layers - moe_layers) * f + moe_layers * moe_width) / m.num_layers
     return {
-        "qkv": 2 * h * (h + 2 * kv),
+        "qkv": 2 * h * (q + 2 * kv),
         "logits": attention,
         "values": attention,
-        "out": 2 * h * h,
-        "up": 2 * h * f * (2 if llama else 1),
-        "down": 2 * f * h,
+        "out": 2 * q * h,
+        "up": 2 * h * mean_width * (2 if llama else 1),
+        "down": 2 * mean_width * h,
+        "router": 2 * h * sizes.num_experts * moe_layers / m.num_layers,
         "head": 2 * h * m.vocab_size,
     }
 
@@ -181,7 +206,7 @@ def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
     m = config.model
     per_token = forward_matmul_flops_per_token(config)
     sizes = ModelConfig.from_config(m)
-    per_token.update(k=2 * sizes.hidden_size * sizes.kv_width, up_only=2 * sizes.hidden_size * sizes.mlp_width)
+    per_token.update(k=2 * sizes.hidden_size * sizes.kv_width, up_only=per_token["up"] / 2)  # llama: up of gate+up
     policy = recomputed(m.remat_policy, m.family)
     out_adapted = m.lora_rank > 0 and "out" in finetune.lora_projections(m.family, tuple(m.lora_targets))
     total = 0.0
@@ -221,7 +246,7 @@ def hardware_flops_per_step(config: ml_collections.ConfigDict) -> float:
     """
     m, f = config.model, config.finetune
     per_token = forward_matmul_flops_per_token(config)
-    kernels = sum(per_token[k] for k in ("qkv", "out", "up", "down"))
+    kernels = sum(per_token[k] for k in ("qkv", "out", "up", "down", "router"))
     attention, adapters = per_token["logits"] + per_token["values"], 2 * params.adapter_params(m)
     layers, through = m.num_layers, finetune.backward_blocks(config)
     mode = finetune.train_mode(config)  # finetune.train with "auto" resolved

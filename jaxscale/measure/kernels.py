@@ -10,7 +10,8 @@ nothing and are left out. For each kernel:
 - flops: a GEMM's 2 · output elements · contracted size (the same count as hlo.matmul_flops); a fused
   attention call's matmuls from its shapes (attention_calls); for other kernels one FLOP per element per
   arithmetic op inside (a reduce: per input element);
-- flop_dtype: which peak the FLOPs run at: "f8" (FP8 operands), "bf16"/"f16" (tensor cores), "tf32" (a float32 dot at DEFAULT
+- flop_dtype: which peak the FLOPs run at: "f8" (FP8 operands), "bf16"/"f16" (tensor cores), "tf32" (a float32
+  dot at DEFAULT
   precision), "f32" (a float32 dot at HIGHEST), "vector" (elementwise work, CUDA cores / SIMD units);
 - bytes_read, bytes_written: at the kernel's boundary. A fusion reads a parameter in full unless it only
   slices it (dynamic-slice, slice, gather: the slices' bytes) or updates it in place (the buffer of a

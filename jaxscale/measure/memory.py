@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxscale.config import finetune, layout_rules, remat_policies
+from jaxscale.config.defaults import INT8_BLOCK_SIZE, INT8_MIN_SIZE
 from jaxscale.config.spec import (
     ModelConfig,
     accumulates_locally,
@@ -397,10 +398,13 @@ def _frozen_itemsize(config: ml_collections.ConfigDict) -> int:
 def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
     """Bytes of the optimizer's state on one device, for the parameters that train (T = trained_param_count):
     Adam/AdamW a first moment of `optimizer.state_dtype` and a float32 second moment, (2 or 4) · T + 4 · T; SGD
-    its momentum, (2 or 4) · T; Adafactor 4 × (its factored second moments, params.adafactor_state_elements:
+    its momentum, (2 or 4) · T; Adam/AdamW at state_dtype int8 _int8_adam_state_bytes (about 2 · (1 + 4/2048) · T,
+    unsplit); Adafactor 4 × (its factored second moments, params.adafactor_state_elements:
     n/d1 + n/d2 per matrix whose two largest dims are >= 128, n for every other parameter, each split like the
     parameter axes it keeps)."""
     fsdp, tensor = zero_splits(config)["optimizer"], mesh_shape(config).tensor
+    if config.optimizer.state_dtype == "int8":
+        return _int8_adam_state_bytes(config, fsdp, tensor)
     if config.optimizer.name == "adafactor":
         table = trained_table(config)
         shapes, names = {k: s for k, (s, _) in table.items()}, {k: n for k, (_, n) in table.items()}
@@ -408,6 +412,27 @@ def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
     first = jnp.dtype(config.optimizer.state_dtype).itemsize
     per_param = {"adam": first + _FLOAT32, "adamw": first + _FLOAT32, "sgd": first}[config.optimizer.name]
     return per_param * trained_param_count(config, fsdp)
+
+
+def int8_moment_bytes(elements: int, block_size: int = INT8_BLOCK_SIZE) -> int:
+    """Bytes of one moment of a tensor of `elements` stored 8-bit (jaxscale.train.quantized_state): a uint8 code per
+    element and a float32 absmax per block of `block_size` (the last one partial): n + 4 · ceil(n / block_size)."""
+    return elements + _FLOAT32 * -(-elements // block_size)
+
+
+def _int8_adam_state_bytes(config: ml_collections.ConfigDict, fsdp: int, tensor: int) -> int:
+    """Adam's two moments at optimizer.state_dtype=int8 on one device: per trained parameter of at least
+    INT8_MIN_SIZE elements 2 · int8_moment_bytes (2 x (1 + 4/2048) bytes per element), whole on every device (the
+    layout replicates the flat codes and absmax, see jaxscale.train.quantized_state); per smaller one two float32
+    moments split like the parameter, 2 · 4 bytes per element it holds."""
+    total = 0
+    for shape, names in trained_table(config).values():
+        elements = math.prod(shape)
+        if elements >= INT8_MIN_SIZE:
+            total += 2 * int8_moment_bytes(elements)
+        else:
+            total += 2 * _FLOAT32 * math.prod(params.shard_shape(shape, names, fsdp, tensor))
+    return total
 
 
 def _gathered_layer_bytes(config: ml_collections.ConfigDict, gradient_only: bool = False) -> int:
@@ -435,7 +460,7 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
         Rajbhandari et al. 2020; tensor parallelism divides the split matrices by mesh.tensor, Shoeybi et
         al. 2019). Below ZeRO stage 3 the parameters are whole on the fsdp axis (zero_splits).
       optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; split over fsdp x context at every
-        ZeRO stage).
+        ZeRO stage; Adam's 8-bit moments at state_dtype int8 about 2 × (1 + 4/2048)·N, whole on every device).
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop);
         split like the optimizer state from ZeRO stage 2 on (the step constrains them so: reduce-scatters),

@@ -19,8 +19,11 @@ TILE = 64  # tensor-core friendly multiple for matmul dimensions (bf16 MMA tiles
 ADAFACTOR_MIN_DIM_TO_FACTOR = 128  # optax.adafactor's default min_dim_size_to_factor
 
 
-def _layer_params(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """One block's parameters: path -> (shape, logical axis names), as the family's modules create them."""
+def _layer_params(
+    model: ml_collections.ConfigDict, moe: bool = True
+) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """One block's parameters: path -> (shape, logical axis names), as the family's modules create them: a mixture
+    of experts' block when model.num_experts > 0 (`moe=False`: its first dense layers' block)."""
     sizes = ModelConfig.from_config(model)
     h, hd, f, heads, kv_heads = sizes.hidden_size, sizes.head_dim, sizes.mlp_width, sizes.num_heads, sizes.kv_heads
     embed, mlp = ("embed",), ("mlp",)
@@ -39,11 +42,42 @@ def _layer_params(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int
         "attn/q/kernel": ((h, heads, hd), ("embed", "heads", "head_dim")),
         "attn/k/kernel": ((h, kv_heads, hd), ("embed", "kv_heads", "head_dim")),
         "attn/v/kernel": ((h, kv_heads, hd), ("embed", "kv_heads", "head_dim")),
+        **_qk_norms(model.qk_norm, heads, kv_heads, hd),
         "attn/out/kernel": ((heads, hd, h), ("heads", "head_dim", "embed")),
         "mlp/pre_norm/scale": ((h,), embed),
-        "mlp/gate/kernel": ((h, f), ("embed", "mlp")), "mlp/up/kernel": ((h, f), ("embed", "mlp")),
-        "mlp/down/kernel": ((f, h), ("mlp", "embed")),
+        **(_moe_params(sizes) if moe and sizes.num_experts else _swiglu_params("mlp", h, f)),
     })  # fmt: skip
+
+
+def _swiglu_params(prefix: str, h: int, f: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """A SwiGLU's gate, up [H, F] and down [F, H] kernels under `prefix` (jaxscale.model.llama.swiglu)."""
+    return {f"{prefix}/gate/kernel": ((h, f), ("embed", "mlp")), f"{prefix}/up/kernel": ((h, f), ("embed", "mlp")),
+            f"{prefix}/down/kernel": ((f, h), ("mlp", "embed"))}  # fmt: skip
+
+
+def _qk_norms(qk_norm: str, heads: int, kv_heads: int, hd: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """model.qk_norm's scales (jaxscale.model.llama.qk_norm): per head [head_dim], or whole [heads, head_dim]."""
+    if qk_norm == "head":
+        return {"attn/q_norm/scale": ((hd,), ("head_dim",)), "attn/k_norm/scale": ((hd,), ("head_dim",))}
+    if qk_norm == "full":
+        return {"attn/q_norm/scale": ((heads, hd), ("heads", "head_dim")),
+                "attn/k_norm/scale": ((kv_heads, hd), ("kv_heads", "head_dim"))}  # fmt: skip
+    return {}
+
+
+def _moe_params(sizes: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """A mixture of experts' MLP (jaxscale.model.moe): router [H, E], stacked experts [E, H, F] and [E, F, H], and
+    the shared experts' SwiGLU (num_shared_experts x F wide)."""
+    h, e, f = sizes.hidden_size, sizes.num_experts, sizes.expert_width
+    table = {
+        "mlp/router/kernel": ((h, e), ("embed", "expert")),
+        "mlp/experts/gate": ((e, h, f), ("expert", "embed", "mlp")),
+        "mlp/experts/up": ((e, h, f), ("expert", "embed", "mlp")),
+        "mlp/experts/down": ((e, f, h), ("expert", "mlp", "embed")),
+    }
+    if sizes.num_shared_experts:
+        table.update(_swiglu_params("mlp/shared", h, sizes.num_shared_experts * f))
+    return table
 
 
 def _with_adapters(
@@ -86,8 +120,10 @@ def param_table(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, 
         stacked = {k: ((model.num_layers, *s), ("layers", *n)) for k, (s, n) in layer.items()}
         table.update({f"transformer/blocks/{k}": value for k, value in stacked.items()})
     else:
+        dense_layer = _layer_params(model, moe=False)  # model.first_dense_layers (unrolled only)
         for i in range(model.num_layers):
-            table.update({f"transformer/block_{i}/{k}": value for k, value in layer.items()})
+            block = dense_layer if i < model.first_dense_layers else layer
+            table.update({f"transformer/block_{i}/{k}": value for k, value in block.items()})
     return table
 
 
@@ -104,7 +140,7 @@ def layer_param_table(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple
 # Which mesh axes split each logical name of a parameter: the default layout's table
 # (jaxscale.config.layout_rules.RULES; tests/train/test_sharding_devices.py checks the counts against the real
 # layout). Every name the parameters carry is here; those never split map to ().
-PARAM_NAMES = ("vocab", "embed", "pos", "heads", "kv_heads", "head_dim", "qkv", "mlp", "layers")
+PARAM_NAMES = ("vocab", "embed", "pos", "heads", "kv_heads", "head_dim", "qkv", "mlp", "layers", "expert")
 MESH_SPLITS = {name: layout_rules.mesh_axes(name) for name in PARAM_NAMES}
 STATE_AXES = MESH_SPLITS["embed"]  # the axes that shard the model state (ZeRO / FSDP): fsdp x context
 
@@ -141,19 +177,42 @@ def param_count(model: ml_collections.ConfigDict) -> int:
     gpt, per layer: two LayerNorms 2·2H, fused QKV H·3H + 3H, attention output H·H + H, MLP up H·F + F and
     down F·H + H; plus token embedding V·H, positional embedding S·H, final LayerNorm 2H, and, untied, the
     output head H·V + V.
-    llama, per layer: two RMSNorm scales 2H, q H·H, k and v 2·H·K, output H·H, gate, up and down 3·H·F; plus
-    token embedding V·H, final RMSNorm H and, untied, the output head H·V (no biases anywhere).
-    With LoRA, each layer adds `adapter_params`.
+    llama, per layer: two RMSNorm scales 2H, q H·Q, k and v 2·H·K, output Q·H (Q = heads x head_dim, H unless
+    model.num_attention_heads), the q and k norms (model.qk_norm: 2·head_dim per head, Q + K whole), gate, up and
+    down 3·H·F; plus token embedding V·H, final RMSNorm H and, untied, the output head H·V (no biases anywhere).
+    A mixture of experts' layer has, in place of the 3·H·F, a router H·E, E experts 3·H·F_e and the shared
+    experts 3·H·(S·F_e) (F_e = model.moe_hidden_size, S = model.num_shared_experts); the first
+    model.first_dense_layers keep 3·H·F. With LoRA, each layer adds `adapter_params`.
     """
     sizes = ModelConfig.from_config(model)
-    h, f, v, kv = sizes.hidden_size, sizes.mlp_width, sizes.vocab_size, sizes.kv_width
+    h, f, v, kv, q = sizes.hidden_size, sizes.mlp_width, sizes.vocab_size, sizes.kv_width, sizes.q_width
     if model.family == "gpt":
         per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
         top = v * h + model.max_seq_len * h + 2 * h + (0 if model.tie_embeddings else h * v + v)
-    else:
-        per_layer = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * f
-        top = v * h + h + (0 if model.tie_embeddings else h * v)
-    return model.num_layers * (per_layer + adapter_params(model)) + top
+        return model.num_layers * (per_layer + adapter_params(model)) + top
+    qk_norms = {"none": 0, "head": 2 * sizes.head_dim, "full": q + kv}[model.qk_norm]
+    attention = 2 * h + h * q + 2 * h * kv + q * h + qk_norms + adapter_params(model)
+    routed = 3 * h * sizes.expert_width * sizes.num_experts
+    moe = h * sizes.num_experts + routed + 3 * h * sizes.num_shared_experts * sizes.expert_width
+    top = v * h + h + (0 if model.tie_embeddings else h * v)
+    dense_layers = model.num_layers - sizes.moe_layers
+    return model.num_layers * attention + dense_layers * 3 * h * f + sizes.moe_layers * moe + top
+
+
+def inactive_expert_params(model: ml_collections.ConfigDict) -> int:
+    """Parameters of the routed experts a token does not go through: (E - k) experts of 3·H·F_e in each MoE layer
+    (0 for a dense model). param_count minus these, minus embedding_only_params, is the active parameter count
+    (`active_param_count`)."""
+    sizes = ModelConfig.from_config(model)
+    per_expert = 3 * sizes.hidden_size * sizes.expert_width
+    return sizes.moe_layers * (sizes.num_experts - sizes.experts_per_token) * per_expert
+
+
+def active_param_count(model: ml_collections.ConfigDict) -> int:
+    """The parameters one token's forward pass multiplies by (the 6N rule's N): every parameter but the gather-only
+    embeddings and the routed experts it is not sent to (k of E per MoE layer; the router, attention, norms, shared
+    experts and head all count). A dense model's is its non-embedding count."""
+    return param_count(model) - embedding_only_params(model) - inactive_expert_params(model)
 
 
 def adapter_params(model: ml_collections.ConfigDict) -> int:
@@ -231,6 +290,7 @@ def shape_warnings(model: ml_collections.ConfigDict) -> list[str]:
         "model.hidden_size": model.hidden_size,
         "model.head_dim": model.head_dim,
         "MLP width (model.mlp_hidden_size or mlp_expansion x hidden_size)": ModelConfig.from_config(model).mlp_width,
+        **({"model.moe_hidden_size": ModelConfig.from_config(model).expert_width} if model.num_experts else {}),
         "model.vocab_size": model.vocab_size,
     }
     lines = []

@@ -12,14 +12,17 @@ import jax.numpy as jnp
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model.gpt import GPT
 from jaxscale.model.llama import Llama
+from jaxscale.model.moe import MoELlama
 from jaxscale.model.stack import head_logits
 
 FAMILIES: dict[str, type[nn.Module]] = {"gpt": GPT, "llama": Llama}
 
 
 def build(cfg: ModelConfig, train: bool = False) -> nn.Module:
-    """The module of cfg.family; an unknown family is a KeyError (config validation names the allowed ones)."""
-    return FAMILIES[cfg.family](cfg, train=train)
+    """The module of cfg.family (llama with model.num_experts > 0: jaxscale.model.moe's MoELlama); an unknown family
+    is a KeyError (config validation names the allowed ones)."""
+    module = FAMILIES[cfg.family]
+    return (MoELlama if cfg.num_experts else module)(cfg, train=train)
 
 
 def head_fn(cfg: ModelConfig) -> Callable[[dict, jax.Array], jax.Array]:

@@ -63,6 +63,15 @@ def rms_norm(cfg: ModelConfig, name: str) -> nn.RMSNorm:
     )
 
 
+def qk_norm(cfg: ModelConfig, name: str, heads_axis: str) -> nn.RMSNorm:
+    """RMSNorm of the queries or keys [B, T, heads, head_dim] before RoPE (model.qk_norm): "head" over each head's
+    head_dim (Qwen3's q_norm / k_norm), "full" over all heads together (OLMoE's, a scale per heads x head_dim)."""
+    axes = (-1,) if cfg.qk_norm == "head" else (-2, -1)
+    names = ("head_dim",) if cfg.qk_norm == "head" else (heads_axis, "head_dim")
+    return nn.RMSNorm(epsilon=cfg.norm_epsilon, dtype=cfg.dtype, reduction_axes=axes, feature_axes=axes,
+                      scale_init=partitioned(nn.initializers.ones_init(), names), name=name)  # fmt: skip
+
+
 class LlamaAttention(nn.Module):
     """Pre-RMSNorm grouped-query self-attention with rotary embeddings; separate q, k, v projections."""
 
@@ -81,6 +90,8 @@ class LlamaAttention(nn.Module):
             q = constrain(checkpoint_name(q, "query_proj"), ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
             k = constrain(checkpoint_name(k, "key_proj"), ("batch", "seq", "kv_heads", "head_dim"))  # [B, T, nkv, hd]
             v = constrain(checkpoint_name(v, "value_proj"), ("batch", "seq", "kv_heads", "head_dim"))
+            if cfg.qk_norm != "none":  # Qwen3 and OLMoE normalize q and k before the rotation
+                q, k = qk_norm(cfg, "q_norm", "heads")(q), qk_norm(cfg, "k_norm", "kv_heads")(k)
             positions = sequence_positions(x.shape[1])  # [T]: arange, or the context-parallel ring's order
             q = rotary_embedding(q, positions, cfg.rope_theta)
             k = rotary_embedding(k, positions, cfg.rope_theta)
@@ -88,6 +99,17 @@ class LlamaAttention(nn.Module):
             h = constrain(h, ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
             h = dense(cfg.hidden_size, ("heads", "head_dim", "embed"), cfg, "out", axis=(-2, -1), use_bias=False)(h)
             return branch_output(cfg, checkpoint_name(h, "out_proj"), self.train)  # [B, T, H]
+
+
+def swiglu(cfg: ModelConfig, h: jax.Array, width: int) -> jax.Array:
+    """down(silu(gate(h)) * up(h)) of the normalized h [B, T, H], hidden width `width`: the projections gate, up and
+    down of the calling module (SwiGLU's, or a mixture of experts' shared experts, jaxscale.model.moe)."""
+    gate = dense(width, ("embed", "mlp"), cfg, "gate", use_bias=False)(h)  # [B, T, F]
+    up = dense(width, ("embed", "mlp"), cfg, "up", use_bias=False)(h)  # [B, T, F]
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    h = constrain(checkpoint_name(nn.silu(gate) * up, "mlp_hidden"), ("batch", "seq", "mlp"))  # [B, T, F]
+    h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down", use_bias=False)(h)
+    return checkpoint_name(h, "mlp_down")  # [B, T, H]
 
 
 class SwiGLU(nn.Module):
@@ -101,12 +123,7 @@ class SwiGLU(nn.Module):
         cfg = self.config
         with jax.named_scope("mlp"):
             h = whole_sequence(rms_norm(cfg, "pre_norm")(x))  # [B, T, H]
-            gate = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "gate", use_bias=False)(h)  # [B, T, F]
-            up = dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up", use_bias=False)(h)  # [B, T, F]
-            gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
-            h = constrain(checkpoint_name(nn.silu(gate) * up, "mlp_hidden"), ("batch", "seq", "mlp"))  # [B, T, F]
-            h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down", use_bias=False)(h)
-            return branch_output(cfg, checkpoint_name(h, "mlp_down"), self.train)  # [B, T, H]
+            return branch_output(cfg, swiglu(cfg, h, cfg.mlp_width), self.train)  # [B, T, H]
 
 
 class LlamaBlock(ResidualBlock):
@@ -123,6 +140,7 @@ class Llama(nn.Module):
     config: ModelConfig
     train: bool = False
     head_bias = False  # no biases anywhere in Llama
+    block = LlamaBlock  # every layer's (jaxscale.model.moe.MoELlama: the MoE block, LlamaBlock for the first dense)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, features_only: bool = False) -> jax.Array:
@@ -132,7 +150,7 @@ class Llama(nn.Module):
             tokens = to_block_order(tokens)  # the ring's load-balanced order under context parallelism
             x = nn.Dropout(cfg.dropout_rate)(token_embed(tokens), deterministic=not self.train)  # [B, T, H]
             x = constrain(x, ("batch", "stream_seq", "embed"))
-        x = to_natural_order(Transformer(cfg, self.train, LlamaBlock, name="transformer")(x))
+        x = to_natural_order(Transformer(cfg, self.train, self.block, LlamaBlock, name="transformer")(x))
         with jax.named_scope("head"):
             x = rms_norm(cfg, "post_norm")(x)  # [B, T, H]
             return x if features_only else output_logits(cfg, x, token_embed, self.head_bias)  # [B, T, V]

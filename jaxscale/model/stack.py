@@ -52,15 +52,23 @@ class ResidualBlock(nn.Module):
         return constrain(x, ("batch", "stream_seq", "embed")), None
 
 
+# Collections a block may sow into (jaxscale.model.moe: the router's losses the train step adds, its metrics); under
+# nn.scan they are stacked along the layers like the params (a collection the scan does not name is dropped).
+SOWN_COLLECTIONS = ("aux_loss", "moe_metrics")
+
+
 class Transformer(nn.Module):
     """The stack of `block`s: nn.scan over layers (params stacked on a leading "layers" axis) or unrolled.
 
     `block` is a family's block class: (config, train) attributes, called as block(x, None) -> (x, None).
+    `first_block`, when given, is the block of the first cfg.first_dense_layers layers (unrolled only: a mixture of
+    experts' dense layers, jaxscale.model.moe).
     """
 
     config: ModelConfig
     train: bool
     block: type[nn.Module]
+    first_block: type[nn.Module] | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -69,7 +77,7 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             scanned = nn.scan(
                 block_cls,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, **dict.fromkeys(SOWN_COLLECTIONS, 0)},
                 split_rngs={"params": True, "dropout": True},
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
@@ -77,9 +85,11 @@ class Transformer(nn.Module):
             with jax.named_scope("blocks"):  # stacked params: ("layers", ...)
                 x, _ = scanned(cfg, self.train, name="blocks")(x, None)
             return x
+        first_cls = maybe_remat(self.first_block or self.block, "Block", cfg)
         for i in range(cfg.num_layers):
             with jax.named_scope(f"block_{i}"):
-                x, _ = block_cls(cfg, self.train, name=f"block_{i}")(x, None)
+                cls = first_cls if i < cfg.first_dense_layers else block_cls
+                x, _ = cls(cfg, self.train, name=f"block_{i}")(x, None)
         return x
 
 

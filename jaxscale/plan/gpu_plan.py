@@ -132,8 +132,10 @@ def check_fp8(config: ml_collections.ConfigDict, target: str | None) -> None:
     cc = targets.get_target(target).compute_capability
     if cc < FP8_MIN_COMPUTE_CAPABILITY:
         low = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
-        raise PlanFlagError(f"model.fp8: {config.model.fp8!r} needs FP8 tensor cores (compute capability {low} or "
-                            f"newer: Ada, Hopper, Blackwell); {target} is {cc[0]}.{cc[1]}; use model.fp8=none")  # fmt: skip
+        raise PlanFlagError(
+            f"model.fp8: {config.model.fp8!r} needs FP8 tensor cores (compute capability {low} or newer: Ada, Hopper, "
+            f"Blackwell); {target} is {cc[0]}.{cc[1]}; use model.fp8=none"
+        )
 
 
 def check_flash_blocks(config: ml_collections.ConfigDict, target: str | None) -> None:

@@ -74,5 +74,6 @@ def seed_on_gpu_table(measured_path: pathlib.Path, plan_path: pathlib.Path) -> s
         lines.append((variant, f"{step:.4f} / {row['step_s_p90']:.4f}", f"{row['tokens_per_s']:,.0f}",
                       _pct(row.get("mfu")), f"{row['device_peak_bytes'] / GIB:.2f}",
                       f"{plan_peak / GIB:.2f}" if plan_peak else "–", _ratio(row["device_peak_bytes"], plan_peak),
-                      _ratio(row.get("predicted_step_s"), step), _ratio(plan.get("predicted_step_s"), step)))  # fmt: skip
+                      _ratio(row.get("predicted_step_s"), step),
+                      _ratio(plan.get("predicted_step_s"), step)))  # fmt: skip
     return markdown(header, lines)

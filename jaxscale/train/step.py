@@ -20,6 +20,7 @@ from jaxscale import model as models
 from jaxscale.config import finetune, step_model
 from jaxscale.data.batch import Batch as Batch  # the batch type is the data package's; re-exported
 from jaxscale.data.batch import make_batch as make_batch  # as train.Batch and train.make_batch
+from jaxscale.train import quantized_state
 
 Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 scalars, summed
 
@@ -85,7 +86,7 @@ def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformati
     )
     # optimizer.state_dtype: the first moment (Adam's mu, SGD's momentum trace) in that dtype, through optax's
     # own mu_dtype / accumulator_dtype; Adam's second moment stays float32 (docs/finetune.md says why).
-    mu = None if opt.state_dtype == "float32" else jnp.dtype(opt.state_dtype)
+    mu = None if opt.state_dtype in ("float32", "int8") else jnp.dtype(opt.state_dtype)
     optimizers: dict[str, Callable[[], optax.GradientTransformation]] = {
         "adam": lambda: optax.adam(schedule, b1=opt.b1, b2=opt.b2, mu_dtype=mu),
         "adamw": lambda: optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mu_dtype=mu),
@@ -93,6 +94,9 @@ def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformati
         # optax's defaults: factored second moments, no first moment, updates scaled by the parameters' RMS.
         "adafactor": lambda: optax.adafactor(schedule),
     }
+    if opt.state_dtype == "int8":  # Adam's two moments block-wise quantized to 8 bits (validated: adam, adamw only)
+        decay = opt.weight_decay if opt.name == "adamw" else None
+        optimizers[opt.name] = lambda: quantized_state.adam_8bit(schedule, b1=opt.b1, b2=opt.b2, weight_decay=decay)
     tx = optimizers[opt.name]()
     if opt.grad_clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), tx)
@@ -142,10 +146,11 @@ def _scored(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]
 
 def next_token_loss(params: Any, apply_fn: Callable, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Metrics]:
     """Mean cross-entropy of predicting batch.labels, and the summed metrics of this minibatch."""
-    logits = apply_fn({"params": params}, batch.inputs, rngs={"dropout": rng})  # [B, T, V] float32
+    # [B, T, V] float32; `sown`: a mixture of experts' weighted router losses, added to the loss (none: dense)
+    logits, sown = apply_fn({"params": params}, batch.inputs, rngs={"dropout": rng}, mutable=[models.AUX_LOSS])
     loss, correct = _scored(logits, batch.labels)  # [B, T], a scalar
     metrics = {"loss_sum": loss.sum(), "correct": correct, "tokens": jnp.asarray(loss.size, jnp.float32)}
-    return loss.mean(), metrics
+    return models.add_aux_losses(loss.mean(), sown), metrics
 
 
 def chunked_next_token_loss(
@@ -164,7 +169,9 @@ def chunked_next_token_loss(
     recomputes its logits instead of keeping them: no [B, T, V] array is ever alive, only one [B, C, V]
     chunk (torchtitan's chunked loss, MaxText's vocabulary tiling). Same function as next_token_loss.
     """
-    features = apply_fn({"params": params}, batch.inputs, features_only=True, rngs={"dropout": rng})  # [B, T, H]
+    features, sown = apply_fn(
+        {"params": params}, batch.inputs, features_only=True, rngs={"dropout": rng}, mutable=[models.AUX_LOSS]
+    )  # [B, T, H]; sown: as next_token_loss's
     rows, seq, hidden = features.shape
     chunks = seq // chunk_len
     # [n, B, C, ...]: chunk i holds positions i*C ... (i+1)*C - 1 of every sequence.
@@ -185,7 +192,7 @@ def chunked_next_token_loss(
         (loss_sum, correct), _ = jax.lax.scan(body, (zero, zero), (xs, labels))
     tokens = rows * seq
     metrics = {"loss_sum": loss_sum, "correct": correct, "tokens": jnp.asarray(tokens, jnp.float32)}
-    return loss_sum / tokens, metrics
+    return models.add_aux_losses(loss_sum / tokens, sown), metrics
 
 
 LossFn = Callable[[Any, Callable, Batch, jax.Array], tuple[jax.Array, Metrics]]

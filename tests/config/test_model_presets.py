@@ -25,6 +25,10 @@ EXPECTED = {
     "llama3.2-3b": 3_212_749_824,
     "llama3.1-8b": 8_030_261_248,
     "llama3.1-70b": 70_553_706_496,
+    # Mixtures of experts: the hand arithmetic of tests/model/test_moe.py (issue 33: 46.70B, 6.92B, 30.53B)
+    "mixtral-8x7b": 46_702_792_704,
+    "olmoe-1b-7b": 6_919_161_856,
+    "qwen3-30b-a3b": 30_532_122_624,
 }
 
 
@@ -39,7 +43,7 @@ def test_real_model_parameter_counts_are_exact(preset, scan_layers):
 
 
 def test_every_preset_is_listed_and_validates_with_every_config_file():
-    assert set(EXPECTED) | {"tiny-llama", "cpu-llama"} == set(MODEL_PRESETS)
+    assert set(EXPECTED) | {"tiny-llama", "cpu-llama", "tiny-moe"} == set(MODEL_PRESETS)
     for path in CONFIGS.glob("*.py"):
         for preset in all_presets():
             config = load_config(path.stem, preset)

@@ -242,7 +242,7 @@ ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
   %b = f32[16,4]{1,0} parameter(1)
   ROOT %fusion.3 = f32[8,4]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(f)/checkpoint/rematted_computation/dot_general"}
 }
-"""
+"""  # noqa: E501 (an HLO instruction is one line)
 
 
 def test_kernels_of_a_cuda_graph_are_named_and_categorised_by_their_own_instruction(tmp_path):

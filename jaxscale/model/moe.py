@@ -1,0 +1,274 @@
+"""Mixture of experts for the Llama family: a router, SwiGLU experts with stacked weights, three dispatches.
+
+A block's SwiGLU MLP (jaxscale.model.llama) becomes `MoE`: the pre-RMSNorm input goes to a router (a float32
+Dense to model.num_experts logits), each token to its top model.experts_per_token experts, and the output is
+the routing-weighted sum of those experts' SwiGLU outputs (Shazeer et al. 2017, "Outrageously Large Neural
+Networks", arXiv 1701.06538; Fedus et al. 2021, "Switch Transformers", arXiv 2101.03961). Optional shared experts
+(model.num_shared_experts) are one dense SwiGLU beside the routed ones that every token goes through (Qwen2-MoE,
+DeepSeekMoE, Dai et al. 2024, arXiv 2401.06066).
+
+The router's weights (model.moe_routing), as the Hugging Face modules compute them:
+- "topk_softmax": the softmax of the top-k logits (Mixtral; HF's MixtralSparseMoeBlock takes the softmax over all
+  experts and renormalises its top k, which is the same numbers).
+- "softmax_topk": the top k of the softmax over all experts, not renormalised (OLMoE, norm_topk_prob false).
+- "softmax_topk_norm": the same renormalised to sum to 1 (Qwen3-MoE, norm_topk_prob true).
+
+The dispatch (model.moe_dispatch) decides how tokens reach their experts; all three compute the same function
+(tests/model/test_moe.py: loss and gradients):
+- "dense": every expert on every token, weighted by the routing weights (zero outside the top k): the reference,
+  E / k times the routed FLOPs.
+- "capacity": GShard / Switch's one-hot dispatch and combine einsums (Lepikhin et al. 2020, arXiv 2006.16668): each
+  sequence is a group, each expert takes at most ceil(model.moe_capacity_factor x seq_len x k / E) tokens of it,
+  first choices before second choices; the rest are dropped (the expert adds nothing for them; the residual keeps
+  the token) and counted in the "moe_metrics" collection. With a factor large enough nothing drops.
+- "ragged": dropless: the token copies sorted by expert, the experts' matmuls as `jax.lax.ragged_dot` over the
+  groups of sizes the router chose (MegaBlocks' grouped GEMM, Gale et al. 2022, arXiv 2211.15841), unsorted after.
+
+The auxiliary losses are sown into the "aux_loss" collection, already weighted, each divided by the MoE layers so
+that their sum is the mean over layers; the train step adds every leaf to the loss (jaxscale.train.step):
+- load balancing (Switch, eq. 4; HF's load_balancing_loss_func): E x sum_e f_e x P_e, f_e the fraction of tokens
+  whose top k includes e (summing to k, as HF counts it) and P_e the mean router probability of e; weight
+  model.moe_aux_loss_weight.
+- router z-loss (Zoph et al. 2022, "ST-MoE", arXiv 2202.08906, eq. 5): the mean of logsumexp(logits)^2; weight
+  model.moe_z_loss_weight.
+
+Parameters: "router/kernel" [H, E] named ("embed", "expert"), "experts/gate" and "experts/up" [E, H, F] named
+("expert", "embed", "mlp"), "experts/down" [E, F, H] named ("expert", "mlp", "embed"), F = model.moe_hidden_size;
+"expert" is whole on every device (jaxscale.config.layout_rules: no expert parallelism). The experts' weights are
+cast to the compute dtype where they are used, their gradients summed in it (model.reduce_dtype's float32 weight
+gradients cover the Dense projections only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxscale.config.spec import ModelConfig
+from jaxscale.model import precision
+from jaxscale.model.axes import constrain, partitioned
+from jaxscale.model.llama import Llama, LlamaAttention, rms_norm, swiglu
+from jaxscale.model.stack import SOWN_COLLECTIONS, ResidualBlock, branch_output, whole_sequence
+
+AUX_LOSS, METRICS = SOWN_COLLECTIONS  # the collections MoE sows into: weighted losses; metrics (dropped tokens)
+EXPERT_NAMES = {  # the stacked weights' logical axis names
+    "gate": ("expert", "embed", "mlp"),
+    "up": ("expert", "embed", "mlp"),
+    "down": ("expert", "mlp", "embed"),
+}
+
+
+def route(logits: jax.Array, k: int, routing: str) -> tuple[jax.Array, jax.Array]:
+    """The top-k experts of each token and their weights.
+
+    Args:
+      logits: [..., E] float32 router logits.
+      k: experts per token.
+      routing: a name of defaults.MOE_ROUTINGS (the module docstring says what each computes).
+
+    Returns:
+      (weights [..., k] float32, experts [..., k] int32), the experts in decreasing order of logit.
+    """
+    if routing == "topk_softmax":
+        top, experts = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), experts
+    top, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if routing == "softmax_topk_norm":
+        top = top / top.sum(axis=-1, keepdims=True)
+    return top, experts
+
+
+def load_balancing_loss(logits: jax.Array, experts: jax.Array) -> jax.Array:
+    """E x sum_e f_e x P_e over all tokens: f_e the fraction of tokens routed to e (a token counts once for each of
+    its k experts, so f sums to k and a uniform router scores k), P_e the mean softmax probability of e. f is a
+    count (no gradient); the router learns through P (Switch Transformers, eq. 4).
+
+    Args:
+      logits: [..., E] float32 router logits.
+      experts: [..., k] the experts each token was routed to.
+    """
+    num_experts = logits.shape[-1]
+    probs = jax.nn.softmax(logits, axis=-1).reshape(-1, num_experts).mean(axis=0)  # [E]
+    routed = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=-2)  # [..., E]
+    fraction = routed.reshape(-1, num_experts).mean(axis=0)  # [E]
+    return num_experts * jnp.sum(fraction * probs)
+
+
+def z_loss(logits: jax.Array) -> jax.Array:
+    """The router z-loss: mean over tokens of logsumexp(logits)^2 (ST-MoE, eq. 5)."""
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+
+def capacity(seq_len: int, k: int, num_experts: int, factor: float) -> int:
+    """Slots per expert per sequence: ceil(factor x seq_len x k / num_experts), at least 1 (GShard's capacity)."""
+    return max(1, math.ceil(factor * seq_len * k / num_experts))
+
+
+def dense_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """Every expert on every token, their outputs summed with the routing weights (zero outside a token's top k).
+
+    Args:
+      h: [B, T, H] normalized activations (compute dtype).
+      weights, experts: [B, T, k] from `route`.
+      w: "gate", "up" [E, H, F] and "down" [E, F, H] in the compute dtype.
+
+    Returns:
+      [B, T, H].
+    """
+    num_experts = w["gate"].shape[0]
+    gate = checkpoint_name(jnp.einsum("bth,ehf->btef", h, w["gate"]), "mlp_gate")  # [B, T, E, F]
+    up = checkpoint_name(jnp.einsum("bth,ehf->btef", h, w["up"]), "mlp_up")
+    hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
+    out = checkpoint_name(jnp.einsum("btef,efh->bteh", hidden, w["down"]), "mlp_down")  # [B, T, E, H]
+    combine = (jax.nn.one_hot(experts, num_experts, dtype=weights.dtype) * weights[..., None]).sum(axis=-2)
+    return jnp.einsum("bteh,bte->bth", out, combine.astype(h.dtype))  # [B, T, H]
+
+
+def capacity_dispatch(
+    h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array], factor: float
+) -> tuple[jax.Array, jax.Array]:
+    """GShard's dispatch: each sequence's tokens to [E, C] expert slots by one-hot einsums, the experts on their
+    slots, the outputs combined back with the routing weights. A token's i-th choice takes the next free slot of
+    its expert after every token's earlier choices (first choices first, then by position); a choice past the
+    capacity C (`capacity`) is dropped.
+
+    Args: as dense_dispatch; factor: model.moe_capacity_factor.
+
+    Returns:
+      ([B, T, H], the number of dropped token choices, a float32 scalar).
+    """
+    batch, seq, k = experts.shape
+    num_experts = w["gate"].shape[0]
+    slots = capacity(seq, k, num_experts, factor)
+    routed = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [B, T, k, E]
+    by_choice = routed.transpose(0, 2, 1, 3).reshape(batch, k * seq, num_experts)  # first choices first
+    position = (jnp.cumsum(by_choice, axis=1) - 1).reshape(batch, k, seq, num_experts).transpose(0, 2, 1, 3)
+    kept = routed * (position < slots)  # [B, T, k, E]
+    slot = jax.nn.one_hot(jnp.where(kept > 0, position, -1), slots, dtype=h.dtype)  # [B, T, k, E, C], 0 if dropped
+    dispatch = slot.sum(axis=2)  # [B, T, E, C]: a token's k experts are distinct
+    combine = (slot * weights.astype(h.dtype)[..., None, None]).sum(axis=2)  # [B, T, E, C]
+    x = jnp.einsum("btec,bth->bech", dispatch, h)  # [B, E, C, H]
+    gate = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
+    up = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
+    hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
+    out = checkpoint_name(jnp.einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
+    dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
+    return jnp.einsum("btec,bech->bth", combine, out), dropped
+
+
+def ragged_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """Dropless: the B x T x k token copies sorted by expert (stable), each expert's matmuls on its contiguous rows
+    (`jax.lax.ragged_dot`, group sizes from the router), the outputs unsorted and summed with the weights.
+
+    Args: as dense_dispatch.
+
+    Returns:
+      [B, T, H].
+    """
+    batch, seq, k = experts.shape
+    num_experts, hidden_size = w["gate"].shape[0], h.shape[-1]
+    flat = experts.reshape(-1)  # [N k]: token n's i-th choice at n k + i
+    order = jnp.argsort(flat, stable=True)  # the copies grouped by expert
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)  # [E] rows per expert
+    x = h.reshape(-1, hidden_size)[order // k]  # [N k, H] sorted copies
+    gate = checkpoint_name(jax.lax.ragged_dot(x, w["gate"], sizes), "mlp_gate")  # [N k, F]
+    up = checkpoint_name(jax.lax.ragged_dot(x, w["up"], sizes), "mlp_up")
+    hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
+    out = checkpoint_name(jax.lax.ragged_dot(hidden, w["down"], sizes), "mlp_down")  # [N k, H]
+    out = out[jnp.argsort(order)].reshape(batch, seq, k, hidden_size)  # back to (token, choice) order
+    return jnp.einsum("btkh,btk->bth", out, weights.astype(h.dtype))
+
+
+class Experts(nn.Module):
+    """The routed experts' stacked SwiGLU weights: gate, up [E, H, F] and down [E, F, H], float32, each expert
+    initialised as a Dense (LeCun normal over its fan-in)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self) -> dict[str, jax.Array]:
+        cfg = self.config
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_width
+        shapes = {"gate": (e, h, f), "up": (e, h, f), "down": (e, f, h)}
+        init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+        weights = {
+            name: self.param(name, partitioned(init, EXPERT_NAMES[name]), shape) for name, shape in shapes.items()
+        }
+        return {name: precision.compute_weight(cfg, w, EXPERT_NAMES[name]) for name, w in weights.items()}
+
+
+class SharedExperts(nn.Module):
+    """model.num_shared_experts experts every token goes through: one SwiGLU of num_shared_experts x
+    moe_hidden_size (DeepSeekMoE's shared experts concatenated; Qwen2-MoE's sigmoid gate on them is not built)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        cfg = self.config
+        return swiglu(cfg, h, cfg.num_shared_experts * cfg.expert_width)  # [B, T, H]
+
+
+class MoE(nn.Module):
+    """Pre-RMSNorm mixture of experts in place of the SwiGLU MLP: router, routed experts (the dispatch of
+    model.moe_dispatch), optional shared experts; sows its weighted auxiliary losses (module docstring)."""
+
+    config: ModelConfig
+    train: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        with jax.named_scope("mlp"):
+            h = whole_sequence(rms_norm(cfg, "pre_norm")(x))  # [B, T, H]
+            router = nn.Dense(cfg.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=jnp.float32,
+                              kernel_init=partitioned(nn.initializers.lecun_normal(), ("embed", "expert")),
+                              name="router")  # fmt: skip
+            logits = router(h.astype(jnp.float32))  # [B, T, E] float32
+            weights, experts = route(logits, cfg.experts_per_token, cfg.moe_routing)  # [B, T, k] each
+            self._sow_losses(logits, experts)
+            w = Experts(cfg, name="experts")()
+            if cfg.moe_dispatch == "capacity":
+                out, dropped = capacity_dispatch(h, weights, experts, w, cfg.moe_capacity_factor)
+                self.sow(METRICS, "dropped", dropped)
+            elif cfg.moe_dispatch == "ragged":
+                out = ragged_dispatch(h, weights, experts, w)
+            else:
+                out = dense_dispatch(h, weights, experts, w)
+            if cfg.num_shared_experts:
+                out = out + SharedExperts(cfg, name="shared")(h)
+            return branch_output(cfg, constrain(out, ("batch", "seq", "embed")), self.train)  # [B, T, H]
+
+    def _sow_losses(self, logits: jax.Array, experts: jax.Array) -> None:
+        """The weighted load-balancing and z losses of this layer, each / the MoE layers (their mean over layers)."""
+        cfg = self.config
+        if cfg.moe_aux_loss_weight:
+            loss = load_balancing_loss(logits, experts)
+            self.sow(AUX_LOSS, "load_balance", cfg.moe_aux_loss_weight * loss / cfg.moe_layers)
+        if cfg.moe_z_loss_weight:
+            self.sow(AUX_LOSS, "router_z", cfg.moe_z_loss_weight * z_loss(logits) / cfg.moe_layers)
+
+
+class MoELlamaBlock(ResidualBlock):
+    """A Llama block whose MLP is the mixture of experts: grouped-query attention then MoE, each with its residual."""
+
+    attn_block = LlamaAttention
+    mlp_block = MoE
+
+
+class MoELlama(Llama):
+    """Llama with MoE blocks (the first model.first_dense_layers keep the SwiGLU MLP): what
+    jaxscale.model.families.build makes when model.num_experts > 0."""
+
+    block = MoELlamaBlock
+
+
+def add_aux_losses(loss: jax.Array, sown: dict) -> jax.Array:
+    """`loss` plus every leaf of the "aux_loss" collection in `sown` (the variables a `mutable` apply returned);
+    `loss` itself, the same array, when nothing was sown (a dense model: its loss and gradients unchanged)."""
+    leaves = jax.tree_util.tree_leaves(sown.get(AUX_LOSS, {}))
+    return loss + sum(jnp.sum(leaf) for leaf in leaves) if leaves else loss
