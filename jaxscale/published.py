@@ -466,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "that each prediction names the code that made it")  # fmt: skip
         configs = {r["id"]: lab_config(r) for r in runs}  # the whole file checked before anything is compiled
         store = ResultsFile(pathlib.Path(fv.output_root) / "experiments" / "results" / RESULTS_NAME)
+        commit = head_commit() if fv.register else None  # the code this process (and its compiles) started from
         failures = []
         with store.locked():
             done = {r["variant"] for r in store.rows() if r.get("status") == "ok"}
@@ -477,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row = plan_run(published, pathlib.Path(fv.output_root), configs[published["id"]])
                 failures.append(record(store, json.loads(json.dumps(row, default=str)), published["id"] in done))
                 if fv.register and row["status"] == "ok":
-                    published["first_sight"] = first_sight(row, head_commit())
+                    published["first_sight"] = first_sight(row, commit)
                     write_runs(runs, pathlib.Path(fv.runs))  # after each run: a later failure loses nothing
             order = {r["id"]: n for n, r in enumerate(runs)}
             rows = sorted((r for r in store.rows() if r["variant"] in order), key=lambda r: order[r["variant"]])
