@@ -82,6 +82,11 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         "finetune", [], f"Fine-tuning methods to compare, each with every --remat choice ({methods}; "
         "docs/finetune.md); default: the config as given.", flag_values=fv,
     )  # fmt: skip
+    flags.DEFINE_list(
+        "precision", [], f"Matmul precisions to compare side by side, each with every --remat choice "
+        f"({', '.join(fit_search.PRECISION_CHOICES)}; fp8 needs a target with FP8 tensor cores: docs/fp8.md); "
+        "default: the config as given.", flag_values=fv,
+    )  # fmt: skip
     flags.DEFINE_enum("gemm", "both", gpu_plan.GEMM_CHOICES, "With --target: GEMM modes planned.", flag_values=fv)
     flags.DEFINE_enum(
         "xla_limit", "respect", ("respect", "ignore"), "respect: a plan with XLA's 'Can't reduce memory use "
@@ -166,7 +171,8 @@ def measure_rows(rows: list[dict], fv: flags.FlagValues, name: str, output_root:
         _, remat, policy = fit_search.REMAT_CHOICES[row["fit_choice"]]
         method = row.get("fit_finetune")  # what a --finetune method set, read back from its row
         method = {f: row[f"config.{f}"] for f in fit_search.finetune_fields(method)} if method else {}
-        changes = {**overrides, **method, "model.remat": remat, "model.remat_policy": policy}
+        precision = fit_search.PRECISION_CHOICES.get(row.get("fit_precision"), ("", {}))[1]
+        changes = {**overrides, **method, **precision, "model.remat": remat, "model.remat_policy": policy}
         changes["data.batch_size"] = row["config.data.batch_size"]
         variant = Variant(row["variant"].replace(":", "_"), changes, ml_collections.ConfigDict())
         sweep = Sweep(f"{name}_measure", pathlib.Path(path), preset, variant.name, (variant,))
@@ -180,10 +186,12 @@ def _gib(value: int | None) -> str:
 
 
 def _label(row: dict) -> str:
-    """The row's remat choice, after its fine-tuning method where --finetune chose one."""
+    """The row's remat choice, after its fine-tuning method and precision where --finetune / --precision chose."""
     remat = row.get("fit_remat", row.get("variant"))
-    method = row.get("fit_finetune")
-    return f"{fit_search.FINETUNE_CHOICES[method][0]}; {remat}" if method in fit_search.FINETUNE_CHOICES else remat
+    method, precision = row.get("fit_finetune"), row.get("fit_precision")
+    parts = [fit_search.FINETUNE_CHOICES[method][0]] if method in fit_search.FINETUNE_CHOICES else []
+    parts += [precision] if precision in fit_search.PRECISION_CHOICES else []
+    return "; ".join([*parts, remat])
 
 
 def format_table(rows: list[dict]) -> str:
@@ -242,12 +250,20 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     if unknown:
         raise UsageError(f"--finetune: unknown {', '.join(unknown)}; allowed: "
                          f"{', '.join(fit_search.FINETUNE_CHOICES)}")  # fmt: skip
-    methods: dict[str | None, ml_collections.ConfigDict] = {None: config}
-    if fv.finetune:
-        try:
-            methods = {m: fit_search.with_finetune(config, m) for m in fv.finetune}
-        except ConfigError as error:
-            raise UsageError(f"--finetune: {error}") from None
+    unknown = [p for p in fv.precision if p not in fit_search.PRECISION_CHOICES]
+    if unknown:
+        raise UsageError(f"--precision: unknown {', '.join(unknown)}; allowed: "
+                         f"{', '.join(fit_search.PRECISION_CHOICES)}")  # fmt: skip
+    methods: dict[tuple[str | None, str | None], ml_collections.ConfigDict] = {(None, None): config}
+    try:
+        if fv.finetune:
+            methods = {(m, None): fit_search.with_finetune(config, m) for m in fv.finetune}
+        if fv.precision:
+            methods = {(m, p): fit_search.with_precision(c, p) for (m, _), c in methods.items() for p in fv.precision}
+    except ConfigError as error:
+        raise UsageError(f"--finetune / --precision: {error}") from None
+    for method_config in methods.values():
+        gpu_plan.check_fp8(method_config, fv.target)
     if not 0 <= fv.headroom < 1:
         raise UsageError(f"--headroom: must be in [0, 1), got {fv.headroom:g}")
     if fv.max_minibatch < 1 or fv.max_compiles < 1:
@@ -304,19 +320,20 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
         print(_header(config, settings))
     wanted: dict[str, str] = {}  # variant -> the question it answers
     with store.locked():
-        for method, method_config in methods.items():
+        for (method, precision), method_config in methods.items():
             question = _question(method_config, {**asked, **limits})
             plan_question = _question(method_config, {k: settings[k] for k in plan_keys})
             cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question, fresh=fv.rerun)
             recorded = {r.get("variant"): r for r in store.rows() if r.get("fit_question") == question}
             for choice in fv.remat:
-                variant = choice if method is None else f"{method}:{choice}"
+                variant = ":".join(part for part in (method, precision, choice) if part)
                 wanted[variant] = question
                 if variant in recorded and not fv.rerun:
                     if not fv.quiet:
                         print(f"  {variant}: already answered (--rerun to search again)")
                     continue
-                row = fit_choice(method_config, choice, plan, cache, {**settings, "fit_finetune": method}, limits)
+                chosen = {**settings, "fit_finetune": method, "fit_precision": precision}
+                row = fit_choice(method_config, choice, plan, cache, chosen, limits)
                 row.update(sweep=name, variant=variant, baseline=next(iter(wanted)), fit_question=question,
                            plan_only=True)  # fmt: skip
                 store.record(json.loads(json.dumps(row, default=_plain)))
@@ -388,9 +405,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cost.cost_text(row):
             print(f"  {_label(row)}: {cost.cost_text(row)}")
     rank = fv.rank or ("predicted" if fv.target else "tokens")
-    for method in dict.fromkeys(row.get("fit_finetune") for row in rows):  # one answer per fine-tuning method
-        best, why = fit_recommend.recommend([r for r in rows if r.get("fit_finetune") == method], fv.measure, rank)
-        which = "recommendation" if method is None else f"recommendation for {fit_search.FINETUNE_CHOICES[method][0]}"
+    groups = dict.fromkeys((row.get("fit_finetune"), row.get("fit_precision")) for row in rows)
+    for method, precision in groups:  # one answer per fine-tuning method and precision
+        chosen = [r for r in rows if (r.get("fit_finetune"), r.get("fit_precision")) == (method, precision)]
+        best, why = fit_recommend.recommend(chosen, fv.measure, rank)
+        named = [fit_search.FINETUNE_CHOICES[method][0]] if method else []
+        named += [fit_search.PRECISION_CHOICES[precision][0]] if precision else []
+        which = f"recommendation for {', '.join(named)}" if named else "recommendation"
         if best is None:
             print(f"{which}: none: {why}; see the rows' error (the smallest plan) for what it needs")
         else:

@@ -101,6 +101,7 @@ def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_pat
         (["--memory", "4MiB", "--mem_fraction", "0.9"], "--mem_fraction: sets the share of a --target's memory"),
         (["--memory", "4MiB", "--gpu_hour_usd", "2"], "--gpu_hour_usd: prices a whole training; add --train_tokens"),
         (["--memory", "4MiB", "--finetune", "lora,full"], "--finetune: unknown lora; allowed: full, full_bf16_state"),
+        (["--memory", "4MiB", "--precision", "fp4"], "--precision: unknown fp4; allowed: bf16, fp8"),
         (
             ["--memory", "4MiB", "--finetune", "lora_all", "--config.model.lora_rank=100"],
             "model.lora_rank: 100 exceeds the qkv projection's 64 x 192",
@@ -130,6 +131,19 @@ def test_fine_tuning_methods_are_searched_and_recommended_one_by_one(tmp_path, c
     assert "lora_all:block: already answered" in capsys.readouterr().out
 
 
+def test_precisions_are_searched_side_by_side_and_recommended_one_by_one(tmp_path, capsys):
+    """--precision bf16,fp8: a row per precision and remat choice, each with its model.fp8, and an answer per
+    precision; the local (CPU) compiler plans FP8's program too (its numbers in bf16: no FP8 units here)."""
+    assert _fit(tmp_path, "--memory", "3MiB", "--max_minibatch", "8", "--precision", "bf16,fp8") == 0
+    out = capsys.readouterr().out
+    assert "recommendation for bf16 matmuls: Block at minibatch" in out
+    assert "recommendation for FP8 matmuls (dynamic tensorwise scaling): Block at minibatch" in out
+    bf16, fp8 = _rows(tmp_path)
+    assert (bf16["variant"], fp8["variant"]) == ("bf16:block", "fp8:block")
+    assert (bf16["config.model.fp8"], fp8["config.model.fp8"]) == ("none", "dynamic")
+    assert fp8["fit_precision"] == "fp8" and fp8["fit_largest_minibatch"] >= 1
+
+
 def test_an_unknown_remat_choice_lists_every_choice_with_the_named_policies(tmp_path, capsys):
     """The planner searches the named policies too: an unknown --remat names all of them, in the table's order."""
     code = fit_cli.main(["fit", "--config", TINY, "--output_root", str(tmp_path), "--remat", "block,everything"])
@@ -149,6 +163,7 @@ def test_an_unknown_remat_choice_lists_every_choice_with_the_named_policies(tmp_
         (["--target", "h100", "--devices", "8"], "1x1x1 plans 1 GPU(s), but --devices is 8"),
         (["--target", "a5000", "--mem_fraction", "0.99"], "--mem_fraction: 0.99 of target a5000's 23.99 GiB leaves"),
         (["--target", "a5000", "--memory", "23GiB"], "--memory 23 GiB: more than JAX's allocator can have"),
+        (["--target", "a5000", "--precision", "bf16,fp8"], "model.fp8: 'dynamic' needs FP8 tensor cores"),
     ],
 )
 def test_bad_target_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):

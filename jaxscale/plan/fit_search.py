@@ -62,9 +62,18 @@ FINETUNE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
         "full, Adam, bf16 first moment",
         {"finetune.train": "all", "optimizer.state_dtype": "bfloat16"},
     ),
+    "full_int8_state": (
+        "full, Adam, 8-bit state",
+        {"finetune.train": "all", "optimizer.state_dtype": "int8"},
+    ),
     "full_adafactor": ("full, Adafactor", {"finetune.train": "all", "optimizer.name": "adafactor"}),
     "lora_attention": ("LoRA on attention", {"finetune.train": "adapters", "model.lora_targets": ("attention",)}),
     "lora_all": ("LoRA on all projections", {"finetune.train": "adapters", "model.lora_targets": ("all",)}),
+}
+# --precision: the matmuls' precision, side by side where the target has FP8 tensor cores (jaxscale.model.fp8).
+PRECISION_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
+    "bf16": ("bf16 matmuls", {"model.fp8": "none"}),
+    "fp8": ("FP8 matmuls (dynamic tensorwise scaling)", {"model.fp8": "dynamic"}),
 }
 DEFAULT_LIMIT = 4096  # largest minibatch tried
 DEFAULT_MAX_COMPILES = 12  # per remat choice
@@ -129,6 +138,14 @@ def with_finetune(config: ml_collections.ConfigDict, method: str) -> ml_collecti
         config.model.lora_rank = DEFAULT_LORA_RANK
     if config.finetune.train == "all":
         config.model.lora_rank = 0
+    validate(config)
+    return config
+
+
+def with_precision(config: ml_collections.ConfigDict, precision: str) -> ml_collections.ConfigDict:
+    """A validated copy of `config` with the matmul precision PRECISION_CHOICES[precision]."""
+    config = copy.deepcopy(config)
+    apply_overrides(config, PRECISION_CHOICES[precision][1], f"--precision {precision}")
     validate(config)
     return config
 
