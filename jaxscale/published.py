@@ -210,7 +210,9 @@ def compare(published: dict, row: dict) -> dict[str, Any]:
     step, how = published_step_s(published)
     measured = published.get("measured", {})
     devices = published["lab"]["devices"]
-    first = published.get("first_sight") or {}
+    # A prediction registered after the run's figure was already in the repository is not a first sight: the runs
+    # file says so (first_sight_void, with where the figure was), and the run counts in the development set.
+    first = {} if published.get("first_sight_void") else published.get("first_sight") or {}
     predicted = row.get("predicted_step_s")
     tokens = row.get("predicted_tokens_per_s")
     plan_gib = row["compiled_peak_bytes"] / GIB if row.get("compiled_peak_bytes") else None
@@ -237,6 +239,7 @@ def compare(published: dict, row: dict) -> dict[str, Any]:
         else None,
         "published_pending": "measured" not in published,  # registered, its figures not yet in the repository
         "first_sight_step_s": first.get("predicted_step_s"),
+        "first_sight_void": published.get("first_sight_void"),
         "first_sight_commit": first.get("commit"),
         "first_sight_over_published_step": first["predicted_step_s"] / step
         if first.get("predicted_step_s") and step
@@ -311,6 +314,7 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
             continue
         plan_gib = row["compiled_peak_bytes"] / GIB if row.get("compiled_peak_bytes") else None
         excluded = " (excluded: see its row)" if row.get("published_excluded") else ""
+        excluded += " (registered, not a first sight: its runs-file entry says why)" if row.get("first_sight_void") else ""
         pending = row.get("published_pending")
         published_step = "registered, not yet measured" if pending else _number(row["published_step_s"], 3)
         lines.append(

@@ -42,8 +42,10 @@ def test_each_lab_configuration_validates_and_lays_out_the_published_gpus(run):
     assert lab["target"] in targets.TARGETS and lab["devices"] == run["n_gpus"]
     assert mesh_shape(config).devices == run["n_gpus"]
     assert config.data.seq_len == run["seq_len"]
-    # the published batch: sequences per GPU x accumulation x GPUs, split over the data-parallel devices
-    per_step = run["per_gpu_batch"] * (run["grad_accum"] or 1) * run["n_gpus"] // max(1, run["layout"].get("tp") or 1)
+    # the published batch: sequences per GPU x accumulation x data-parallel ranks (GPUs over tensor x context groups,
+    # whose GPUs share their sequences)
+    groups = max(1, run["layout"].get("tp") or 1) * max(1, run["layout"].get("cp") or 1)
+    per_step = run["per_gpu_batch"] * (run["grad_accum"] or 1) * run["n_gpus"] // groups
     assert config.data.batch_size == run["global_batch"] == per_step, run["id"]
     assert config.train.num_minibatches == (run["grad_accum"] or 1)
 
@@ -309,6 +311,11 @@ def test_a_run_is_registered_once_before_its_figures_and_its_first_sight_is_kept
     table = published.format_table(list(rows.values()), published.load_runs(runs_file))
     assert "time, first sight (pre-registered): mean absolute error 50.0% over 1 runs, 0 within ±25%" in table
     assert "| tiny-new | 1 x a5000 |" in table and "| 0.50 | 0.50 |" in table  # current = first sight: nothing changed
+    runs[1]["first_sight_void"] = "its figure was in the repository before it was registered"
+    runs_file.write_text(json.dumps(runs))
+    table = published.format_table(list(rows.values()), published.load_runs(runs_file))
+    assert "| tiny-new (registered, not a first sight: its runs-file entry says why) |" in table
+    assert "time, development set: mean absolute error 50.0% over 1 runs" in table and "first sight (pre" not in table
 
 
 def test_register_is_refused_while_the_code_differs_from_its_commit(tmp_path, capsys, monkeypatch, no_compile):
