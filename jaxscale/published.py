@@ -244,6 +244,9 @@ def compare(published: dict, row: dict) -> dict[str, Any]:
         "first_sight_over_published_step": first["predicted_step_s"] / step
         if first.get("predicted_step_s") and step
         else None,
+        "first_sight_plan_over_published_memory": first["plan_peak_gib"] / measured["peak_memory_gib"]
+        if first.get("plan_peak_gib") and measured.get("peak_memory_gib")
+        else None,
     }
 
 
@@ -328,7 +331,7 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
     development = [r for r in held if not r.get("first_sight_step_s")]
     registered = [r for r in held if r.get("first_sight_step_s") and not r.get("published_pending")]
     time_ratios = [r["predicted_over_published_step"] for r in development if r.get("predicted_over_published_step")]
-    memory_ratios = [r["plan_over_published_memory"] for r in held if r.get("plan_over_published_memory")]
+    memory_ratios = [r["plan_over_published_memory"] for r in development if r.get("plan_over_published_memory")]
     memory_error = mean_abs_error(memory_ratios)
     lines.append("")
     lines.append(
@@ -337,12 +340,17 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
     )
     if registered or any(r.get("first_sight_step_s") for r in held):
         first = [r["first_sight_over_published_step"] for r in registered if r.get("first_sight_over_published_step")]
+        first_memory = mean_abs_error([r["first_sight_plan_over_published_memory"] for r in registered
+                                       if r.get("first_sight_plan_over_published_memory")])  # fmt: skip
+        memory_runs = sum(bool(r.get("first_sight_plan_over_published_memory")) for r in registered)
         now = [r["predicted_over_published_step"] for r in registered if r.get("predicted_over_published_step")]
         waiting = sum(bool(r.get("published_pending")) for r in held)
         lines.append("")
         current = _summary("", now).removeprefix(": ")
         lines.append(f"{_summary('time, first sight (pre-registered)', first)}; the current predictor on them: "
-                     f"{current}; {waiting} registered runs await their figures")  # fmt: skip
+                     f"{current}; memory at first sight: "
+                     f"{_number(None if first_memory is None else 100 * first_memory, 1)}% over {memory_runs} runs; "
+                     f"{waiting} registered runs await their figures")  # fmt: skip
     return "\n".join(lines)
 
 

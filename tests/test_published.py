@@ -274,7 +274,7 @@ def test_the_committed_rows_hold_their_ratios():
         step, _ = published.published_step_s(run)
         if step is None or published.excluded(run, row):
             continue
-        if "first_sight" in run:
+        if "first_sight" in run and not run.get("first_sight_void"):
             first_sight.append(run["first_sight"]["predicted_step_s"] / step)
         else:
             development.append(row["predicted_step_s"] / step)
