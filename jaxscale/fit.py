@@ -37,7 +37,7 @@ from jaxscale.cli import (
 from jaxscale.config import ConfigError, flatten, mesh_shape, mesh_text
 from jaxscale.measure import params
 from jaxscale.plan import budget as budget_lib
-from jaxscale.plan import cost, fit_recommend, fit_search, gpu_plan, targets
+from jaxscale.plan import cost, fit_levers, fit_recommend, fit_search, gpu_plan, targets
 from jaxscale.plan.probe_cache import ProbeCache
 from jaxscale.plan.probe_cache import plain as _plain
 from jaxscale.sweep import runner
@@ -241,8 +241,9 @@ def run_settings(settings: dict) -> str:
     return f"to run as planned: JAX's default allocator settings (it takes {default} of the memory{kept})"
 
 
-def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[list[dict], pathlib.Path]:
-    """Searches every selected remat choice that has no current row; returns all rows and the results path."""
+def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[list[dict], pathlib.Path, dict]:
+    """Searches every selected remat choice that has no current row; returns all rows, the results path, and what
+    the answer needs to try levers (the questions' configs, the planner, the budget)."""
     unknown = [c for c in fv.remat if c not in fit_search.REMAT_CHOICES]
     if unknown:
         raise UsageError(f"--remat: unknown {', '.join(unknown)}; allowed: {', '.join(fit_search.REMAT_CHOICES)}")
@@ -350,7 +351,25 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
                 store.record(row)
         store.write_csv()
     order = {v: i for i, v in enumerate(wanted)}
-    return sorted(rows, key=lambda r: order[r["variant"]]), store.path
+    fraction = settings.get("fit_mem_fraction")
+    at = (lambda f: int(budget(fv.target, None, f).bytes * (1 - fv.headroom))) if spec and fv.memory is None else None
+    context = {"configs": methods, "plan": plan, "usable": usable, "budget_at": at, "fraction": fraction,
+               "respect": respect}  # fmt: skip
+    return sorted(rows, key=lambda r: order[r["variant"]]), store.path, context
+
+
+def _what_would_fit(rows: list[dict], config: ml_collections.ConfigDict, context: dict) -> str:
+    """The cheapest lever that makes the smallest of these choices fit at minibatch 1 (jaxscale.plan.fit_levers)."""
+    planned = [r for r in rows if r.get("compiled_peak_bytes")]
+    if not planned:
+        return "what would fit: not tried (no plan compiled)"
+    smallest = min(planned, key=lambda r: r["compiled_peak_bytes"])
+    found = fit_levers.what_would_fit(config, smallest["fit_choice"], context["plan"], context["usable"],
+                                      context["budget_at"], context["fraction"], context["respect"])  # fmt: skip
+    if found is None:
+        names = ", ".join(lever.name for lever in fit_levers.LEVERS)
+        return f"what would fit: none of the levers ({names}), alone or together, at minibatch 1"
+    return fit_levers.answer(*found)
 
 
 def _check_measurable(spec: targets.GpuTarget | None) -> None:
@@ -394,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return print_help(USAGE, fv)
     try:
         config = parse_config_flags(fv, argv)
-        rows, path = run_fit(fv, config)
+        rows, path, context = run_fit(fv, config)
     except (UsageError, gpu_plan.PlanFlagError) as error:
         return fail(str(error))
     except KeyboardInterrupt:
@@ -414,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         which = f"recommendation for {', '.join(named)}" if named else "recommendation"
         if best is None:
             print(f"{which}: none: {why}; see the rows' error (the smallest plan) for what it needs")
+            print(f"  {_what_would_fit(chosen, context['configs'][(method, precision)], context)}", flush=True)
         else:
             run_env = f"; run it with {best['fit_run_env']} set" if best.get("fit_run_env") else ""
             print(f"{which}: {best['fit_remat']} at minibatch {best['fit_largest_minibatch']}: {why}{run_env}")

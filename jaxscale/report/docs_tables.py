@@ -97,6 +97,10 @@ TABLES: tuple[DocTable, ...] = (
     DocTable("fp8-h200", "docs/fp8.md", tuple(f"{RESULTS}/fp8_{model}_{kind}h200/results.jsonl"
                                               for model in ("seed", "llama3.2-1b") for kind in ("plan_", "")),
              gpu_tables.fp8_table),  # fmt: skip
+    DocTable("fit-fp8-llama3.1-8b-h100", "docs/fp8.md", (f"{RESULTS}/fit_precision_llama3.1-8b_flash_h100_x8/results.jsonl",),
+             gpu_tables.precision_fit_table),  # fmt: skip
+    DocTable("fit-fp8-llama3.2-1b-rtx4090", "docs/fp8.md",
+             (f"{RESULTS}/fit_precision_llama3.2-1b_flash_rtx4090/results.jsonl",), gpu_tables.precision_fit_table),
     DocTable("seed-h200", "docs/gpu.md", (f"{RESULTS}/seed_table_seed_h200/results.jsonl",
                                           f"{RESULTS}/seed_table_seed_plan_h200/results.jsonl"),
              gpu_tables.seed_on_gpu_table),  # fmt: skip

@@ -1,4 +1,5 @@
-"""Tables of runs measured on a GPU beside what was planned and predicted for it: docs/fp8.md and docs/gpu.md."""
+"""docs/fp8.md's and docs/gpu.md's tables: runs measured on a GPU beside what was planned and predicted for them,
+and the fit planner's bf16 and FP8 answers side by side."""
 
 from __future__ import annotations
 
@@ -76,4 +77,29 @@ def seed_on_gpu_table(measured_path: pathlib.Path, plan_path: pathlib.Path) -> s
                       f"{plan_peak / GIB:.2f}" if plan_peak else "–", _ratio(row["device_peak_bytes"], plan_peak),
                       _ratio(row.get("predicted_step_s"), step),
                       _ratio(plan.get("predicted_step_s"), step)))  # fmt: skip
+    return markdown(header, lines)
+
+
+def precision_fit_table(path: pathlib.Path) -> str:
+    """A `fit --precision bf16,fp8` answer: per fine-tuning method, precision and remat choice, the largest minibatch
+    per GPU that fits, its plan, and the predicted speed there (per GPU: the mesh's tokens over its GPUs).
+
+    Args:
+      path: the fit's results.jsonl.
+
+    Returns:
+      The markdown table.
+    """
+    header = ("method", "precision", "remat", "largest minibatch / GPU", "plan GiB / GPU", "predicted step s",
+              "predicted tokens/s / GPU", "predicted MFU of bf16 peak", "of FP8 peak")  # fmt: skip
+    lines = []
+    for row in read_rows(path):
+        largest, devices = row.get("fit_largest_minibatch"), row.get("fit_devices") or 1
+        tokens = row.get("predicted_tokens_per_s") if largest else None
+        lines.append((row.get("fit_finetune") or "as configured", row.get("fit_precision") or "-",
+                      row.get("fit_remat", row["variant"]), str(largest) if largest else f"none ({row.get('status')})",
+                      f"{row['compiled_peak_bytes'] / GIB:.1f}" if largest else "-",
+                      f"{row['predicted_step_s']:.3f}" if largest else "-",
+                      f"{tokens / devices:,.0f}" if tokens else "-", _pct(row.get("predicted_mfu") if largest else None),
+                      _pct(row.get("predicted_mfu_fp8_peak") if largest else None)))  # fmt: skip
     return markdown(header, lines)

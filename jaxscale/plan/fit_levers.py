@@ -1,0 +1,132 @@
+"""When nothing fits, what would: the fit planner's levers, cheapest first, each tried by compiling its plan.
+
+`fit` searches remat choices for the largest minibatch that fits; when none fits even at minibatch 1, it tries these
+levers one at a time on that question's config (each on top of the config as given, with the remat choice whose
+minibatch-1 plan was smallest) and names the first whose minibatch-1 plan fits, with the plan that shows it; if no
+single lever does, all of them together. Cheapest first means: what costs no speed (the allocator's share), then
+what costs a little compute (the loss in chunks), then smaller optimizer state (bf16 first moment, 8-bit moments,
+Adafactor: a different optimizer), then, for fine-tuning, LoRA (a different method). Host offload is not a lever
+yet (the lab does not offload). Each lever is one compile.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+
+from jaxscale.config import validate
+from jaxscale.config.overrides import apply_overrides
+from jaxscale.plan import fit_search
+
+LEVER_MEM_FRACTION = 0.95  # JAX's allocator share a lever asks for (its default is 75%: docs/fit.md)
+LEVER_CHUNK_LEN = 512  # train.loss_chunk_len the chunked-loss lever sets
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    """One change that lowers the plan's peak or raises the budget.
+
+    Attributes:
+      name: its short name (in the answer and the row).
+      cost: what it costs, in words.
+      changes: config overrides (dotted names), or none.
+      flags: what to add to the command to use it.
+      mem_fraction: the allocator share it asks for, or None (the budget unchanged).
+      applies: whether it changes anything for this config and budget fraction (an active lever is skipped).
+    """
+
+    name: str
+    cost: str
+    changes: dict[str, Any]
+    flags: str
+    mem_fraction: float | None = None
+    applies: Callable[[ml_collections.ConfigDict, float], bool] = lambda config, fraction: True
+
+
+def _adam(config: ml_collections.ConfigDict) -> bool:
+    return config.optimizer.name in ("adam", "adamw")
+
+
+LEVERS: tuple[Lever, ...] = (
+    Lever("mem_fraction", "no speed: JAX's allocator takes 95% of the GPU's memory instead of 75%", {},
+          f"--mem_fraction {LEVER_MEM_FRACTION}", LEVER_MEM_FRACTION, lambda c, f: f < LEVER_MEM_FRACTION),
+    Lever("chunked_loss", "a little compute: the output head and the loss in chunks, no [B, T, V] logits",
+          {"train.loss_chunk_len": LEVER_CHUNK_LEN}, f"--config.train.loss_chunk_len={LEVER_CHUNK_LEN}",
+          applies=lambda c, f: not c.train.loss_chunk_len and c.data.seq_len % LEVER_CHUNK_LEN == 0),
+    Lever("bf16_state", "Adam's first moment in bf16 (2 bytes a parameter less)", {"optimizer.state_dtype": "bfloat16"},
+          "--config.optimizer.state_dtype=bfloat16",
+          applies=lambda c, f: c.optimizer.state_dtype == "float32" and c.optimizer.name != "adafactor"),
+    Lever("int8_state", "both Adam moments block-wise 8-bit (about 6 bytes a parameter less)",
+          {"optimizer.state_dtype": "int8"}, "--config.optimizer.state_dtype=int8",
+          applies=lambda c, f: _adam(c) and c.optimizer.state_dtype != "int8"),
+    Lever("adafactor", "a different optimizer: Adafactor (factored second moments, no first moment)",
+          {"optimizer.name": "adafactor", "optimizer.state_dtype": "float32"}, "--config.optimizer.name=adafactor",
+          applies=lambda c, f: c.optimizer.name != "adafactor"),
+    Lever("lora_all", "a different method: LoRA on every projection, the base frozen in bf16",
+          dict(fit_search.FINETUNE_CHOICES["lora_all"][1]), "--finetune lora_all",
+          applies=lambda c, f: c.finetune.train != "adapters"),
+)  # fmt: skip
+
+
+def with_levers(config: ml_collections.ConfigDict, levers: list[Lever]) -> ml_collections.ConfigDict:
+    """A validated copy of `config` with the levers' changes (LoRA at the default rank where it adds adapters)."""
+    config = copy.deepcopy(config)
+    for lever in levers:
+        apply_overrides(config, lever.changes, f"lever {lever.name}")
+    if config.finetune.train == "adapters" and not config.model.lora_rank:
+        config.model.lora_rank = fit_search.DEFAULT_LORA_RANK
+    validate(config)
+    return config
+
+
+def what_would_fit(
+    config: ml_collections.ConfigDict,
+    choice: str,
+    plan: fit_search.Planner,
+    usable: int,
+    budget_at: Callable[[float], int] | None = None,
+    fraction: float | None = None,
+    respect_xla_limit: bool = True,
+) -> tuple[list[Lever], fit_search.Probe] | None:
+    """The cheapest lever (or, failing every one alone, all of them together) whose minibatch-1 plan of `choice`
+    fits, with that plan's probe; None when none does.
+
+    Args:
+      config: the question's config (its method and precision applied).
+      choice: the remat choice to plan (the one whose minibatch-1 plan was smallest).
+      plan: the fit's planner.
+      usable: the usable bytes of the fit's budget.
+      budget_at: the usable bytes at another allocator share (a GPU target's budget), or None (a fixed --memory:
+        the allocator lever does not apply).
+      fraction: the allocator share of `usable` (None: not a share).
+      respect_xla_limit: as the fit's --xla_limit.
+    """
+    shared = budget_at is not None and fraction is not None
+    active = [lever for lever in LEVERS if (lever.mem_fraction is None or shared) and lever.applies(config, fraction or 1)]
+
+    def tried(levers: list[Lever]) -> fit_search.Probe:
+        share = max([lever.mem_fraction for lever in levers if lever.mem_fraction], default=None)
+        budget = budget_at(share) if share and budget_at else usable
+        return fit_search.probe(plan, with_levers(config, levers), choice, 1, budget, respect_xla_limit)
+
+    for lever in active:
+        probe = tried([lever])
+        if probe.fits:
+            return [lever], probe
+    if len(active) > 1:
+        probe = tried(active)
+        if probe.fits:
+            return active, probe
+    return None
+
+
+def answer(levers: list[Lever], probe: fit_search.Probe) -> str:
+    """The one line the fit prints: the levers, what they cost, the plan that shows it, and the flags."""
+    gib = (probe.peak_bytes or 0) / 2**30
+    named = "; ".join(f"{lever.name} ({lever.cost})" for lever in levers)
+    flags = " ".join(lever.flags for lever in levers)
+    return f"what would fit: {named}: its plan at minibatch 1 is {gib:.3g} GiB and fits; rerun with {flags}"

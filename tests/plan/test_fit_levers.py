@@ -1,0 +1,39 @@
+"""jaxscale.plan.fit_levers: when no remat choice fits, the cheapest lever whose plan fits is named (tiny, this CPU)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import CONFIGS, load_config
+
+from jaxscale import fit as fit_cli
+from jaxscale.plan import fit_levers, fit_search
+
+MIB = 2**20
+
+
+def _peak(config, choice: str = "block") -> int:
+    """The local compiler's minibatch-1 plan peak of `config`: computed here, apart from the levers' search."""
+    return fit_search.local_planner(fit_search.with_minibatch(config, choice, 1))["compiled_peak_bytes"]
+
+
+@pytest.mark.parametrize("memory, named", [pytest.param("2.5MiB", "adafactor", marks=pytest.mark.slow),
+                                           ("2.2MiB", "lora_all")])  # fmt: skip
+def test_when_nothing_fits_the_cheapest_fitting_lever_is_named(tmp_path, capsys, memory, named):
+    """At a budget below the tiny model's minibatch-1 plan, the answer names the first lever, in LEVERS' order,
+    whose own plan fits; each cheaper lever's plan (compiled here again) is above the budget, the named one's below."""
+    budget = float(memory.removesuffix("MiB")) * MIB
+    code = fit_cli.main(["fit", "--config", f"{CONFIGS}/bf16_remat.py:tiny", "--output_root", str(tmp_path),
+                         "--remat", "block", "--memory", memory])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "recommendation: none: " in out
+    line = next(line for line in out.splitlines() if "what would fit:" in line)
+    assert line.strip().startswith(f"what would fit: {named} (")
+    config = load_config("bf16_remat", "tiny")
+    assert _peak(config) > budget  # nothing fit as given
+    order = [lever.name for lever in fit_levers.LEVERS if lever.applies(config, 1.0) and lever.mem_fraction is None]
+    for lever in fit_levers.LEVERS[: [lv.name for lv in fit_levers.LEVERS].index(named)]:
+        if lever.name in order:
+            assert _peak(fit_levers.with_levers(config, [lever])) > budget, lever.name
+    lever = next(lv for lv in fit_levers.LEVERS if lv.name == named)
+    assert _peak(fit_levers.with_levers(config, [lever])) <= budget
+    assert line.strip().endswith(f"rerun with {lever.flags}")
