@@ -101,6 +101,9 @@ TABLES: tuple[DocTable, ...] = (
              gpu_tables.precision_fit_table),  # fmt: skip
     DocTable("fit-fp8-llama3.2-1b-rtx4090", "docs/fp8.md",
              (f"{RESULTS}/fit_precision_llama3.2-1b_flash_rtx4090/results.jsonl",), gpu_tables.precision_fit_table),
+    DocTable("moe-dispatch-h200", _MODELS, (f"{RESULTS}/moe_dispatch_olmoe-1b-7b_plan_h200/results.jsonl",
+                                            f"{RESULTS}/moe_dispatch_olmoe-1b-7b_h200/results.jsonl"),
+             gpu_tables.plan_then_measured_table),  # fmt: skip
     DocTable("seed-h200", "docs/gpu.md", (f"{RESULTS}/seed_table_seed_h200/results.jsonl",
                                           f"{RESULTS}/seed_table_seed_plan_h200/results.jsonl"),
              gpu_tables.seed_on_gpu_table),  # fmt: skip

@@ -103,3 +103,29 @@ def precision_fit_table(path: pathlib.Path) -> str:
                       f"{tokens / devices:,.0f}" if tokens else "-", _pct(row.get("predicted_mfu") if largest else None),
                       _pct(row.get("predicted_mfu_fp8_peak") if largest else None)))  # fmt: skip
     return markdown(header, lines)
+
+
+def plan_then_measured_table(plan_path: pathlib.Path, measured_path: pathlib.Path) -> str:
+    """Each variant's deviceless plan (committed before the GPU ran) beside what the GPU measured, or why it did not
+    run (an out-of-memory row, as the plan said).
+
+    Args:
+      plan_path: the `--plan --target` sweep's results.jsonl.
+      measured_path: the `--on_this_device` sweep's results.jsonl.
+
+    Returns:
+      The markdown table.
+    """
+    measured = _by_variant(measured_path)
+    header = ("variant", "plan GiB", "plan fits", "predicted s (plan, first)", "on the GPU", "measured s (median / p90)",
+              "device GiB", "first sight: pred / meas")  # fmt: skip
+    lines = []
+    for variant, plan in _by_variant(plan_path).items():
+        row = measured.get(variant, {})
+        step = row.get("step_s_median")
+        lines.append((variant, f"{plan['compiled_peak_bytes'] / GIB:.1f}", "yes" if plan.get("plan_fits") else "no",
+                      f"{plan['predicted_step_s']:.4f}", row.get("status", "not run"),
+                      f"{step:.4f} / {row['step_s_p90']:.4f}" if step else "–",
+                      f"{row['device_peak_bytes'] / GIB:.1f}" if row.get("device_peak_bytes") and step else "–",
+                      _ratio(plan["predicted_step_s"], step)))  # fmt: skip
+    return markdown(header, lines)
