@@ -152,6 +152,20 @@ def test_a_gpu_target_compiles_fp8_gemms_and_the_kernels_read_them_as_fp8(tmp_pa
     assert counts["cublas"] == 4 + 4 + 4 + 2
 
 
+@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+@pytest.mark.parametrize("target", ["b200", "l40s"])
+def test_blackwell_and_ada_targets_compile_the_same_fp8_gemms(tmp_path, target):
+    """The B200 (sm_100) and L40S (sm_89) targets: cuBLASLt's FP8 matmul for the same 14 GEMMs per layer as the
+    H100 (the count by hand in the test above)."""
+    config = load_config("bf16_remat", "tiny")
+    config.model.fp8 = "dynamic"
+    validate(config)
+    path = tmp_path / "cublas.hlo.gz"
+    gpu_plan.compile_in_process(config, targets.target_config_text(targets.get_target(target)), "cublas",
+                                hlo_path=path)  # fmt: skip
+    assert gzip.open(path, "rt").read().count('custom_call_target="__cublas$lt$matmul$f8"') == 4 + 4 + 4 + 2
+
+
 def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_one_line():
     config = load_config("bf16_remat", "tiny")
     config.model.fp8 = "dynamic"
