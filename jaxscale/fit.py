@@ -168,7 +168,7 @@ def measure_rows(rows: list[dict], fv: flags.FlagValues, name: str, output_root:
     for row in rows:
         if row.get("status") != "ok" or row.get("tokens_per_s") is not None:
             continue
-        _, remat, policy = fit_search.REMAT_CHOICES[row["fit_choice"]]
+        _, remat, policy = fit_search.remat_choice(row["fit_choice"])
         method = row.get("fit_finetune")  # what a --finetune method set, read back from its row
         method = {f: row[f"config.{f}"] for f in fit_search.finetune_fields(method)} if method else {}
         precision = fit_search.PRECISION_CHOICES.get(row.get("fit_precision"), ("", {}))[1]
@@ -244,9 +244,10 @@ def run_settings(settings: dict) -> str:
 def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[list[dict], pathlib.Path, dict]:
     """Searches every selected remat choice that has no current row; returns all rows, the results path, and what
     the answer needs to try levers (the questions' configs, the planner, the budget)."""
-    unknown = [c for c in fv.remat if c not in fit_search.REMAT_CHOICES]
+    unknown = [c for c in fv.remat if c not in fit_search.REMAT_CHOICES and not c.startswith("per_activation:")]
     if unknown:
-        raise UsageError(f"--remat: unknown {', '.join(unknown)}; allowed: {', '.join(fit_search.REMAT_CHOICES)}")
+        raise UsageError(f"--remat: unknown {', '.join(unknown)}; allowed: {', '.join(fit_search.REMAT_CHOICES)}, "
+                         "or per_activation:<activation>=<device|offload|remat>+... (docs/fit.md)")  # fmt: skip
     unknown = [m for m in fv.finetune if m not in fit_search.FINETUNE_CHOICES]
     if unknown:
         raise UsageError(f"--finetune: unknown {', '.join(unknown)}; allowed: "

@@ -152,7 +152,8 @@ def test_an_unknown_remat_choice_lists_every_choice_with_the_named_policies(tmp_
                 "block_save_qkv_proj", "block_selective_op", "block_save_dot_with_context_except_mlp",
                 "block_dots_no_batch", "block_minimal_flash", "block_dots"]  # fmt: skip
     assert code == 2 and err.count("\n") == 1
-    assert err.strip().endswith("--remat: unknown everything; allowed: " + ", ".join(expected))
+    assert err.strip().endswith("--remat: unknown everything; allowed: " + ", ".join(expected)
+                                + ", or per_activation:<activation>=<device|offload|remat>+... (docs/fit.md)")
 
 
 @needs_extra

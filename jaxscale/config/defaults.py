@@ -132,7 +132,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.softmax_dtype = "float32"  # dtype of attention logits and softmax (cast back afterwards)
     c.model.causal = True  # causal attention mask (next-token prediction needs it)
     c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")
-    c.model.remat_policy = "nothing_saveable"  # what remat keeps: one of REMAT_POLICIES
+    c.model.remat_policy = "nothing_saveable"  # what remat keeps: one of REMAT_POLICIES, or per_activation:name=place,...
     c.model.scan_layers = False  # stack the blocks with nn.scan (one compiled body) or unroll them
     c.model.attention = "reference"  # reference (einsum), xla or cudnn (jax.nn), chunked or flash (docs/attention.md)
     c.model.attention_block_q = 0  # flash: queries per block of the forward kernel, a power of two; 0: by head_dim

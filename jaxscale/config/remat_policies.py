@@ -112,6 +112,46 @@ POLICIES: dict[str, RematPolicy] = {
 }
 
 
+# Per-activation policies: `model.remat_policy = "per_activation:qkv_proj=offload,context=device"` (pairs separated
+# by `,` or `+`, the latter in a comma-separated flag such as fit's --remat) names, for each
+# activation of the block, where its value waits for the backward pass: `device` (kept), `offload` (moved to pinned
+# host memory and back) or `remat` (recomputed; any activation not named). MaxText's vocabulary
+# (`remat_policy: custom` with `<name>: device | offload | remat`); the names group the tags above by family.
+PER_ACTIVATION = "per_activation:"
+ACTIVATIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": _QKV,
+    "context": _CONTEXT,
+    "out_proj": ("out_proj",),
+    "mlp_gate": ("mlp_gate",),
+    "mlp_up": ("mlp_up",),
+    "mlp_hidden": ("mlp_hidden",),
+    "mlp_down": ("mlp_down",),
+}
+PLACES = ("device", "offload", "remat")
+
+
+def per_activation(name: str) -> RematPolicy:
+    """The RematPolicy a `per_activation:` name spells.
+
+    Raises:
+      KeyError: the text after the prefix is not `activation=place` pairs of ACTIVATIONS and PLACES, each activation
+        once (validation names the field and what is allowed).
+    """
+    pairs = [pair.split("=") for pair in name.removeprefix(PER_ACTIVATION).replace("+", ",").split(",") if pair]
+    if not pairs or any(len(p) != 2 or p[0] not in ACTIVATIONS or p[1] not in PLACES for p in pairs):
+        raise KeyError(name)
+    if len({activation for activation, _ in pairs}) != len(pairs):
+        raise KeyError(name)
+    device = tuple(tag for activation, place in pairs if place == "device" for tag in ACTIVATIONS[activation])
+    offload = tuple(tag for activation, place in pairs if place == "offload" for tag in ACTIVATIONS[activation])
+    return RematPolicy(f"per activation: {name.removeprefix(PER_ACTIVATION)}", names=_both(device), offloads=offload)
+
+
+def lookup(name: str) -> RematPolicy:
+    """POLICIES[name], or the per-activation policy a `per_activation:` name spells (KeyError for neither)."""
+    return per_activation(name) if name.startswith(PER_ACTIVATION) else POLICIES[name]
+
+
 def remat_policy(name: str, family: str):
     """The jax.checkpoint policy of POLICIES[name] for the model family `family`.
 
@@ -122,10 +162,10 @@ def remat_policy(name: str, family: str):
     Returns:
       The policy object jax.checkpoint / nn.remat take.
     """
-    policy = POLICIES[name]
+    policy = lookup(name)
     if policy.offloads:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
+            names_which_can_be_saved=list(policy.names[family]) if policy.names else [],
             names_which_can_be_offloaded=list(policy.offloads),
             offload_src="device",
             offload_dst="pinned_host",
@@ -149,17 +189,17 @@ def kept(name: str, family: str) -> frozenset[str]:
     Returns:
       A subset of FAMILY_TENSORS[family] (a tag the family does not put, such as gpt's mlp_gate, keeps nothing).
     """
-    policy = POLICIES[name]
+    policy = lookup(name)
     saved = policy.dots if policy.names is None else _tensors(policy.names[family])
     return saved & FAMILY_TENSORS[family]
 
 
 def not_recomputed(name: str, family: str) -> frozenset[str]:
     """The tensors the backward pass gets back without recomputing them: those kept and those offloaded."""
-    return kept(name, family) | (_tensors(POLICIES[name].offloads) & FAMILY_TENSORS[family])
+    return kept(name, family) | (_tensors(lookup(name).offloads) & FAMILY_TENSORS[family])
 
 
 def saves_by_dot_type(name: str) -> bool:
     """Whether the policy is one of JAX's that save matmul outputs by their kind (every dot without batch
     dimensions at least: a LoRA adapter's x @ A is kept too), not by name."""
-    return bool(POLICIES[name].dots)
+    return bool(lookup(name).dots)

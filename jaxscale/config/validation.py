@@ -7,7 +7,7 @@ import math
 import jax
 import ml_collections
 
-from jaxscale.config import finetune, kernel_blocks
+from jaxscale.config import finetune, kernel_blocks, remat_policies
 from jaxscale.config.defaults import (
     ACCUMULATE_METHODS,
     ATTENTION_IMPLS,
@@ -154,7 +154,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check(isinstance(m.remat, tuple), "model.remat", f"must be a tuple of names from {REMAT_TARGETS}")
     for target in m.remat:
         _one_of(target, REMAT_TARGETS, "model.remat")
-    _one_of(m.remat_policy, REMAT_POLICIES, "model.remat_policy")
+    if isinstance(m.remat_policy, str) and m.remat_policy.startswith(remat_policies.PER_ACTIVATION):
+        try:
+            remat_policies.per_activation(m.remat_policy)
+        except KeyError:
+            raise ConfigError(
+                f"model.remat_policy: {m.remat_policy!r}: per_activation: takes activation=place pairs, each activation "
+                f"once; activations: {', '.join(remat_policies.ACTIVATIONS)}; places: "
+                f"{', '.join(remat_policies.PLACES)}"
+            ) from None
+    else:
+        _one_of(m.remat_policy, REMAT_POLICIES, "model.remat_policy")
     _validate_attention(m, d.seq_len)
     _check(0.0 <= m.dropout_rate < 1.0, "model.dropout_rate", f"must be in [0, 1), got {m.dropout_rate}")
     _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")

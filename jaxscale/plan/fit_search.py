@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxscale.config import flatten, mesh_shape, validate
+from jaxscale.config import flatten, mesh_shape, remat_policies, validate
 from jaxscale.config.overrides import apply_overrides
 from jaxscale.config.spec import tokens_per_step
 from jaxscale.measure import flops, memory
@@ -70,6 +70,14 @@ FINETUNE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "lora_attention": ("LoRA on attention", {"finetune.train": "adapters", "model.lora_targets": ("attention",)}),
     "lora_all": ("LoRA on all projections", {"finetune.train": "adapters", "model.lora_targets": ("all",)}),
 }
+def remat_choice(choice: str) -> tuple[str, tuple[str, ...], str]:
+    """(label, model.remat, model.remat_policy) of a --remat choice: a REMAT_CHOICES name, or a per-activation
+    policy (`per_activation:qkv_proj=offload+context=device`, jaxscale.config.remat_policies) on the whole block."""
+    if choice.startswith(remat_policies.PER_ACTIVATION):
+        return f"Block, {choice}", ("Block",), choice
+    return REMAT_CHOICES[choice]
+
+
 # --precision: the matmuls' precision, side by side where the target has FP8 tensor cores (jaxscale.model.fp8).
 PRECISION_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16": ("bf16 matmuls", {"model.fp8": "none"}),
@@ -152,7 +160,7 @@ def with_precision(config: ml_collections.ConfigDict, precision: str) -> ml_coll
 
 def with_minibatch(config: ml_collections.ConfigDict, choice: str, minibatch: int) -> ml_collections.ConfigDict:
     """A validated copy of `config` with the remat choice and `minibatch` sequences per device and minibatch."""
-    _, remat, policy = REMAT_CHOICES[choice]
+    _, remat, policy = remat_choice(choice)
     config = copy.deepcopy(config)
     config.model.remat, config.model.remat_policy = remat, policy
     config.data.batch_size = minibatch * config.train.num_minibatches * mesh_shape(config).batch_split
@@ -397,7 +405,7 @@ def fit_row(config: ml_collections.ConfigDict, choice: str, search: Search, sett
             f"compile): minibatch {search.largest.minibatch} fits, larger ones up to "
             f"{search.too_large.minibatch - 1 if search.too_large else search.limit} were not tried"
         )
-    label, remat, policy = REMAT_CHOICES[choice]
+    label, remat, policy = remat_choice(choice)
     row.update(
         fit_choice=choice,
         fit_remat=label,
