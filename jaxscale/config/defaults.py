@@ -189,13 +189,14 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = 3  # steps captured with jax.profiler after the timed ones (0 = no trace)
 
-    # The device mesh (jaxscale.train.sharding, docs/mesh.md): data x fsdp x tensor x context must equal the
+    # The device mesh (jaxscale.train.sharding, docs/mesh.md): data x fsdp x tensor x context x expert must equal the
     # number of devices (or --devices of a planned target). All 1 is the single-device program, on the first device.
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # data parallel: the batch split over this axis, parameters replicated
     c.mesh.fsdp = 1  # sharded data parallel (ZeRO, mesh.zero_stage): the batch split, model state sharded
     c.mesh.tensor = 1  # Megatron tensor parallel: attention heads, MLP width and vocabulary split
     c.mesh.context = 1  # context parallel: every activation's sequence split, attention as a ring
+    c.mesh.expert = 1  # expert parallel (model.num_experts > 0): routed experts split, tokens sent by all-to-all
     c.mesh.zero_stage = 3  # what mesh.fsdp shards: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP)
     # With several minibatches, when gradients are summed over the devices that split the batch: "step" accumulates
     # each device's own and reduces once a step (DDP's no_sync, llm.c, Megatron's distributed optimizer; a whole

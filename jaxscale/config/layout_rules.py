@@ -20,7 +20,12 @@ from jaxscale.config.spec import sequence_parallel, zero_stage
 # split. The names are the lab's conventions, shared by every model family (docs/mesh.md). This is the default
 # layout (ZeRO-3 on fsdp, no sequence parallelism); `rules` derives a config's from it.
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),  # activations and tokens: data parallel x FSDP
+    # activations and tokens: data parallel x FSDP x expert parallel (the expert-parallel devices are data parallel
+    # everywhere but in the experts' matmuls)
+    ("batch", ("data", "fsdp", "expert")),
+    # a mixture of experts' tokens dispatched to their experts, [batch, expert, capacity, embed]: the batch without
+    # the expert axis, which splits the experts instead (jaxscale.model.moe; MaxText's activation_batch_no_exp)
+    ("batch_no_expert", ("data", "fsdp")),
     ("vocab", "tensor"),  # token embedding, output head, logits
     ("heads", "tensor"),  # QKV, attention output, the attention itself
     ("kv_heads", "tensor"),  # grouped-query K/V (the Llama family)
@@ -34,7 +39,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("pos", None),
     ("head_dim", None),
     ("qkv", None),
-    ("expert", None),  # a mixture of experts' stacked experts (jaxscale.model.moe): no expert parallelism yet
+    ("expert", "expert"),  # a mixture of experts' stacked experts and router columns (jaxscale.model.moe)
 )
 
 

@@ -105,36 +105,45 @@ class ModelConfig:
 
 
 class MeshShape(NamedTuple):
-    """The device mesh's sizes, data x fsdp x tensor x context (jaxscale.train.sharding lays the step out over it).
+    """The device mesh's sizes, data x fsdp x tensor x context x expert (jaxscale.train.sharding lays the step out
+    over it).
 
     The fields are in the order the mesh is written (`text`: committed rows and the docs name meshes so, and the
-    context axis came last); the device array's order, MESH_AXES, is derived from it below, tensor fastest."""
+    context and expert axes came last); the device array's order, MESH_AXES, is derived from it below, tensor
+    fastest."""
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
     context: int = 1
+    expert: int = 1
 
     @property
     def devices(self) -> int:
-        """Devices the mesh uses: data x fsdp x tensor x context (1 for the single-device program)."""
+        """Devices the mesh uses: data x fsdp x tensor x context x expert (1 for the single-device program)."""
         return math.prod(self)
 
     @property
     def batch_split(self) -> int:
-        """Devices the batch is split over: data x fsdp (tensor- and context-parallel devices share sequences)."""
-        return self.data * self.fsdp
+        """Devices the batch is split over: data x fsdp x expert (expert-parallel devices are data parallel outside
+        the experts; tensor- and context-parallel devices share sequences)."""
+        return self.data * self.fsdp * self.expert
+
+    @property
+    def _written(self) -> int:
+        """How many sizes `text` writes: 3, 4 when context splits, 5 when expert does."""
+        return 5 if self.expert > 1 else 4 if self.context > 1 else 3
 
     @property
     def text(self) -> str:
-        """`data x fsdp x tensor`, e.g. "2x2x2", with `x context` appended when it splits: "1x2x1x4"."""
-        sizes = self if self.context > 1 else self[:3]
-        return "x".join(str(n) for n in sizes)
+        """`data x fsdp x tensor`, e.g. "2x2x2", with `x context` appended when it splits ("1x2x1x4"), and
+        `x context x expert` when expert does ("2x1x1x1x4")."""
+        return "x".join(str(n) for n in self[: self._written])
 
     @property
     def axes_text(self) -> str:
-        """The names of the sizes in `text`: "data x fsdp x tensor" (x context)."""
-        return " x ".join(MeshShape._fields if self.context > 1 else MeshShape._fields[:3])
+        """The names of the sizes in `text`: "data x fsdp x tensor" (x context (x expert))."""
+        return " x ".join(MeshShape._fields[: self._written])
 
     @property
     def physical(self) -> tuple[int, ...]:
@@ -142,9 +151,10 @@ class MeshShape(NamedTuple):
         return tuple(getattr(self, axis) for axis in MESH_AXES)
 
 
-# The device array's axes, outermost first: MeshShape's with tensor moved innermost, (data, fsdp, context, tensor).
-# Consecutive devices (one host's, one NVLink domain's) then form the tensor-parallel groups, whose collectives run
-# inside every layer; the written order (MeshShape, `text`) stays the rows' and the docs'.
+# The device array's axes, outermost first: MeshShape's with tensor moved innermost, (data, fsdp, context, expert,
+# tensor). Consecutive devices (one host's, one NVLink domain's) then form the tensor-parallel groups, whose
+# collectives run inside every layer, and next the expert-parallel ones (an all-to-all each way in every MoE layer);
+# the written order (MeshShape, `text`) stays the rows' and the docs'.
 MESH_AXES = (*(axis for axis in MeshShape._fields if axis != "tensor"), "tensor")
 
 
@@ -159,13 +169,14 @@ def mesh_text(config: ml_collections.ConfigDict) -> str:
 
 
 def mesh_axes_text(text: str) -> str:
-    """The names of the sizes in a mesh's text ("2x2x2": "data x fsdp x tensor"; four sizes: x context)."""
+    """The names of the sizes in a mesh's text ("2x2x2": "data x fsdp x tensor"; four sizes: x context; five:
+    x context x expert)."""
     return " x ".join(MeshShape._fields[: len(text.split("x"))])
 
 
 def layout_text(config: ml_collections.ConfigDict) -> str:
-    """The config's layout in a few words, each axis that splits: "dp2 zero1x4 tp2+sp cp2" (fsdp8 for ZeRO-3 over
-    8 devices), "single" on one device."""
+    """The config's layout in a few words, each axis that splits: "dp2 zero1x4 tp2+sp cp2 ep2" (fsdp8 for ZeRO-3
+    over 8 devices), "single" on one device."""
     mesh, words = mesh_shape(config), []
     if mesh.data > 1:
         words.append(f"dp{mesh.data}")
@@ -176,6 +187,8 @@ def layout_text(config: ml_collections.ConfigDict) -> str:
         words.append(f"tp{mesh.tensor}" + ("+sp" if sequence_parallel(config) else ""))
     if mesh.context > 1:
         words.append(f"cp{mesh.context}")
+    if mesh.expert > 1:
+        words.append(f"ep{mesh.expert}")
     return " ".join(words) or "single"
 
 
@@ -190,11 +203,14 @@ def accumulates_locally(config: ml_collections.ConfigDict) -> bool:
     (mesh.reduce_gradients "step"; "auto" chooses it where the gradients are whole anyway: data parallelism and
     ZeRO-1, without context parallelism), rather than reducing every minibatch's ("minibatch"; "auto" for ZeRO-2, whose point is split
     gradients, and ZeRO-3, torchtitan's FSDP2 default). Only where several minibatches split over devices. The
-    one rule the layout (jaxscale.train.sharding.local_accumulation) and the analytic memory model read."""
+    one rule the layout (jaxscale.train.sharding.local_accumulation) and the analytic memory model read. Under
+    expert parallelism (mesh.expert > 1) "auto" is "minibatch": a group of a device's own rows would need every
+    expert ("step" is refused there, jaxscale.config.validation)."""
     mesh, stage = mesh_shape(config), zero_stage(config)
     mode = config.mesh.reduce_gradients
     if mode == "auto":
-        mode = "step" if mesh.context == 1 and (stage == 1 or mesh.fsdp == 1) else "minibatch"
+        once = mesh.context == 1 and mesh.expert == 1 and (stage == 1 or mesh.fsdp == 1)
+        mode = "step" if once else "minibatch"
     return config.train.num_minibatches > 1 and mesh.batch_split > 1 and mode == "step"
 
 
@@ -205,7 +221,7 @@ def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
 
 def step_model(config: ml_collections.ConfigDict) -> ModelConfig:
     """The model as the train step builds it: `model.reduce_dtype` is the dtype weight gradients are summed over
-    devices in, so it applies where the tokens are split over devices (mesh data x fsdp x context > 1); on one
+    devices in, so it applies where the tokens are split over devices (mesh data x fsdp x expert x context > 1); on one
     device (or tensor parallelism alone) nothing is summed over devices and the step is Flax's default program
     ("compute"), the one the notebook's table was measured with."""
     model = ModelConfig.from_config(config.model)
@@ -222,5 +238,5 @@ def tokens_per_step(config: ml_collections.ConfigDict) -> int:
 
 
 def minibatch_per_device(config: ml_collections.ConfigDict) -> int:
-    """Sequences one device holds per minibatch: data.batch_size / train.num_minibatches / (data x fsdp)."""
+    """Sequences one device holds per minibatch: data.batch_size / train.num_minibatches / (data x fsdp x expert)."""
     return config.data.batch_size // config.train.num_minibatches // mesh_shape(config).batch_split

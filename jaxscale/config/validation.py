@@ -287,9 +287,9 @@ def _divisors(n: int) -> str:
 
 def _validate_mesh(config: ml_collections.ConfigDict) -> None:
     """Each mesh axis divides what it splits (JAX shards only evenly): see jaxscale.config.layout_rules.RULES."""
-    _positive(config, "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.context")
+    _positive(config, "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.context", "mesh.expert")
     m, sizes, mesh = config.model, ModelConfig.from_config(config.model), mesh_shape(config)
-    (data, fsdp, tensor, context), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
+    (data, fsdp, tensor, context, expert), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
     _one_of(config.mesh.zero_stage, (1, 2, 3), "mesh.zero_stage")
     _zero_stage_splits(config.mesh.zero_stage, fsdp, context)
     _one_of(config.mesh.reduce_gradients, ("auto", "step", "minibatch"), "mesh.reduce_gradients")
@@ -300,6 +300,9 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
     _check(config.mesh.reduce_gradients != "step" or context == 1, "mesh.reduce_gradients",
            f"step is not built for context parallelism (mesh.context={context}: the ring attention's shard_map is "
            "not taken per group of rows); use minibatch or auto")  # fmt: skip
+    _check(config.mesh.reduce_gradients != "step" or expert == 1, "mesh.reduce_gradients",
+           f"step is not built for expert parallelism (mesh.expert={expert}: a device's group of rows would need "
+           "every expert); use minibatch or auto")  # fmt: skip
     _check(isinstance(config.mesh.sequence_parallel, bool), "mesh.sequence_parallel",
            f"must be True or False, got {config.mesh.sequence_parallel!r}")  # fmt: skip
     _check(not config.mesh.sequence_parallel or tensor > 1, "mesh.sequence_parallel",
@@ -313,11 +316,12 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
         f"{' x mesh.tensor with sequence parallelism' if config.mesh.sequence_parallel else ''})",
     )
     _check(
-        minibatch % mesh.batch_split == 0,
+        minibatch % (data * fsdp) == 0,
         "mesh",
         f"data x fsdp = {data}x{fsdp} = {data * fsdp} does not divide the minibatch of {minibatch} sequences "
         f"(data.batch_size / train.num_minibatches); data x fsdp may be: {_divisors(minibatch)}",
     )
+    _validate_expert(config, expert, minibatch // (data * fsdp))
     _check(
         m.hidden_size % (fsdp * context) == 0,
         "mesh.fsdp",
@@ -338,6 +342,22 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
             f"{tensor} does not divide the {size} {what}; tensor may be a common divisor of heads, MLP width "
             f"and vocabulary: {_divisors(math.gcd(*splits.values()))}",
         )
+
+
+def _validate_expert(config: ml_collections.ConfigDict, expert: int, rows: int) -> None:
+    """Expert parallelism (jaxscale.model.moe): mesh.expert splits the routed experts, and the batch with data x
+    fsdp, so it divides model.num_experts and the `rows` each data x fsdp group holds of a minibatch."""
+    if expert == 1:
+        return
+    experts = config.model.num_experts
+    _check(experts > 0, "mesh.expert", f"{expert} splits a mixture of experts' experts, and model.num_experts=0 "
+           "(a dense model); set model.num_experts > 0, or 1")  # fmt: skip
+    _check(experts % expert == 0, "mesh.expert", f"{expert} does not divide model.num_experts={experts}; "
+           f"allowed: {_divisors(experts)}")  # fmt: skip
+    allowed = ", ".join(str(n) for n in range(1, rows + 1) if rows % n == 0 and experts % n == 0)
+    _check(rows % expert == 0, "mesh.expert", f"{expert} does not divide the {rows} sequences of a minibatch per "
+           "data x fsdp group (data.batch_size / train.num_minibatches / (mesh.data x mesh.fsdp)); allowed: "
+           f"{allowed}")  # fmt: skip
 
 
 def _zero_stage_splits(stage: int, fsdp: int, context: int) -> None:

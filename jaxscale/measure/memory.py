@@ -107,7 +107,7 @@ class Dims:
     """Sizes that activation memory depends on, for one minibatch on one device: Korthikanti et al.'s s, b, h,
     a and t."""
 
-    b: int  # sequences per minibatch on one device (the minibatch split over mesh.data x mesh.fsdp)
+    b: int  # sequences per minibatch on one device (the minibatch split over mesh.data x mesh.fsdp x mesh.expert)
     s: int  # sequence length
     h: int  # hidden size
     a: int  # attention heads (query heads)
@@ -341,11 +341,12 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
     return layer, max((fused[unit] for unit in remat), default=0)
 
 
-def sharded_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1) -> int:
-    """Parameters one device holds when FSDP splits every embed axis fsdp ways and tensor parallelism
-    splits heads, K/V heads, MLP width and vocabulary tensor ways (the layout of
-    jaxscale.config.layout_rules.RULES; a test checks this count against the real shardings for both families).
-    `params.param_count` is the fsdp = tensor = 1 case.
+def sharded_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1, expert: int = 1) -> int:
+    """Parameters one device holds when FSDP splits every embed axis fsdp ways, tensor parallelism
+    splits heads, K/V heads, MLP width and vocabulary tensor ways and expert parallelism a mixture of experts'
+    expert axis (stacked experts, router columns) expert ways (the layout of jaxscale.config.layout_rules.RULES;
+    tests check this count against the real shardings for both families and for a mixture of experts).
+    `params.param_count` is the fsdp = tensor = expert = 1 case.
 
     Summed over the family's parameters (params.param_table) with each one's shard shape (params.shard_shape):
     for the GPT, per layer the four kernels (3H² + H² + 2FH) have both axes, so / (fsdp·tensor); the two
@@ -354,12 +355,12 @@ def sharded_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor:
     final LayerNorm (SH + 2H, embed) and the output bias (V, vocabulary). For a Llama every kernel has both
     axes and the RMSNorm scales only embed.
     """
-    return _held(params.param_table(model), fsdp, tensor)
+    return _held(params.param_table(model), fsdp, tensor, expert)
 
 
-def _held(table: dict[str, tuple[tuple[int, ...], tuple]], fsdp: int, tensor: int) -> int:
+def _held(table: dict[str, tuple[tuple[int, ...], tuple]], fsdp: int, tensor: int, expert: int = 1) -> int:
     """Elements one device holds of the parameters in `table` (path -> (shape, names)), each split by its names."""
-    return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor)) for shape, names in table.values())
+    return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor, expert)) for shape, names in table.values())
 
 
 def trained_table(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -388,7 +389,8 @@ def trained_param_count(config: ml_collections.ConfigDict, fsdp: int | None = No
     """Parameters that train, held by one device (sharded like every parameter, see sharded_param_count),
     split `fsdp` ways on the fsdp axis (default: as the layout splits the parameters, zero_splits)."""
     fsdp = zero_splits(config)["params"] if fsdp is None else fsdp
-    return _held(trained_table(config), fsdp, mesh_shape(config).tensor)
+    mesh = mesh_shape(config)
+    return _held(trained_table(config), fsdp, mesh.tensor, mesh.expert)
 
 
 def _frozen_itemsize(config: ml_collections.ConfigDict) -> int:
@@ -402,13 +404,13 @@ def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
     unsplit); Adafactor 4 × (its factored second moments, params.adafactor_state_elements:
     n/d1 + n/d2 per matrix whose two largest dims are >= 128, n for every other parameter, each split like the
     parameter axes it keeps)."""
-    fsdp, tensor = zero_splits(config)["optimizer"], mesh_shape(config).tensor
+    fsdp, mesh = zero_splits(config)["optimizer"], mesh_shape(config)
     if config.optimizer.state_dtype == "int8":
-        return _int8_adam_state_bytes(config, fsdp, tensor)
+        return _int8_adam_state_bytes(config, fsdp, mesh.tensor, mesh.expert)
     if config.optimizer.name == "adafactor":
         table = trained_table(config)
         shapes, names = {k: s for k, (s, _) in table.items()}, {k: n for k, (_, n) in table.items()}
-        return _FLOAT32 * params.adafactor_state_elements(shapes, names, fsdp, tensor)
+        return _FLOAT32 * params.adafactor_state_elements(shapes, names, fsdp, mesh.tensor, mesh.expert)
     first = jnp.dtype(config.optimizer.state_dtype).itemsize
     per_param = {"adam": first + _FLOAT32, "adamw": first + _FLOAT32, "sgd": first}[config.optimizer.name]
     return per_param * trained_param_count(config, fsdp)
@@ -420,7 +422,7 @@ def int8_moment_bytes(elements: int, block_size: int = INT8_BLOCK_SIZE) -> int:
     return elements + _FLOAT32 * -(-elements // block_size)
 
 
-def _int8_adam_state_bytes(config: ml_collections.ConfigDict, fsdp: int, tensor: int) -> int:
+def _int8_adam_state_bytes(config: ml_collections.ConfigDict, fsdp: int, tensor: int, expert: int = 1) -> int:
     """Adam's two moments at optimizer.state_dtype=int8 on one device: per trained parameter of at least
     INT8_MIN_SIZE elements 2 · int8_moment_bytes (2 x (1 + 4/2048) bytes per element), whole on every device (the
     layout replicates the flat codes and absmax, see jaxscale.train.quantized_state); per smaller one two float32
@@ -431,22 +433,23 @@ def _int8_adam_state_bytes(config: ml_collections.ConfigDict, fsdp: int, tensor:
         if elements >= INT8_MIN_SIZE:
             total += 2 * int8_moment_bytes(elements)
         else:
-            total += 2 * _FLOAT32 * math.prod(params.shard_shape(shape, names, fsdp, tensor))
+            total += 2 * _FLOAT32 * math.prod(params.shard_shape(shape, names, fsdp, tensor, expert))
     return total
 
 
 def _gathered_layer_bytes(config: ml_collections.ConfigDict, gradient_only: bool = False) -> int:
-    """Under FSDP, one block's parameters gathered whole (/ tensor) with their full gradients before the
-    reduce-scatter: 4 + 4 bytes per trained parameter, the frozen dtype's bytes per frozen one (no gradient);
-    `gradient_only` (ZeRO-2, whose weights are whole already): 4 bytes per trained parameter.
-    The top block is the one counted (with finetune.train=last_blocks it trains)."""
-    m, tensor = config.model, mesh_shape(config).tensor
+    """Under FSDP, one block's parameters gathered whole (/ tensor, and a mixture of experts' experts / expert: the
+    gather is over fsdp) with their full gradients before the reduce-scatter: 4 + 4 bytes per trained parameter,
+    the frozen dtype's bytes per frozen one (no gradient); `gradient_only` (ZeRO-2, whose weights are whole
+    already): 4 bytes per trained parameter. The top block is the one counted (with finetune.train=last_blocks it
+    trains)."""
+    m, mesh = config.model, mesh_shape(config)
     block = "transformer/blocks" if m.scan_layers else f"transformer/block_{m.num_layers - 1}"
     total = 0
     for key, (shape, names) in params.layer_param_table(m).items():
         trains = finetune.trainable(f"{block}/{key}", config)
         per = (1 if gradient_only else 2) * _FLOAT32 if trains else 0 if gradient_only else _frozen_itemsize(config)
-        total += per * math.prod(params.shard_shape(shape, names, 1, tensor))
+        total += per * math.prod(params.shard_shape(shape, names, 1, mesh.tensor, mesh.expert))
     return total
 
 
@@ -458,7 +461,9 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
       params: 4·N (float32), N the parameters this device holds (sharded_param_count: all of them on one
         device or under pure data parallelism; ZeRO-3 / FSDP divides by mesh.fsdp x mesh.context,
         Rajbhandari et al. 2020; tensor parallelism divides the split matrices by mesh.tensor, Shoeybi et
-        al. 2019). Below ZeRO stage 3 the parameters are whole on the fsdp axis (zero_splits).
+        al. 2019; expert parallelism a mixture of experts' experts and router by mesh.expert, Lepikhin et al.
+        2020). Below ZeRO stage 3 the parameters are whole on the fsdp axis (zero_splits). The gradients and
+        the optimizer state are split over expert as their parameters are.
       optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; split over fsdp x context at every
         ZeRO stage; Adam's 8-bit moments at state_dtype int8 about 2 × (1 + 4/2048)·N, whole on every device).
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1
@@ -466,7 +471,7 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
         split like the optimizer state from ZeRO stage 2 on (the step constrains them so: reduce-scatters),
         whole at stage 1, and whole where the step accumulates them on each device (accumulates_locally).
       activations: L × per-layer bytes (layer_activation_bytes) + one recomputed unit + head_residuals,
-        for the minibatch's share of this device (/ data·fsdp, and the sequence / context) with
+        for the minibatch's share of this device (/ data·fsdp·expert, and the sequence / context) with
         tensor-parallel terms split (Dims.t), and every term under sequence parallelism (Dims.sp);
         with accumulate='loop' every minibatch's activations, as both XLA backends schedule the unrolled
         minibatches' forward passes together (measured; see docs/measurements.md). Under FSDP one layer's
@@ -480,8 +485,8 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     projection's input is kept only where something below it still needs it.
     """
     m, t = config.model, config.train
-    splits, tensor = zero_splits(config), mesh_shape(config).tensor
-    d, n = Dims.from_config(config), sharded_param_count(m, splits["params"], tensor)
+    splits, mesh = zero_splits(config), mesh_shape(config)
+    d, n = Dims.from_config(config), sharded_param_count(m, splits["params"], mesh.tensor, mesh.expert)
     trained = trained_param_count(config)
     layer, working = layer_activation_bytes(d, tuple(m.remat), m.remat_policy, m.scan_layers)
     causal_mask = m.scan_layers and m.causal and m.attention == "reference"

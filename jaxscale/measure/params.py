@@ -146,7 +146,7 @@ STATE_AXES = MESH_SPLITS["embed"]  # the axes that shard the model state (ZeRO /
 
 
 def shard_shape(
-    shape: tuple[int, ...], names: tuple[str | None, ...], fsdp: int = 1, tensor: int = 1
+    shape: tuple[int, ...], names: tuple[str | None, ...], fsdp: int = 1, tensor: int = 1, expert: int = 1
 ) -> tuple[int, ...]:
     """The shape one device holds of a parameter named `names` (MESH_SPLITS; a mesh axis splits only the first
     dimension that names it, as Flax's logical_to_mesh does).
@@ -156,11 +156,12 @@ def shard_shape(
       names: its logical axis names (None: unnamed).
       fsdp: the ways STATE_AXES split it together (mesh.fsdp x mesh.context; 1 where the layout keeps it whole).
       tensor: the ways the tensor axis splits it (mesh.tensor).
+      expert: the ways the expert axis splits it (mesh.expert: a mixture of experts' "expert" axis).
 
     Returns:
       The shape of one device's shard.
     """
-    ways, used, out = {STATE_AXES: fsdp, ("tensor",): tensor}, set(), []
+    ways, used, out = {STATE_AXES: fsdp, ("tensor",): tensor, ("expert",): expert}, set(), []
     for dim, name in zip(shape, names, strict=True):
         axes = MESH_SPLITS.get(name or "", ())
         if not axes or used & set(axes):
@@ -258,7 +259,11 @@ def _adafactor_leaves(shape: tuple[int, ...], names: tuple[str, ...]) -> list[tu
 
 
 def adafactor_state_elements(
-    shapes: dict[str, tuple[int, ...]], names: dict[str, tuple[str, ...]] | None = None, fsdp: int = 1, tensor: int = 1
+    shapes: dict[str, tuple[int, ...]],
+    names: dict[str, tuple[str, ...]] | None = None,
+    fsdp: int = 1,
+    tensor: int = 1,
+    expert: int = 1,
 ) -> int:
     """float32 elements of optax.adafactor's state (defaults: factored, no momentum) that one device holds.
 
@@ -275,7 +280,7 @@ def adafactor_state_elements(
     for path, shape in shapes.items():
         for leaf_shape, leaf_names in _adafactor_leaves(shape, names[path]):
             if leaf_names:
-                leaf_shape = shard_shape(leaf_shape, leaf_names, fsdp, tensor)
+                leaf_shape = shard_shape(leaf_shape, leaf_names, fsdp, tensor, expert)
             total += math.prod(leaf_shape)
     return total
 

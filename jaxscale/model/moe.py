@@ -33,10 +33,20 @@ that their sum is the mean over layers; the train step adds every leaf to the lo
   model.moe_z_loss_weight.
 
 Parameters: "router/kernel" [H, E] named ("embed", "expert"), "experts/gate" and "experts/up" [E, H, F] named
-("expert", "embed", "mlp"), "experts/down" [E, F, H] named ("expert", "mlp", "embed"), F = model.moe_hidden_size;
-"expert" is whole on every device (jaxscale.config.layout_rules: no expert parallelism). The experts' weights are
-cast to the compute dtype where they are used, their gradients summed in it (model.reduce_dtype's float32 weight
-gradients cover the Dense projections only).
+("expert", "embed", "mlp"), "experts/down" [E, F, H] named ("expert", "mlp", "embed"), F = model.moe_hidden_size.
+The experts' weights are cast to the compute dtype where they are used, their gradients summed in it
+(model.reduce_dtype's float32 weight gradients cover the Dense projections only).
+
+Expert parallelism (mesh.expert > 1; GShard, Lepikhin et al. 2020, arXiv 2006.16668): "expert" is split over the mesh's
+expert axis (jaxscale.config.layout_rules), so each device holds E / mesh.expert experts (their gradients and
+optimizer state too), and the batch is split over data x fsdp x expert, the expert-parallel devices being data
+parallel everywhere else. The capacity dispatch constrains its dispatched tokens [B, E, C, H] from the batch's
+layout (rows over data x fsdp x expert) to the experts' ("batch_no_expert": rows over data x fsdp, E over expert)
+and back: JAX's SPMD partitioner exchanges them by an all-to-all over the expert axis each way (the compiled
+program's, tests/train/test_sharding_devices.py), and each device runs its own experts on every row's tokens for
+them. With mesh.expert = 1 the constraints are not added (the partitioner's own layout, the program of old). The
+dense and ragged dispatches take no constraint: the partitioner computes them correctly on the mesh by gathering
+the experts' weights over the expert axis where it needs them (no token exchange: not expert-parallel compute).
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model import precision
-from jaxscale.model.axes import constrain, partitioned
+from jaxscale.model.axes import constrain, mesh_axis_size, partitioned
 from jaxscale.model.llama import Llama, LlamaAttention, rms_norm, swiglu
 from jaxscale.model.stack import SOWN_COLLECTIONS, ResidualBlock, branch_output, whole_sequence
 
@@ -60,6 +70,10 @@ EXPERT_NAMES = {  # the stacked weights' logical axis names
     "up": ("expert", "embed", "mlp"),
     "down": ("expert", "mlp", "embed"),
 }
+# The capacity dispatch's [B, E, C, H] tokens: as the batch's rows lie (the dispatch and combine einsums, per row),
+# and as the experts lie (the experts' matmuls); between the two the partitioner exchanges them by all-to-all.
+BY_ROW = ("batch", None, None, None)
+BY_EXPERT = ("batch_no_expert", "expert", None, None)
 
 
 def route(logits: jax.Array, k: int, routing: str) -> tuple[jax.Array, jax.Array]:
@@ -151,13 +165,22 @@ def capacity_dispatch(
     slot = jax.nn.one_hot(jnp.where(kept > 0, position, -1), slots, dtype=h.dtype)  # [B, T, k, E, C], 0 if dropped
     dispatch = slot.sum(axis=2)  # [B, T, E, C]: a token's k experts are distinct
     combine = (slot * weights.astype(h.dtype)[..., None, None]).sum(axis=2)  # [B, T, E, C]
-    x = jnp.einsum("btec,bth->bech", dispatch, h)  # [B, E, C, H]
+    x = exchange(jnp.einsum("btec,bth->bech", dispatch, h), BY_ROW, BY_EXPERT)  # [B, E, C, H]
     gate = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
     up = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
     hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
     out = checkpoint_name(jnp.einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
+    out = exchange(out, BY_EXPERT, BY_ROW)
     dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
     return jnp.einsum("btec,bech->bth", combine, out), dropped
+
+
+def exchange(x: jax.Array, source: tuple, target: tuple) -> jax.Array:
+    """`x` laid out as the logical names `source` say, then as `target` say: under expert parallelism (the mesh in
+    context has an expert axis > 1) an all-to-all over it where the two differ; `x` itself otherwise."""
+    if mesh_axis_size("expert") == 1:
+        return x
+    return constrain(constrain(x, source), target)
 
 
 def ragged_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array]) -> jax.Array:

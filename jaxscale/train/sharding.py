@@ -12,7 +12,10 @@ table and the mesh sizes (`config.mesh`) come the layouts:
 - tensor parallel, Megatron-style (`mesh.tensor`): the QKV and attention-output projections split by heads,
   the MLP by its width, the embedding and output head by vocabulary; activations between the two matmuls
   of a block are split, the residual stream is replicated over `tensor` (an all-reduce after each block
-  half, Shoeybi et al. 2019).
+  half, Shoeybi et al. 2019);
+- expert parallel (`mesh.expert`, a mixture of experts): the routed experts split along their `expert` axis,
+  the batch along `data` x `fsdp` x `expert`; the capacity dispatch's tokens go to the devices of their experts
+  and back by all-to-all (GShard, Lepikhin et al. 2020; jaxscale.model.moe).
 
 JAX's SPMD partitioner does the rest: the train step is jitted with the state's and batch's shardings as
 in/out shardings (`Layout`), and tracing happens with the rules and the mesh in context
@@ -55,7 +58,7 @@ from jaxscale.train.step import (
 )
 from jaxscale.train.step import abstract_inputs as unsharded_inputs
 
-BATCH_AXES = ("batch", "seq")  # a token batch [batch, seq]: rows over data x fsdp, positions over context
+BATCH_AXES = ("batch", "seq")  # a token batch [batch, seq]: rows over data x fsdp x expert, positions over context
 
 
 def logical_specs(tree: Any) -> Any:
@@ -102,11 +105,11 @@ def state_specs(state: Any, param_names: Any) -> Any:
 
 
 def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The (data, fsdp, context, tensor) mesh of `config` over `devices` (default: all of jax.devices()).
+    """The (data, fsdp, context, expert, tensor) mesh of `config` over `devices` (default: all of jax.devices()).
 
     Devices fill the mesh in order, tensor fastest: the tensor-parallel group is made of neighbouring
-    devices (one host's NVLink island on a GPU cluster), then the context-parallel ring, and data parallel
-    spans the farthest ones.
+    devices (one host's NVLink island on a GPU cluster), then the expert-parallel group, the context-parallel
+    ring, and data parallel spans the farthest ones.
 
     Raises:
       ConfigError: the mesh's product is not the number of devices.
@@ -124,7 +127,7 @@ class Layout:
     """Where every input and output of the train step lives on a mesh.
 
     Attributes:
-      mesh: the (data, fsdp, context, tensor) device mesh.
+      mesh: the (data, fsdp, context, expert, tensor) device mesh.
       state: a TrainState of NamedShardings (params, optimizer state, step, dropout key).
       metrics: NamedShardings of the running metric sums (replicated).
       batch: a Batch of NamedShardings (tokens split along the batch, and the sequence over context).

@@ -176,3 +176,43 @@ def test_which_layouts_accumulate_locally(mesh, minibatches, expected):
     config.train.num_minibatches = minibatches
     validate(config)
     assert accumulates_locally(config) is expected
+
+
+@pytest.mark.parametrize(
+    "preset,mesh,message",
+    [
+        ("tiny-llama", dict(data=2, expert=2), "mesh.expert: 2 splits a mixture of experts' experts, and "
+         "model.num_experts=0 (a dense model); set model.num_experts > 0, or 1"),
+        ("tiny-moe", dict(expert=3), "mesh.expert: 3 does not divide model.num_experts=4; allowed: 1, 2, 4"),
+        ("tiny-moe", dict(data=2, expert=4), "mesh.expert: 4 does not divide the 2 sequences of a minibatch per "
+         "data x fsdp group (data.batch_size / train.num_minibatches / (mesh.data x mesh.fsdp)); allowed: 1, 2"),
+        ("tiny-moe", dict(expert=0), "mesh.expert: must be a positive integer, got 0"),
+        ("tiny-moe", dict(data=2, expert=2, reduce_gradients="step"), "mesh.reduce_gradients: step is not built "
+         "for expert parallelism (mesh.expert=2: a device's group of rows would need every expert); use minibatch "
+         "or auto"),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_bad_expert_meshes_are_one_line(preset, mesh, message):
+    """mesh.expert splits the experts and the batch: it must divide both, and needs experts (tiny-moe: 4 experts,
+    8 sequences in 2 minibatches)."""
+    config = base_config(preset, "expert")
+    config.mesh.update(mesh)
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("mesh", [dict(expert=4), dict(data=2, expert=2), dict(fsdp=2, zero_stage=1, expert=2)])
+def test_expert_parallelism_reduces_every_minibatch(mesh):
+    """Under mesh.expert > 1 the auto reduction is every minibatch's (a device's group of rows would need every
+    expert), where the same layout without it accumulates once a step (data parallel, ZeRO-1)."""
+    from jaxscale.config import accumulates_locally
+
+    config = base_config("tiny-moe", "expert")
+    config.mesh.update(mesh)
+    validate(config)
+    assert not accumulates_locally(config)
+    config.mesh.data, config.mesh.expert = config.mesh.data * config.mesh.expert, 1
+    validate(config)
+    assert accumulates_locally(config) is True

@@ -17,3 +17,11 @@ def test_zero_stage_and_sequence_parallelism_change_the_table():
     assert layout_rules.mesh_axes("embed", layout_rules.rules(config, params=True)) == ()
     assert layout_rules.mesh_axes("embed", layout_rules.rules(config)) == ("fsdp", "context")
     assert layout_rules.mesh_axes("stream_seq", layout_rules.rules(config)) == ("context", "tensor")
+
+
+def test_expert_parallelism_splits_the_experts_and_the_batch():
+    """The experts' axis over mesh.expert; activations' batch over data x fsdp x expert, and the dispatched tokens'
+    (batch_no_expert) over data x fsdp only, the expert axis splitting their experts instead."""
+    assert layout_rules.mesh_axes("expert") == ("expert",)
+    assert layout_rules.mesh_axes("batch") == ("data", "fsdp", "expert")
+    assert layout_rules.mesh_axes("batch_no_expert") == ("data", "fsdp")

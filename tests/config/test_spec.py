@@ -25,7 +25,7 @@ def test_mesh_shape_derives_devices_split_and_text():
     config = load_config("bf16_remat", "tiny")  # batch 8 in 2 minibatches
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 1
     mesh = mesh_shape(config)
-    assert mesh == MeshShape(2, 2, 1) and tuple(mesh) == (2, 2, 1, 1)  # (data, fsdp, tensor, context)
+    assert mesh == MeshShape(2, 2, 1) and tuple(mesh) == (2, 2, 1, 1, 1)  # (data, fsdp, tensor, context, expert)
     assert (mesh.devices, mesh.batch_split, mesh.text, mesh.axes_text) == (4, 4, "2x2x1", "data x fsdp x tensor")
     assert minibatch_per_device(config) == 8 // 2 // 4 == 1
     config.mesh.tensor = 2  # tensor-parallel devices share their sequences: the split stays data x fsdp
@@ -34,7 +34,23 @@ def test_mesh_shape_derives_devices_split_and_text():
     mesh = mesh_shape(config)
     assert (mesh.devices, mesh.batch_split, mesh.text) == (32, 4, "2x2x2x4")
     assert mesh.axes_text == "data x fsdp x tensor x context"
-    assert mesh.physical == (2, 2, 4, 2)  # the device array's order: data, fsdp, context, tensor (fastest)
+    assert mesh.physical == (2, 2, 4, 1, 2)  # the device array's order: data, fsdp, context, expert, tensor (fastest)
+
+
+def test_the_expert_axis_splits_the_batch_and_is_written_last():
+    """mesh.expert: expert-parallel devices are data parallel outside the experts, so the batch splits over
+    data x fsdp x expert; the text writes all five sizes once it splits, and its layout word is ep<n>."""
+    from jaxscale.config.spec import layout_text, mesh_axes_text
+
+    config = load_config("bf16_remat", "tiny-moe")  # batch 8 in 2 minibatches, 4 experts
+    config.mesh.data, config.mesh.expert = 2, 2
+    mesh = mesh_shape(config)
+    assert (mesh.devices, mesh.batch_split, minibatch_per_device(config)) == (4, 4, 8 // 2 // 4)
+    assert (mesh.text, mesh.axes_text) == ("2x1x1x1x2", "data x fsdp x tensor x context x expert")
+    assert mesh_axes_text(mesh.text) == mesh.axes_text and layout_text(config) == "dp2 ep2"
+    assert mesh.physical == (2, 1, 1, 2, 1)  # data, fsdp, context, expert, tensor
+    config.mesh.expert = 1  # an expert axis of 1 leaves the text as it was
+    assert (mesh_shape(config).text, mesh_shape(config).axes_text) == ("2x1x1", "data x fsdp x tensor")
 
 
 def test_validation_reads_the_same_derived_sizes():

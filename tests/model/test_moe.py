@@ -1,6 +1,7 @@
 """The mixture of experts (jaxscale.model.moe): the router against NumPy, the three dispatches computing the same
 loss and gradients, dropped tokens counted, the router losses in the train loss (scanned or not), the dense model
-untouched, the presets' parameters and the FLOPs counted by hand, and one-line errors for what is not built."""
+untouched, the presets' parameters and the FLOPs counted by hand, the analytic state under expert parallelism
+against the layout's shards, and one-line errors for what is not built."""
 
 from __future__ import annotations
 
@@ -294,6 +295,46 @@ def test_analytic_shapes_are_the_moe_models_leaf_by_leaf(fields):
     if fields.get("first_dense_layers"):
         assert "transformer/block_0/mlp/gate/kernel" in shapes and "transformer/block_1/mlp/experts/gate" in shapes
         assert shapes["transformer/block_1/mlp/shared/up/kernel"] == (64, 2 * 32)
+
+
+@pytest.mark.parametrize(
+    "mesh,fields",
+    [((1, 1, 1, 1, 4), {}), ((1, 2, 2, 1, 2), dict(scan_layers=True)),
+     ((2, 2, 1, 1, 2), dict(first_dense_layers=1, num_shared_experts=2)), ((1, 2, 1, 1, 2), {"mesh.zero_stage": 1})],
+    ids=str,
+)  # fmt: skip
+def test_analytic_state_under_expert_parallelism_is_the_layouts_shards(mesh, fields):
+    """mesh (data, fsdp, tensor, context, expert): the analytic memory model's parameters, Adam state and gradients
+    per device (the experts and router / mesh.expert) against the shard shapes of the step's real layout, built on
+    an abstract mesh (no devices)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from jaxscale.measure import memory
+    from jaxscale.train import sharding
+
+    config = _moe(**{k: v for k, v in fields.items() if "." not in k})
+    config.mesh.update({k.split(".")[1]: v for k, v in fields.items() if "." in k})
+    config.mesh.update(dict(zip(("data", "fsdp", "tensor", "context", "expert"), mesh, strict=True)))
+    config.optimizer.name, config.data.batch_size = "adam", 16
+    validate(config)
+    shape = sharding.mesh_shape(config).physical
+    init_fn = train.make_init_fn(config)
+    layout = sharding.make_layout(config, AbstractMesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 5),
+                                  init_fn)  # fmt: skip
+    state = sharding.abstract_inputs(config, layout, init_fn)[0]
+    held = sharding.state_bytes_per_device(state)
+    row = memory.analytic_memory(config)
+    assert row["analytic_params_bytes"] == held["params"]
+    assert 0 <= held["optimizer"] - row["analytic_optimizer_bytes"] <= 16  # Adam's step counters
+    grads = sum(4 * math.prod(g.shard_shape(p.shape))
+                for p, g in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(layout.grads),
+                                strict=True))  # fmt: skip
+    assert row["analytic_grads_bytes"] == 2 * grads  # a minibatch's gradients and their accumulator
+    gate = "transformer/blocks/mlp/experts/gate" if config.model.scan_layers else "transformer/block_1/mlp/experts/gate"
+    node, whole = layout.state.params, _model_shapes(config)[gate]  # [(L,) E, H, F]
+    for key in gate.split("/"):
+        node = node[key]
+    assert node.shard_shape(whole)[-3] == whole[-3] // mesh[4]  # each device holds E / mesh.expert experts
 
 
 @pytest.mark.parametrize("kind", ["head", "full"])

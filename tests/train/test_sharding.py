@@ -102,7 +102,8 @@ def test_one_table_gives_data_parallel_fsdp_and_tensor_parallel_layouts():
     # Optimizer moments follow their parameters (ZeRO-3); the batch splits over data x fsdp.
     mu = layout.state.opt_state[0].mu["transformer"]["blocks"]["mlp"]["up"]["kernel"]
     assert mu.spec == PartitionSpec(None, FS, "tensor")
-    assert layout.batch.inputs.spec == PartitionSpec(("data", "fsdp"), "context")  # positions: context parallel
+    # rows over data x fsdp x expert (the expert axis, 1 here, splits the batch too); positions: context parallel
+    assert layout.batch.inputs.spec == PartitionSpec(("data", "fsdp", "expert"), "context")
     assert layout.state.step.spec == PartitionSpec()
 
 

@@ -435,3 +435,109 @@ def test_fp8_matmuls_on_a_mesh_equal_one_device(mesh):
     for x, y in zip(jax.tree_util.tree_leaves(many[1]), jax.tree_util.tree_leaves(one[1]), strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         np.testing.assert_allclose(x, y, rtol=0, atol=FP8_RTOL * float(np.abs(y).max()))
+
+
+# --- expert parallelism (mesh.expert; jaxscale.model.moe) -------------------------------------------------------
+
+# tiny-moe: 4 experts, 2 per token, 32 positions. A capacity factor of E / k = 2 gives ceil(2 x 32 x 2 / 4) = 32
+# slots per expert per sequence, as many as a sequence has tokens: no token is dropped and the capacity dispatch is
+# the exact routed sum, the function one device computes. The z-loss is on so that both router losses count.
+MOE = {"model.moe_capacity_factor": 2.0, "model.moe_z_loss_weight": 1e-3}
+
+
+def _moe_config(mesh, dispatch="capacity", **changes):
+    """tiny-moe on mesh (data, fsdp, tensor, context, expert)."""
+    return _config(mesh[:4], "tiny-moe", **{"mesh.expert": mesh[4], "model.moe_dispatch": dispatch, **MOE, **changes})
+
+
+def _assert_moe_same_function(mesh, dispatch="capacity", step=False, **changes):
+    changes = {"model.moe_dispatch": dispatch, **MOE, **changes}
+    one = _one_device("tiny-moe", tuple(sorted(changes.items())), step)
+    config = _moe_config(mesh, **changes)
+    devices = sharding.mesh_shape(config).devices
+    many = _everything(config, jax.devices()[:devices], step)
+    assert many[3].layout.mesh.shape["expert"] == mesh[4] and many[3].layout.devices == devices
+    _assert_close(many[0], one[0])
+    _assert_close(many[1], one[1])  # loss sums (router losses included) and every gradient, the router's too
+    assert float(many[1][1]["tokens"]) == 16 * 32 and float(many[1][1]["loss_sum"]) > 0
+    if step:
+        _assert_close(many[2], one[2])
+    return many
+
+
+@pytest.mark.parametrize(
+    "mesh,dispatch,step",
+    [
+        ((2, 1, 1, 1, 4), "capacity", True),  # 4 ways: one expert a device
+        ((2, 2, 1, 1, 2), "capacity", False),  # with FSDP (ZeRO-3) and data parallelism
+        pytest.param((1, 1, 2, 1, 4), "capacity", False, marks=pytest.mark.slow),  # with tensor parallelism
+        pytest.param((2, 2, 1, 1, 2), "ragged", False, marks=pytest.mark.slow),  # the weights gathered, no exchange
+        pytest.param((2, 1, 1, 1, 4), "dense", False, marks=pytest.mark.slow),
+    ],
+)
+def test_moe_expert_parallel_equals_one_device(mesh, dispatch, step):
+    """Experts split over mesh.expert (2 or 4), the batch over data x fsdp x expert: the loss, its router losses
+    and every gradient (router included) equal one device's, and with step the parameters after a whole step. The
+    capacity dispatch exchanges the tokens by all-to-all (the test below); the ragged and dense ones take no
+    constraint, and the partitioner computes them by gathering the experts' weights: the same function too."""
+    many = _assert_moe_same_function(mesh, dispatch, step)
+    kernel = many[3].layout.state.params["transformer"]["block_0"]["mlp"]["experts"]["gate"]  # [E, H, F]
+    assert kernel.spec[0] == "expert"
+
+
+@pytest.mark.slow
+def test_moe_expert_parallel_with_scan_remat_and_zero1_equals_one_device():
+    """Scanned layers, Block remat, 2 minibatches and ZeRO-1 over fsdp 2 x expert 4 (whose auto reduction is then
+    every minibatch's: config.accumulates_locally), the parameters after a whole step."""
+    from jaxscale.config import accumulates_locally
+
+    assert accumulates_locally(_moe_config((1, 2, 1, 1, 4), **{"mesh.zero_stage": 1})) is False
+    _assert_moe_same_function(
+        (1, 2, 1, 1, 4), step=True, **{"model.scan_layers": True, "model.remat": ("Block",), "mesh.zero_stage": 1}
+    )
+
+
+def _all_to_alls(config) -> int:
+    """all-to-all instructions in the compiled train step of `config` on its mesh (XLA's HLO text)."""
+    placement = sharding.placement(config, jax.devices()[: sharding.mesh_shape(config).devices])
+    text = placement.step().lower(*placement.abstract_inputs()).compile().as_text()
+    return sum(1 for line in text.splitlines() if " all-to-all(" in line or " all-to-all-start(" in line)
+
+
+def test_moe_expert_parallel_program_exchanges_tokens_by_all_to_all():
+    """The capacity dispatch on 2 data x 2 expert devices compiles to 4 all-to-alls per MoE layer: the tokens to
+    their experts and back in the forward pass, the two transposed in the backward (hand count: 2 layers x 4); the
+    same 4 devices as 4 data-parallel ones (expert 1) compile none. One minibatch a step, so no other reshard of
+    the batch adds one. (Without the dispatch's constraints the partitioner gathers the experts' weights instead:
+    no all-to-all, so the first count fails.)"""
+    one_minibatch = {"train.num_minibatches": 1}
+    config = _moe_config((2, 1, 1, 1, 2), **one_minibatch)
+    assert _all_to_alls(config) == 4 * config.model.num_layers
+    assert _all_to_alls(_moe_config((4, 1, 1, 1, 1), **one_minibatch)) == 0
+
+
+def test_moe_expert_parallel_shards_the_experts_their_gradients_and_adam_state():
+    """The initial state's real shards on 2 data x 2 fsdp x 2 expert: each device holds half of the stacked experts'
+    expert axis (and half of their embed axis, FSDP), Adam's moments likewise: 4 bytes x a hand count, which the
+    analytic memory model gives too.
+
+    Hand count (tiny-moe: H 64, 4 heads of 16, 2 K/V heads, 2 layers, 4 experts of width 32, vocabulary 128, tied),
+    every embed axis / fsdp 2, the expert axis / expert 2: per layer two RMSNorm scales 2 x 64 / 2, q and out
+    2 x 64 x 64 / 2, k and v 2 x 64 x 32 / 2, the router 64 x 4 / (2 x 2), the experts 3 x 4 x 64 x 32 / (2 x 2);
+    the embedding 128 x 64 / 2 and the final norm 64 / 2."""
+    config = _moe_config((2, 2, 1, 1, 2))
+    config.optimizer.name = "adam"
+    placement = sharding.placement(config)
+    state = placement.init_state()
+    gate = state.params["transformer"]["block_0"]["mlp"]["experts"]["gate"]  # [4, 64, 32]
+    assert {shard.data.shape for shard in gate.addressable_shards} == {(2, 32, 32)}
+    layer = 64 + 2 * 2048 + 2 * 1024 + 64 + 3 * 2048
+    expected = 4 * (2 * layer + 4096 + 32)
+    assert _bytes_per_device(state.params) == {device.id: expected for device in jax.devices()}
+    assert _bytes_per_device(state.opt_state) == {device.id: 2 * expected for device in jax.devices()}
+    row = memory.analytic_memory(config)
+    assert (row["analytic_params_bytes"], row["analytic_optimizer_bytes"]) == (expected, 2 * expected)
+    grads = jax.tree_util.tree_map(lambda p, g: 4 * int(np.prod(g.shard_shape(p.shape))), state.params,
+                                   placement.layout.grads)  # fmt: skip
+    assert sum(jax.tree_util.tree_leaves(grads)) == expected  # split as the parameters are (ZeRO-3)
+    assert row["analytic_grads_bytes"] == 2 * expected  # a minibatch's gradients and their accumulator
