@@ -326,3 +326,39 @@ def test_fsdp_on_2_simulated_cpu_devices():
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "1 passed" in done.stdout, done.stdout[-2000:]
+
+
+# Three parameters of 2**20 float32 elements; their float32 moments (mu and nu, 8 bytes an element) are 8 MiB each.
+UPDATE_SHAPES = ((1024, 1024), (256, 4096), (2**20,))
+ONE_PARAMETERS_MOMENTS = 8 * 2**20
+
+
+def test_update_holds_one_chunk_of_float32_moments_not_the_trees():
+    """XLA's plan (this CPU's compile of the update alone) of the 8-bit step on three parameters of 2**20 elements,
+    2**15 elements (16 blocks) at a time, holds in temporaries less than one parameter's float32 mu and nu (8 MiB;
+    the tree's are 24 MiB): what it may hold is one parameter's gradient (4 MiB: the loop updates it in place, and
+    an argument that is not donated is copied first) and one chunk's temporaries (2**15 elements: 2 MiB even at 64
+    bytes an element). The same step written over the whole tree (every moment dequantized, optax.scale_by_adam,
+    every moment quantized: the update before it was chunked) holds more than the bound."""
+    grads = {f"p{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i, shape in enumerate(UPDATE_SHAPES)}
+    chunked = q.scale_by_adam_8bit(chunk_size=2**15)
+    state = jax.eval_shape(chunked.init, grads)
+    adam, signed, unsigned = optax.scale_by_adam(), q.dynamic_map(True), q.dynamic_map(False)
+
+    def whole_tree(updates, state):
+        def load(moments, code):
+            return jax.tree_util.tree_map(lambda m, g: q.dequantize_blockwise(m, code, g.shape), moments, updates,
+                                          is_leaf=lambda x: isinstance(x, q.QuantizedMoment))  # fmt: skip
+
+        def store(moments, code):
+            return jax.tree_util.tree_map(lambda x: q.quantize_blockwise(x, code), moments)
+
+        updates, new = adam.update(updates, state._replace(mu=load(state.mu, signed), nu=load(state.nu, unsigned)))
+        return updates, new._replace(mu=store(new.mu, signed), nu=store(new.nu, unsigned))
+
+    def temp_bytes(update) -> int:
+        return jax.jit(update).lower(grads, state).compile().memory_analysis().temp_size_in_bytes
+
+    chunked_bytes, whole_bytes = temp_bytes(chunked.update), temp_bytes(whole_tree)
+    assert chunked_bytes < ONE_PARAMETERS_MOMENTS, chunked_bytes
+    assert whole_bytes > ONE_PARAMETERS_MOMENTS * len(UPDATE_SHAPES), whole_bytes  # the tree's moments and more
