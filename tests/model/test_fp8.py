@@ -113,7 +113,7 @@ def _losses(preset: str, fp8_mode: str, steps: int) -> np.ndarray:
 STEPS, BAND_OF_FALL = 30, 0.10
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny-llama", marks=pytest.mark.slow)])
 def test_a_tiny_model_trained_in_fp8_stays_within_a_band_of_bf16(preset):
     bf16, fp8_losses = _losses(preset, "none", STEPS), _losses(preset, "dynamic", STEPS)
     fall = bf16[0] - bf16[-1]
@@ -153,6 +153,7 @@ def test_a_gpu_target_compiles_fp8_gemms_and_the_kernels_read_them_as_fp8(tmp_pa
 
 
 @pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["b200", "l40s"])
 def test_blackwell_and_ada_targets_compile_the_same_fp8_gemms(tmp_path, target):
     """The B200 (sm_100) and L40S (sm_89) targets: cuBLASLt's FP8 matmul for the same 14 GEMMs per layer as the

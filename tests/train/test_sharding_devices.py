@@ -425,7 +425,8 @@ def _initial_a(changes):
 FP8_RTOL = 1e-3
 
 
-@pytest.mark.parametrize("mesh", [(1, 8, 1), (8, 1, 1), (2, 2, 2)])
+@pytest.mark.parametrize("mesh", [(1, 8, 1), pytest.param((8, 1, 1), marks=pytest.mark.slow),
+                                  pytest.param((2, 2, 2), marks=pytest.mark.slow)])  # fmt: skip
 def test_fp8_matmuls_on_a_mesh_equal_one_device(mesh):
     """model.fp8 = "dynamic", one minibatch a step: each tensor's scale is its amax over the whole (sharded) tensor,
     a max the partitioner reduces exactly, so every device rounds as one device does."""
