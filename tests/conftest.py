@@ -189,3 +189,20 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
     assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
     for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def train_losses(config, steps: int):
+    """(per-step losses, final state) of `config` trained `steps` steps on four random-token batches in turn: the
+    training loop the precision tests (FP8, 8-bit state) hold to a band of their baseline's."""
+    import jax
+    import numpy as np
+
+    from jaxscale import train
+
+    state, step, losses = jax.jit(train.make_init_fn(config))(), train.make_train_step(config), []
+    for i in range(steps):
+        batch = train.make_batch(jax.random.PRNGKey(i % 4), config.data.batch_size, config.data.seq_len,
+                                 config.model.vocab_size)  # fmt: skip
+        state, metrics = step(state, train.init_metrics(), batch)
+        losses.append(float(metrics["loss_sum"] / metrics["tokens"]))
+    return np.asarray(losses), state

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import load_config
+from conftest import load_config, train_losses
 
-from jaxscale import train
 from jaxscale.config import ConfigError, validate
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model import fp8
@@ -97,13 +96,7 @@ def _losses(preset: str, fp8_mode: str, steps: int) -> np.ndarray:
     config.model.fp8 = fp8_mode
     config.model.dropout_rate = 0.0
     validate(config)
-    state, step, losses = jax.jit(train.make_init_fn(config))(), train.make_train_step(config), []
-    for i in range(steps):
-        batch = train.make_batch(jax.random.PRNGKey(i % 4), config.data.batch_size, config.data.seq_len,
-                                 config.model.vocab_size)  # fmt: skip
-        state, metrics = step(state, train.init_metrics(), batch)
-        losses.append(float(metrics["loss_sum"] / metrics["tokens"]))
-    return np.asarray(losses)
+    return train_losses(config, steps)[0]
 
 
 # Measured on this CPU with the tests' own setup (bf16 compute, 30 steps on four random-token batches in turn): bf16's

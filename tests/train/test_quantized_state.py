@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO, assert_trees_close, load_config, xla_flags_with
+from conftest import REPO, assert_trees_close, load_config, train_losses, xla_flags_with
 from jax.sharding import PartitionSpec
 
 from jaxscale import train
@@ -181,13 +181,7 @@ def _train(state_dtype: str, steps: int = 30) -> tuple[np.ndarray, object]:
     config = load_config("bf16_remat", "tiny")
     config.optimizer.state_dtype = state_dtype
     validate(config)
-    state, step, losses = jax.jit(train.make_init_fn(config))(), train.make_train_step(config), []
-    for i in range(steps):
-        batch = train.make_batch(jax.random.PRNGKey(i % 4), config.data.batch_size, config.data.seq_len,
-                                 config.model.vocab_size)  # fmt: skip
-        state, metrics = step(state, train.init_metrics(), batch)
-        losses.append(float(metrics["loss_sum"] / metrics["tokens"]))
-    return np.asarray(losses), state
+    return train_losses(config, steps)
 
 
 # Measured on this CPU (the test's own setup): float32 Adam's loss falls 5.38 -> 4.43 over the 30 steps, and the
