@@ -104,6 +104,10 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     flags.DEFINE_string("output_root", ".", "Root of experiments/results/ and traces/.", flag_values=fv)
     flags.DEFINE_string("name", None, "Fit name (default fit_<config>_<preset>_<target or backend>).", flag_values=fv)
     flags.DEFINE_bool("quiet", False, "No line per remat choice; the table is printed.", flag_values=fv)
+    flags.DEFINE_bool(
+        "what_would_fit", True, "When nothing fits, compile the levers (jaxscale/plan/fit_levers.py) cheapest first "
+        "and name the first that fits (a compile each); --nowhat_would_fit skips them.", flag_values=fv,
+    )  # fmt: skip
     return fv
 
 
@@ -434,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         which = f"recommendation for {', '.join(named)}" if named else "recommendation"
         if best is None:
             print(f"{which}: none: {why}; see the rows' error (the smallest plan) for what it needs")
-            print(f"  {_what_would_fit(chosen, context['configs'][(method, precision)], context)}", flush=True)
+            if fv.what_would_fit:
+                print(f"  {_what_would_fit(chosen, context['configs'][(method, precision)], context)}", flush=True)
         else:
             run_env = f"; run it with {best['fit_run_env']} set" if best.get("fit_run_env") else ""
             print(f"{which}: {best['fit_remat']} at minibatch {best['fit_largest_minibatch']}: {why}{run_env}")
