@@ -214,6 +214,24 @@ def test_a_partial_plan_is_reused_only_to_say_it_does_not_fit(tmp_path):
     assert cache.reused == 2
 
 
+def test_the_probes_of_two_questions_in_one_store_are_both_kept(tmp_path):
+    """Two --finetune methods of one fit share its probes directory: the same choice at the same minibatch of each is
+    kept apart (a store keeps one row per variant: untagged, the second had replaced the first), and each question
+    reuses its own."""
+    from jaxscale.config import base_config
+
+    store = ResultsFile(tmp_path / "probes")
+    config = base_config("tiny", "fit")
+    plans = {"q1": 100, "q2": 200}
+    for question, peak in plans.items():
+        cache = fit_cli.ProbeCache(store, question)
+        cache.measure(lambda c, peak=peak: {"compiled_peak_bytes": peak, "plan_fits": True}, config, "block", 500, 1)
+    assert len(store.rows()) == 2
+    for question, peak in plans.items():
+        (entry,) = fit_cli.ProbeCache(store, question).known.values()
+        assert entry["plan"]["compiled_peak_bytes"] == peak
+
+
 def test_numpy_numbers_in_a_row_are_recorded_as_numbers_and_tabulated():
     """A count computed with NumPy integers (Adafactor's sharded state) once reached the row as text and the
     table's GiB column raised TypeError; it is recorded as the number."""
@@ -259,7 +277,7 @@ def test_the_committed_finetune_fits_hold_what_docs_finetune_says():
     for gpu in _FINETUNE_GPUS:
         default, raised = _finetune_rows(gpu, ""), _finetune_rows(gpu, "_mem95")
         assert set(default) == set(raised) == set(fit_search.FINETUNE_CHOICES)
-        for method in ("full", "full_bf16_state", "full_adafactor"):
+        for method in ("full", "full_bf16_state", "full_adafactor", "full_int8_state"):
             assert all(r["status"] == "oom" for r in default[method] + raised[method]), (gpu, method)
             least = [min(rows, key=lambda r: r["compiled_peak_bytes"]) for rows in (default[method], raised[method])]
             ratios = [r["compiled_peak_bytes"] / r["fit_budget_bytes"] for r in least]

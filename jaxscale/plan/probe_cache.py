@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 from typing import Any, Protocol
@@ -27,6 +28,16 @@ def plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else str(value)
 
 
+def question_tag(question: str) -> str:
+    """A short, stable name of a probe question (its text's hash)."""
+    return hashlib.sha256(question.encode()).hexdigest()[:12]
+
+
+def probe_key(variant: str) -> str:
+    """A stored probe's `choice@minibatch`, with or without its question's tag."""
+    return variant.rsplit("/", 1)[-1]
+
+
 class ProbeCache:
     """Compiled plans of earlier fits (probes/results.jsonl) for the same config, target and GEMM modes.
 
@@ -40,7 +51,10 @@ class ProbeCache:
         # --rerun compiles every probe again: a plan kept from an older lab may be of another program (the
         # question names the config and the target, not the code that compiled them).
         rows = [] if fresh else store.rows()
-        self.known = {r["variant"]: r for r in rows if r.get("fit_plan_question") == question}
+        self.known = {probe_key(r["variant"]): r for r in rows if r.get("fit_plan_question") == question}
+        # A store keeps one row per variant: the probes of different questions (another --finetune method or
+        # --precision of the same fit) are told apart by their question's tag, so none replaces another's.
+        self.tag = question_tag(question)
 
     def measure(
         self,
@@ -64,7 +78,7 @@ class ProbeCache:
                 self.reused += 1
                 return kept
         row, error, seconds = fit_search.plan_row(plan, config, choice, minibatch)
-        entry = {"variant": key, "status": "error" if error else "ok", "error": error, "plan": row}
+        entry = {"variant": f"{self.tag}/{key}", "status": "error" if error else "ok", "error": error, "plan": row}
         entry.update(seconds=seconds, fit_plan_question=self.question)
         entry = json.loads(json.dumps(entry, default=plain))
         self.store.record(entry)
