@@ -469,7 +469,7 @@ def _assert_moe_same_function(mesh, dispatch="capacity", step=False, **changes):
 @pytest.mark.parametrize(
     "mesh,dispatch,step",
     [
-        ((2, 1, 1, 1, 4), "capacity", True),  # 4 ways: one expert a device
+        pytest.param((2, 1, 1, 1, 4), "capacity", True, marks=pytest.mark.slow),  # 4 ways: one expert a device
         ((2, 2, 1, 1, 2), "capacity", False),  # with FSDP (ZeRO-3) and data parallelism
         pytest.param((1, 1, 2, 1, 4), "capacity", False, marks=pytest.mark.slow),  # with tensor parallelism
         pytest.param((2, 2, 1, 1, 2), "ragged", False, marks=pytest.mark.slow),  # the weights gathered, no exchange
