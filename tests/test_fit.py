@@ -134,7 +134,7 @@ def test_fine_tuning_methods_are_searched_and_recommended_one_by_one(tmp_path, c
 def test_precisions_are_searched_side_by_side_and_recommended_one_by_one(tmp_path, capsys):
     """--precision bf16,fp8: a row per precision and remat choice, each with its model.fp8, and an answer per
     precision; the local (CPU) compiler plans FP8's program too (its numbers in bf16: no FP8 units here)."""
-    assert _fit(tmp_path, "--memory", "3MiB", "--max_minibatch", "8", "--precision", "bf16,fp8") == 0
+    assert _fit(tmp_path, "--memory", "3MiB", "--max_minibatch", "2", "--precision", "bf16,fp8") == 0
     out = capsys.readouterr().out
     assert "recommendation for bf16 matmuls: Block at minibatch" in out
     assert "recommendation for FP8 matmuls (dynamic tensorwise scaling): Block at minibatch" in out
