@@ -245,10 +245,18 @@ def run_settings(settings: dict) -> str:
     return f"to run as planned: JAX's default allocator settings (it takes {default} of the memory{kept})"
 
 
+def _known_remat_choice(choice: str) -> bool:
+    try:
+        fit_search.remat_choice(choice)
+    except KeyError:
+        return False
+    return True
+
+
 def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[list[dict], pathlib.Path, dict]:
     """Searches every selected remat choice that has no current row; returns all rows, the results path, and what
     the answer needs to try levers (the questions' configs, the planner, the budget)."""
-    unknown = [c for c in fv.remat if c not in fit_search.REMAT_CHOICES and not c.startswith("per_activation:")]
+    unknown = [c for c in fv.remat if not _known_remat_choice(c)]
     if unknown:
         raise UsageError(f"--remat: unknown {', '.join(unknown)}; allowed: {', '.join(fit_search.REMAT_CHOICES)}, "
                          "or per_activation:<activation>=<device|offload|remat>+... (docs/fit.md)")  # fmt: skip
@@ -268,15 +276,14 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
             methods = {(m, p): fit_search.with_precision(c, p) for (m, _), c in methods.items() for p in fv.precision}
     except ConfigError as error:
         raise UsageError(f"--finetune / --precision: {error}") from None
-    for method_config in methods.values():
-        gpu_plan.check_fp8(method_config, fv.target)
     if not 0 <= fv.headroom < 1:
         raise UsageError(f"--headroom: must be in [0, 1), got {fv.headroom:g}")
     if fv.max_minibatch < 1 or fv.max_compiles < 1:
         raise UsageError("--max_minibatch and --max_compiles: must be >= 1")
     gpu_plan.check_target_flag(fv.target, plan=True, gemm=fv.gemm, attention=config.model.attention)
     gpu_plan.check_flash_blocks(config, fv.target)
-    gpu_plan.check_fp8(config, fv.target)
+    for method_config in methods.values():  # the config as given, or each method's and precision's
+        gpu_plan.check_fp8(method_config, fv.target)
     check_cost_flags(fv)
     if fv.devices is not None or mesh_shape(config).devices > 1:
         if fv.target is None:

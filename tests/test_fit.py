@@ -102,6 +102,8 @@ def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_pat
         (["--memory", "4MiB", "--gpu_hour_usd", "2"], "--gpu_hour_usd: prices a whole training; add --train_tokens"),
         (["--memory", "4MiB", "--finetune", "lora,full"], "--finetune: unknown lora; allowed: full, full_bf16_state"),
         (["--memory", "4MiB", "--precision", "fp4"], "--precision: unknown fp4; allowed: bf16, fp8"),
+        (["--memory", "4MiB", "--remat", "per_activation:bogus=device"],
+         "--remat: unknown per_activation:bogus=device; allowed: "),
         (
             ["--memory", "4MiB", "--finetune", "lora_all", "--config.model.lora_rank=100"],
             "model.lora_rank: 100 exceeds the qkv projection's 64 x 192",
@@ -165,6 +167,7 @@ def test_an_unknown_remat_choice_lists_every_choice_with_the_named_policies(tmp_
         (["--target", "a5000", "--mem_fraction", "0.99"], "--mem_fraction: 0.99 of target a5000's 23.99 GiB leaves"),
         (["--target", "a5000", "--memory", "23GiB"], "--memory 23 GiB: more than JAX's allocator can have"),
         (["--target", "a5000", "--precision", "bf16,fp8"], "model.fp8: 'dynamic' needs FP8 tensor cores"),
+        (["--target", "bogus", "--precision", "fp8"], "--target: unknown 'bogus'; known: "),
     ],
 )
 def test_bad_target_input_is_one_line_with_exit_2(tmp_path, capsys, args, message):

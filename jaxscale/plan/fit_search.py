@@ -70,10 +70,17 @@ FINETUNE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "lora_attention": ("LoRA on attention", {"finetune.train": "adapters", "model.lora_targets": ("attention",)}),
     "lora_all": ("LoRA on all projections", {"finetune.train": "adapters", "model.lora_targets": ("all",)}),
 }
+
+
 def remat_choice(choice: str) -> tuple[str, tuple[str, ...], str]:
     """(label, model.remat, model.remat_policy) of a --remat choice: a REMAT_CHOICES name, or a per-activation
-    policy (`per_activation:qkv_proj=offload+context=device`, jaxscale.config.remat_policies) on the whole block."""
+    policy (`per_activation:qkv_proj=offload+context=device`, jaxscale.config.remat_policies) on the whole block.
+
+    Raises:
+      KeyError: neither a REMAT_CHOICES name nor a well-formed per-activation policy.
+    """
     if choice.startswith(remat_policies.PER_ACTIVATION):
+        remat_policies.per_activation(choice)  # a malformed one is a KeyError, as an unknown name
         return f"Block, {choice}", ("Block",), choice
     return REMAT_CHOICES[choice]
 
