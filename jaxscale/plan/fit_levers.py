@@ -3,10 +3,11 @@
 `fit` searches remat choices for the largest minibatch that fits; when none fits even at minibatch 1, it tries these
 levers one at a time on that question's config (each on top of the config as given, with the remat choice whose
 minibatch-1 plan was smallest) and names the first whose minibatch-1 plan fits, with the plan that shows it; if no
-single lever does, all of them together. Cheapest first means: what costs no speed (the allocator's share), then
-what costs a little compute (the loss in chunks), then smaller optimizer state (bf16 first moment, 8-bit moments,
-Adafactor: a different optimizer), then, for fine-tuning, LoRA (a different method). Host offload is not a lever
-yet (the lab does not offload). Each lever is one compile.
+single lever does, all of them together (of the optimizer levers, which replace one another, the last that
+applies). Cheapest first means: what costs no speed (the allocator's share), then what costs a little compute
+(the loss in chunks), then smaller optimizer state (bf16 first moment, 8-bit moments, Adafactor: a different
+optimizer), then, for fine-tuning, LoRA (a different method). Host offload is not a lever yet (the lab does not
+offload). Each lever is one compile.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Lever:
       flags: what to add to the command to use it.
       mem_fraction: the allocator share it asks for, or None (the budget unchanged).
       applies: whether it changes anything for this config and budget fraction (an active lever is skipped).
+      finetune: a fit_search.FINETUNE_CHOICES method it applies (with_finetune: its changes and LoRA rank), or None.
+      optimizer: whether it replaces the optimizer's state (such levers exclude one another).
     """
 
     name: str
@@ -45,6 +48,8 @@ class Lever:
     flags: str
     mem_fraction: float | None = None
     applies: Callable[[ml_collections.ConfigDict, float], bool] = lambda config, fraction: True
+    finetune: str | None = None
+    optimizer: bool = False
 
 
 def _adam(config: ml_collections.ConfigDict) -> bool:
@@ -58,29 +63,37 @@ LEVERS: tuple[Lever, ...] = (
           {"train.loss_chunk_len": LEVER_CHUNK_LEN}, f"--config.train.loss_chunk_len={LEVER_CHUNK_LEN}",
           applies=lambda c, f: not c.train.loss_chunk_len and c.data.seq_len % LEVER_CHUNK_LEN == 0),
     Lever("bf16_state", "Adam's first moment in bf16 (2 bytes a parameter less)", {"optimizer.state_dtype": "bfloat16"},
-          "--config.optimizer.state_dtype=bfloat16",
+          "--config.optimizer.state_dtype=bfloat16", optimizer=True,
           applies=lambda c, f: c.optimizer.state_dtype == "float32" and c.optimizer.name != "adafactor"),
     Lever("int8_state", "both Adam moments block-wise 8-bit (about 6 bytes a parameter less)",
-          {"optimizer.state_dtype": "int8"}, "--config.optimizer.state_dtype=int8",
+          {"optimizer.state_dtype": "int8"}, "--config.optimizer.state_dtype=int8", optimizer=True,
           applies=lambda c, f: _adam(c) and c.optimizer.state_dtype != "int8"),
     Lever("adafactor", "a different optimizer: Adafactor (factored second moments, no first moment)",
-          {"optimizer.name": "adafactor", "optimizer.state_dtype": "float32"}, "--config.optimizer.name=adafactor",
+          {"optimizer.name": "adafactor", "optimizer.state_dtype": "float32"},
+          "--config.optimizer.name=adafactor --config.optimizer.state_dtype=float32", optimizer=True,
           applies=lambda c, f: c.optimizer.name != "adafactor"),
-    Lever("lora_all", "a different method: LoRA on every projection, the base frozen in bf16",
-          dict(fit_search.FINETUNE_CHOICES["lora_all"][1]), "--finetune lora_all",
-          applies=lambda c, f: c.finetune.train != "adapters"),
+    Lever("lora_all", "a different method: LoRA on every projection, the base frozen in bf16", {},
+          "--finetune lora_all", applies=lambda c, f: c.finetune.train != "adapters", finetune="lora_all"),
 )  # fmt: skip
 
 
 def with_levers(config: ml_collections.ConfigDict, levers: list[Lever]) -> ml_collections.ConfigDict:
-    """A validated copy of `config` with the levers' changes (LoRA at the default rank where it adds adapters)."""
+    """A validated copy of `config` with the levers' changes (a fine-tuning method's through fit_search.with_finetune,
+    the one place its LoRA rank is chosen)."""
     config = copy.deepcopy(config)
     for lever in levers:
         apply_overrides(config, lever.changes, f"lever {lever.name}")
-    if config.finetune.train == "adapters" and not config.model.lora_rank:
-        config.model.lora_rank = fit_search.DEFAULT_LORA_RANK
+        if lever.finetune:
+            config = fit_search.with_finetune(config, lever.finetune)
     validate(config)
     return config
+
+
+def together(levers: list[Lever]) -> list[Lever]:
+    """The levers that can be used at once: every one but the optimizer levers, of which only the last (they replace
+    one another's state: a command that set them all would ask for 8-bit Adam moments of Adafactor)."""
+    last = [lever for lever in levers if lever.optimizer][-1:]
+    return [lever for lever in levers if not lever.optimizer or lever in last]
 
 
 def what_would_fit(
@@ -106,7 +119,7 @@ def what_would_fit(
       respect_xla_limit: as the fit's --xla_limit.
     """
     shared = budget_at is not None and fraction is not None
-    active = [lever for lever in LEVERS if (lever.mem_fraction is None or shared) and lever.applies(config, fraction or 1)]
+    active = [lv for lv in LEVERS if (lv.mem_fraction is None or shared) and lv.applies(config, fraction or 1)]
 
     def tried(levers: list[Lever]) -> fit_search.Probe:
         share = max([lever.mem_fraction for lever in levers if lever.mem_fraction], default=None)
@@ -117,10 +130,11 @@ def what_would_fit(
         probe = tried([lever])
         if probe.fits:
             return [lever], probe
-    if len(active) > 1:
-        probe = tried(active)
+    combined = together(active)
+    if len(combined) > 1:
+        probe = tried(combined)
         if probe.fits:
-            return active, probe
+            return combined, probe
     return None
 
 

@@ -37,3 +37,18 @@ def test_when_nothing_fits_the_cheapest_fitting_lever_is_named(tmp_path, capsys,
     lever = next(lv for lv in fit_levers.LEVERS if lv.name == named)
     assert _peak(fit_levers.with_levers(config, [lever])) <= budget
     assert line.strip().endswith(f"rerun with {lever.flags}")
+
+
+def test_levers_used_together_keep_one_optimizer_lever_and_make_a_valid_config():
+    """All levers at once: of the optimizer levers (which replace one another's state) only the last, Adafactor, so
+    the config they make validates, and the rerun flags they print name one optimizer state (an earlier version
+    set bf16, int8 and Adafactor together: a command that could not run)."""
+    config = load_config("bf16_remat", "tiny")
+    active = [lever for lever in fit_levers.LEVERS if lever.applies(config, 0.75)]
+    combined = fit_levers.together(active)
+    assert [lever.name for lever in combined] == ["mem_fraction", "adafactor", "lora_all"]  # seq 32: no chunked loss
+    made = fit_levers.with_levers(config, combined)
+    assert (made.optimizer.name, made.optimizer.state_dtype) == ("adafactor", "float32")
+    assert made.finetune.train == "adapters" and made.model.lora_rank == fit_search.DEFAULT_LORA_RANK
+    flags = " ".join(lever.flags for lever in combined)
+    assert flags.count("--config.optimizer.state_dtype=") == 1
