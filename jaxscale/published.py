@@ -288,11 +288,12 @@ def _number(value: float | None, digits: int = 2) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
-def _summary(label: str, ratios: Sequence[float]) -> str:
+def _summary(ratios: Sequence[float], label: str = "") -> str:
+    """'<label>: mean absolute error X% over N runs, M within ±25%' of predicted / published ratios."""
     error = mean_abs_error(ratios)
     within = sum(0.75 <= r <= 1.25 for r in ratios)
-    return (f"{label}: mean absolute error {_number(None if error is None else 100 * error, 1)}% over {len(ratios)} "
-            f"runs, {within} within ±25%")  # fmt: skip
+    text = f"mean absolute error {_number(None if error is None else 100 * error, 1)}% over {len(ratios)} runs, "
+    return f"{label}: {text}{within} within ±25%" if label else f"{text}{within} within ±25%"
 
 
 def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
@@ -317,7 +318,8 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
             continue
         plan_gib = row["compiled_peak_bytes"] / GIB if row.get("compiled_peak_bytes") else None
         excluded = " (excluded: see its row)" if row.get("published_excluded") else ""
-        excluded += " (registered, not a first sight: its runs-file entry says why)" if row.get("first_sight_void") else ""
+        if row.get("first_sight_void"):
+            excluded += " (registered, not a first sight: its runs-file entry says why)"
         pending = row.get("published_pending")
         published_step = "registered, not yet measured" if pending else _number(row["published_step_s"], 3)
         lines.append(
@@ -335,10 +337,10 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
     memory_error = mean_abs_error(memory_ratios)
     lines.append("")
     lines.append(
-        f"{_summary('time, development set', time_ratios)}; memory: "
+        f"{_summary(time_ratios, 'time, development set')}; memory: "
         f"{_number(None if memory_error is None else 100 * memory_error, 1)}% over {len(memory_ratios)} runs"
     )
-    if registered or any(r.get("first_sight_step_s") for r in held):
+    if any(r.get("first_sight_step_s") for r in held):  # a run registered (awaiting its figures or not)
         first = [r["first_sight_over_published_step"] for r in registered if r.get("first_sight_over_published_step")]
         first_memory = mean_abs_error([r["first_sight_plan_over_published_memory"] for r in registered
                                        if r.get("first_sight_plan_over_published_memory")])  # fmt: skip
@@ -346,9 +348,8 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
         now = [r["predicted_over_published_step"] for r in registered if r.get("predicted_over_published_step")]
         waiting = sum(bool(r.get("published_pending")) for r in held)
         lines.append("")
-        current = _summary("", now).removeprefix(": ")
-        lines.append(f"{_summary('time, first sight (pre-registered)', first)}; the current predictor on them: "
-                     f"{current}; memory at first sight: "
+        lines.append(f"{_summary(first, 'time, first sight (pre-registered)')}; the current predictor on them: "
+                     f"{_summary(now)}; memory at first sight: "
                      f"{_number(None if first_memory is None else 100 * first_memory, 1)}% over {memory_runs} runs; "
                      f"{waiting} registered runs await their figures")  # fmt: skip
     return "\n".join(lines)
