@@ -158,7 +158,7 @@ BAD_RUNS = {  # a change to a good run -> what its one line must say (the run an
     "devices_not_n_gpus": (_set(TINY_RUN, "lab.devices", 2), "lab.devices: 2, but the run's n_gpus is 1"),
     "batch_not_published": (_set(TINY_RUN, "global_batch", 16),
                             "lab.overrides: data.batch_size is 8, but the run's global_batch is 16"),
-    "unknown_target": (_set(TINY_RUN, "lab.target", "a6000"), "lab.target: unknown 'a6000'; allowed: "),
+    "unknown_target": (_set(TINY_RUN, "lab.target", "rtx3090"), "lab.target: unknown 'rtx3090'; allowed: "),
 }  # fmt: skip
 
 

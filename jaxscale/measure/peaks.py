@@ -49,6 +49,9 @@ PEAKS: tuple[Peak, ...] = (
     Peak(r"\bh100\b", 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H100 SXM5 (sparse figures / 2)", 1978.9e12),
     Peak(r"\bh200\b.*\bnvl\b", 835.5e12, 835.5e12, 417.5e12, 60e12, f"{_NV}, H200 NVL (sparse figures / 2)", 1670.5e12),
     Peak(r"\bh200\b", 989.4e12, 989.4e12, 494.7e12, 66.9e12, f"{_NV}, H200 SXM (sparse figures / 2)", 1978.9e12),
+    Peak(r"\bgb200\b", 2500e12, 2500e12, 1250e12, 90e12, f"{_NV}: GB200 NVL72 per GPU (rack's sparse figures / 72 / "
+         "2); FP32: the Blackwell technical brief's GB200 figure at 1,200 W, as quoted at glennklockwood.com/garden/"
+         "processors/B200", 5000e12),  # fmt: skip
     Peak(r"\bb200\b", 2250e12, 2250e12, 1100e12, 75e12, f"{_NV}, HGX B200 per GPU (sparse figures / 2)", 4500e12),
     Peak(r"\ba100\b", 312e12, 312e12, 156e12, 19.5e12, f"{_NV}, A100 SXM4/PCIe (dense figures)"),
     Peak(
@@ -58,6 +61,14 @@ PEAKS: tuple[Peak, ...] = (
         55.6e12,
         27.8e12,
         f"{_NV}, RTX A5000: 222.2 TFLOPS tensor (sparse) / 2; TF32 at half the FP16 tensor rate (GA102)",
+    ),
+    Peak(
+        r"\ba6000\b",
+        154.85e12,
+        154.85e12,
+        77.4e12,
+        38.7e12,
+        f"{_NV}, RTX A6000: 309.7 TFLOPS tensor (sparse) / 2; TF32 at half the FP16 tensor rate (GA102)",
     ),
     Peak(r"\bl40s\b", 362.05e12, 362.05e12, 183e12, 91.6e12, f"{_NV}, L40S (dense figures)", 733e12),
     Peak(r"\bl4\b", 121e12, 121e12, 60e12, 30.3e12, f"{_NV}, L4 (sparse figures / 2)", 242.5e12),

@@ -88,6 +88,8 @@ PCIE5_X16 = 63_000_000_000  # PCI-SIG: 32 GT/s x 16 lanes = 63 GB/s per directio
 INTERCONNECT_SOURCES: dict[str, str] = {
     "a5000": "NVIDIA RTX A5000 datasheet: an NVLink bridge connects two RTX A5000 GPUs (NVLink domain of 2), "
     "112.5 GB/s bidirectional; PCIe 4.0 x16; no network",
+    "a6000": "NVIDIA RTX A6000 datasheet: an NVLink bridge connects two RTX A6000 GPUs (NVLink domain of 2), "
+    "112.5 GB/s bidirectional; PCIe 4.0 x16; no network",
     "a100": "A100 datasheet: NVLink 600 GB/s (bidirectional), PCIe 4.0 x16; DGX A100 datasheet: 8 A100 SXM4 GPUs "
     "joined by 6 NVSwitches (NVLink domain of 8), one 200 Gb/s HDR InfiniBand ConnectX-6 per GPU (25 GB/s)",
     "h100": "H100 datasheet: NVLink 900 GB/s (bidirectional), PCIe 5.0 x16; DGX H100 datasheet: 8 H100 SXM5 GPUs "
@@ -97,6 +99,11 @@ INTERCONNECT_SOURCES: dict[str, str] = {
     "b200": "NVIDIA HGX B200 datasheet: fifth-generation NVLink 1.8 TB/s (bidirectional) per GPU, 8 GPUs on "
     "NVSwitch (NVLink domain of 8), PCIe Gen5 128 GB/s (bidirectional); DGX B200 datasheet: 8 single-port 400 Gb/s "
     "ConnectX-7 for the compute fabric (50 GB/s per GPU)",
+    "gb200": "NVIDIA GB200 NVL72 datasheet: 72 Blackwell GPUs on one NVLink Switch System (NVLink domain of 72), "
+    "130 TB/s of NVLink for the rack = 1.8 TB/s (bidirectional) per GPU; each GB200 superchip joins one Grace CPU "
+    "and two GPUs over NVLink-C2C, 900 GB/s bidirectional, taken as shared by its two GPUs (225 GB/s per GPU per "
+    "direction; NVIDIA gives no per-GPU split): the host link offload and host traffic cross; DGX GB200 datasheet: "
+    "72 single-port 400 Gb/s ConnectX-7 for the compute fabric (50 GB/s per GPU)",
     "pcie-only": "datasheet: no NVLink; PCIe 4.0 x16; no network",
 }
 
@@ -118,6 +125,22 @@ TARGETS: dict[str, GpuTarget] = {
             nvlink_domain=2,
             pcie_bandwidth=PCIE4_X16,
             interconnect_source=INTERCONNECT_SOURCES["a5000"],
+        ),
+        GpuTarget(
+            name="a6000",
+            device_kind="NVIDIA RTX A6000",
+            compute_capability=(8, 6),
+            core_count=84,
+            device_memory_size=49140 * MIB,
+            memory_bandwidth=768_000_000_000,
+            l2_cache_size=6 * MIB,
+            clock_rate_ghz=1.8,
+            source="NVIDIA RTX A6000 datasheet (10752 CUDA cores = 84 SMs, 48 GB GDDR6, 768 GB/s), GA102 L2 6 MB, "
+            "1800 MHz boost (TechPowerUp GPU database); memory = nvidia-smi total 49140 MiB as commonly reported",
+            nvlink_bandwidth=56_250_000_000,
+            nvlink_domain=2,
+            pcie_bandwidth=PCIE4_X16,
+            interconnect_source=INTERCONNECT_SOURCES["a6000"],
         ),
         GpuTarget(
             name="a100-40gb",
@@ -201,6 +224,24 @@ TARGETS: dict[str, GpuTarget] = {
             pcie_bandwidth=PCIE5_X16,
             network_bandwidth=50_000_000_000,
             interconnect_source=INTERCONNECT_SOURCES["b200"],
+        ),
+        GpuTarget(
+            name="gb200",
+            device_kind="NVIDIA GB200",
+            compute_capability=(10, 0),
+            core_count=152,
+            device_memory_size=197897748480,
+            memory_bandwidth=7_928_064_000_000,
+            l2_cache_size=135528448,
+            clock_rate_ghz=2.062,
+            source="OpenXLA xla/backends/gpu/target_config/specs/gb200.txtpb @ 300ec95 (figures read from a real "
+            "device: 152 SMs, 197897748480 B, 7.93 TB/s, 129.25 MiB L2, 2062 MHz); GB200 NVL72 datasheet: up to "
+            "13.4 TB HBM3e and 576 TB/s per 72 GPUs (186 GB, 8 TB/s per GPU)",
+            nvlink_bandwidth=900_000_000_000,
+            nvlink_domain=72,
+            pcie_bandwidth=225_000_000_000,
+            network_bandwidth=50_000_000_000,
+            interconnect_source=INTERCONNECT_SOURCES["gb200"],
         ),
         GpuTarget(
             name="l40s",

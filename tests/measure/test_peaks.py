@@ -162,7 +162,7 @@ def test_fp8_peaks_are_twice_the_bf16_ones_and_absent_without_fp8_tensor_cores()
     """Each datasheet gives FP8 (FP32 accumulate) at twice its BF16 rate on Ada, Hopper and Blackwell: the table's
     FP8 figures, typed from the datasheets, hold that; Ampere has none (None, not a borrowed figure)."""
     with_fp8 = [t for t in targets.TARGETS.values() if t.compute_capability >= (8, 9)]
-    assert {t.name for t in with_fp8} >= {"h100", "h200", "b200", "l40s", "l4", "rtx4090"}
+    assert {t.name for t in with_fp8} >= {"h100", "h200", "b200", "gb200", "l40s", "l4", "rtx4090"}
     for target in with_fp8:
         fp8, source = peaks.peak_flops(target.device_kind, peaks.FP8)
         bf16, _ = peaks.peak_flops(target.device_kind, "bfloat16")

@@ -39,7 +39,7 @@ def test_zero_device_memory_is_rejected():
 
 def test_unknown_target_lists_the_known_ones():
     with pytest.raises(targets.UnknownTargetError) as caught:
-        targets.get_target("a6000")
+        targets.get_target("rtx3090")
     for name in REQUIRED:
         assert name in str(caught.value)
 
@@ -114,3 +114,18 @@ def test_no_target_points_at_a_local_file_outside_the_project():
     """A user's clone has no shared/ workspace: sources cite datasheets and public repositories only."""
     for target in targets.TARGETS.values():
         assert "shared/" not in target.source + target.interconnect_source, target.name
+
+
+def test_the_docs_table_of_targets_lists_every_target_with_its_fields():
+    """docs/gpu_planning.md's table against targets.TARGETS: every target, its compute capability, SMs, memory bytes,
+    bandwidth (GB/s, rounded down), L2 (MiB) and clock."""
+    from conftest import doc_table
+
+    rows = {row[0].strip("`"): row for row in doc_table("gpu_planning.md", "| `--target` |")}
+    assert set(rows) == set(targets.TARGETS)
+    for name, target in targets.TARGETS.items():
+        _, _, cc, sms, memory, bandwidth, l2, ghz, _ = rows[name]
+        assert cc == "{}.{}".format(*target.compute_capability) and int(sms) == target.core_count, name
+        assert int(memory.replace(",", "")) == target.device_memory_size, name
+        assert int(bandwidth) == target.memory_bandwidth // 10**9 and float(l2) == target.l2_cache_size / 2**20, name
+        assert float(ghz) == target.clock_rate_ghz, name

@@ -243,7 +243,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         (("--config", spec, "--run_arg=--target=a5000"), "use the sweep's own --target flag"),
         (("--config", spec, "--target", "a5000"), "--target a5000: only plans (the GPU is not here); add --plan"),
         (("--config", spec, "--plan", "--gemm", "triton"), "--gemm triton: picks the GEMMs of a GPU target's plan"),
-        (("--config", spec, "--plan", "--target", "a6000"), "--target: unknown 'a6000'; known: a5000, a100-40gb"),
+        (("--config", spec, "--plan", "--target", "rtx3090"),
+         "--target: unknown 'rtx3090'; known: a5000, a6000, a100-40gb"),
     ]:
         code, out, err = main_in_process(capsys, *args, "--output_root", str(tmp_path))
         assert code == 2 and out == ""
