@@ -40,8 +40,9 @@ _CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # written by an older lab are not read as complete (2: the kernel list for the step-time prediction;
 # 3: collective columns and the topology; 4: the kernel list's collectives parsed as the columns' are;
 # 5: fused attention calls, the Pallas flash and cuDNN fMHA kernels, costed by their shapes; 7: each async
-# collective's window of kernels between its start and its -done; 8: a scatter's bytes, in place: its updates).
-PLAN_FORMAT = 8
+# collective's window of kernels between its start and its -done; 8: a scatter's bytes, in place: its updates;
+# 9: host memory, the host columns of the plan and each kernel's host-link bytes, a slice's for an in-place access).
+PLAN_FORMAT = 9
 
 
 def cache_root() -> pathlib.Path:

@@ -24,7 +24,7 @@ class RunError(Exception):
         self.status = status
 
 def _evaluation(config: ml_collections.ConfigDict, placement: sharding.Placement):
-    """params -> validation loss on the fixed held-out batches, or None when train.eval_every is 0.
+    """(params, fp8_meta) -> validation loss on the fixed held-out batches, or None when train.eval_every is 0.
 
     On a mesh the batches are split like the training batch and the model is traced with the mesh's rules.
     """
@@ -33,9 +33,9 @@ def _evaluation(config: ml_collections.ConfigDict, placement: sharding.Placement
     batches = data.validation_batches(config, placement)
     eval_step = evaluate.make_eval_step(config)
 
-    def evaluation(params):
+    def evaluation(params, fp8_meta=None):
         with placement.activate():
-            return evaluate.evaluate(eval_step, params, batches)
+            return evaluate.evaluate(eval_step, params, batches, fp8_meta)
 
     return evaluation
 

@@ -50,14 +50,14 @@ ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 STATE_DTYPES = ("float32", "bfloat16", "int8")  # optimizer.state_dtype (int8: jaxscale/train/quantized_state.py)
-FROZEN_DTYPES = ("float32", "bfloat16")  # finetune.frozen_dtype
+FROZEN_DTYPES = ("float32", "bfloat16", "nf4")  # finetune.frozen_dtype (nf4: jaxscale/model/nf4.py, QLoRA)
 # optimizer.state_dtype=int8 (adam, adamw): each moment of a tensor of at least INT8_MIN_SIZE elements is stored as
 # one uint8 code per element and one float32 absmax per block of INT8_BLOCK_SIZE elements (Dettmers et al. 2022,
 # arXiv 2110.02861, section 2.1: blocks of 2048); smaller tensors keep float32 moments (bitsandbytes' min_8bit_size,
 # 4096). Read by the optimizer (jaxscale.train.quantized_state) and the analytic memory model.
 INT8_BLOCK_SIZE = 2048
 INT8_MIN_SIZE = 4096
-FP8_MODES = ("none", "dynamic")  # model.fp8 (jaxscale.model.fp8)
+FP8_MODES = ("none", "dynamic", "delayed")  # model.fp8 (jaxscale.model.fp8)
 DATA_SOURCES = ("synthetic", "text")
 QK_NORMS = ("none", "head", "full")  # model.qk_norm
 MOE_ROUTINGS = ("topk_softmax", "softmax_topk", "softmax_topk_norm")  # model.moe_routing (jaxscale.model.moe)
@@ -127,8 +127,9 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.dropout_rate = 0.1  # dropout after embeddings, attention output and MLP output
     c.model.dtype = "bfloat16"  # compute dtype of activations and matmuls; params are always float32
     c.model.reduce_dtype = "float32"  # weight gradients summed over a mesh's devices in float32 or the compute dtype
-    c.model.fp8 = "none"  # FP8 matmuls (docs/fp8.md): none, or dynamic (current tensorwise scaling, torchtitan's Float8)
+    c.model.fp8 = "none"  # FP8 matmuls (docs/fp8.md): none, dynamic (torchtitan's tensorwise) or delayed (Flax's op)
     c.model.fp8_targets = ("attention", "mlp")  # projections in FP8: attention, mlp, all, head, or names (q, up, ...)
+    c.model.fp8_amax_history = 1024  # model.fp8=delayed: steps of amax each tensor's scale is taken from (Flax's, TE's)
     c.model.softmax_dtype = "float32"  # dtype of attention logits and softmax (cast back afterwards)
     c.model.causal = True  # causal attention mask (next-token prediction needs it)
     c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")
@@ -162,6 +163,8 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.train.eval_batches = 4  # batches of data.batch_size sequences per validation (fixed windows)
     c.train.checkpoint_every = 0  # orbax checkpoint every N steps under <run dir>/checkpoints; resumes (0: none)
     c.train.checkpoint_keep = 2  # checkpoints kept on disk (the newest)
+    # Host offload (jaxscale/train/offload.py, docs/finetune.md): the trained parameters live in pinned host memory
+    c.train.offload_params = False  # trained params on the host between steps, brought whole to the device per step
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "adam"  # one of OPTIMIZERS
@@ -175,6 +178,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.optimizer.grad_clip_norm = 0.0  # clip gradients to this global norm; 0 disables clipping
     # int8 (adam/adamw only): both moments block-wise quantized to 8 bits (jaxscale/train/quantized_state.py)
     c.optimizer.state_dtype = "float32"  # dtype the optimizer's moments are stored in: float32, bfloat16 or int8
+    c.optimizer.offload_state = False  # optimizer state in pinned host memory, on the device only for the update
 
     # Fine-tuning (jaxscale.config.finetune, docs/finetune.md): which parameters train; the rest stay frozen.
     c.finetune = ml_collections.ConfigDict()
@@ -183,7 +187,9 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.finetune.train = "auto"  # auto (adapters if model.lora_rank > 0, else all); all; adapters; last_blocks
     c.finetune.last_blocks = 0  # train=last_blocks: the top blocks that train (0 with head: the head alone; unrolled)
     c.finetune.head = False  # train=adapters or last_blocks: the output head and final norm train too
-    c.finetune.frozen_dtype = "bfloat16"  # frozen parameters are stored in this dtype (float32 or bfloat16)
+    # nf4 (QLoRA, with trained LoRA adapters): the frozen projection kernels in 4-bit NormalFloat with double-quantized
+    # absmax, dequantized to model.dtype at their matmul; the other frozen parameters (embeddings, norms, head) bfloat16
+    c.finetune.frozen_dtype = "bfloat16"  # frozen parameters are stored in this dtype: float32, bfloat16 or nf4
     c.finetune.init_from = ""  # a run directory whose latest checkpoint's parameters start this run ("": random)
 
     c.profile = ml_collections.ConfigDict()

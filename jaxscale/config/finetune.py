@@ -34,6 +34,7 @@ HEAD, HEAD_MODULE = "head", "output"  # model.fp8_targets' name for the untied o
 MULTI_INPUT = {"out": 2}  # projections whose kernel contracts more than one input dim: out's (heads, head_dim)
 TRAIN_CHOICES = ("auto", "all", "adapters", "last_blocks")
 LORA_PARAMS = ("lora_a", "lora_b")
+NF4 = "nf4"  # finetune.frozen_dtype of the 4-bit frozen base (QLoRA): nf4_kernel, jaxscale.model.nf4
 _BLOCK = re.compile(r"^transformer/block_(\d+)/")
 _HEAD = ("output/", "post_norm/")
 
@@ -98,6 +99,22 @@ def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         return {"qkv": (h, 3 * heads), "out": (heads, h), "up": (h, f), "down": (f, h)}
     return {"q": (h, heads), "k": (h, cfg.kv_width), "v": (h, cfg.kv_width), "out": (heads, h), "gate": (h, f),
             "up": (h, f), "down": (f, h)}  # fmt: skip
+
+
+def nf4_kernel(path: str, config: ml_collections.ConfigDict) -> bool:
+    """Whether a frozen parameter at `path` is stored in NF4 (QLoRA, jaxscale.model.nf4): finetune.frozen_dtype=nf4 and
+    a projection's kernel in the blocks (`transformer/.../<projection>/kernel`, the family's PROJECTIONS); the
+    embeddings, norms, biases, the output head and a mixture of experts' router and experts are kept in
+    `stored_dtype`, as QLoRA keeps everything but the linear layers' weights in 16 bits."""
+    parts = path.split("/")
+    return (config.finetune.frozen_dtype == NF4 and parts[0] == "transformer" and parts[-1] == "kernel"
+            and parts[-2] in family_projections(config.model.family))  # fmt: skip
+
+
+def stored_dtype(config: ml_collections.ConfigDict) -> str:
+    """The dtype the frozen parameters other than NF4 kernels are stored in: finetune.frozen_dtype, bfloat16 under
+    nf4."""
+    return "bfloat16" if config.finetune.frozen_dtype == NF4 else config.finetune.frozen_dtype
 
 
 def is_lora_param(path: str) -> bool:
@@ -182,5 +199,6 @@ def summary_line(row: dict) -> str | None:
     if row.get("config.finetune.head"):
         parts.append("the head")
     rest = "base" if mode == "adapters" else "rest"
-    return (f"  trains: {' and '.join(parts)} ({trained:,} of {total:,} params), {rest} frozen in "
-            f"{row.get('config.finetune.frozen_dtype')}")  # fmt: skip
+    frozen = row.get("config.finetune.frozen_dtype")
+    frozen = "nf4 (the projection kernels; the rest bfloat16)" if frozen == NF4 else frozen
+    return f"  trains: {' and '.join(parts)} ({trained:,} of {total:,} params), {rest} frozen in {frozen}"

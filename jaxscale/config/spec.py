@@ -61,6 +61,7 @@ class ModelConfig:
     lora_targets: tuple[str, ...] = ("attention",)
     fp8: str = "none"
     fp8_targets: tuple[str, ...] = ("attention", "mlp")
+    fp8_amax_history: int = 1024
 
     @property
     def num_heads(self) -> int:

@@ -187,8 +187,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
            "float32); use float32, or adam / adamw / sgd")  # fmt: skip
     _validate_lora(m)
     _validate_moe(config)
-    _validate_fp8(m)
+    _validate_fp8(m, config.train.loss_chunk_len)
     _validate_finetune(config)
+    _validate_offload(config)
+
+
+def _validate_offload(config: ml_collections.ConfigDict) -> None:
+    """optimizer.offload_state and train.offload_params (jaxscale.train.offload): booleans, and not with what is
+    not built for state in host memory (checkpoints; the validation step, for offloaded parameters)."""
+    for field, value in (("optimizer.offload_state", config.optimizer.offload_state),
+                         ("train.offload_params", config.train.offload_params)):  # fmt: skip
+        _check(isinstance(value, bool), field, f"must be True or False, got {value!r}")
+        _check(not value or config.train.checkpoint_every == 0, field,
+               "host offload is not supported with train.checkpoint_every > 0 (saving and restoring state kept in "
+               "host memory is not built); set train.checkpoint_every=0")  # fmt: skip
+    _check(not config.train.offload_params or config.train.eval_every == 0, "train.offload_params",
+           "not supported with train.eval_every > 0 (the validation step does not bring host parameters to the "
+           "device); set train.eval_every=0")  # fmt: skip
 
 
 def _validate_lora(m: ml_collections.ConfigDict) -> None:
@@ -213,9 +228,12 @@ def _validate_lora(m: ml_collections.ConfigDict) -> None:
            f"(a rank is at most its smaller width); allowed: 1 to {width}")  # fmt: skip
 
 
-def _validate_fp8(m: ml_collections.ConfigDict) -> None:
-    """model.fp8 and model.fp8_targets: a known mode; known projections of the family, or the untied head."""
+def _validate_fp8(m: ml_collections.ConfigDict, loss_chunk_len: int) -> None:
+    """model.fp8, model.fp8_targets and model.fp8_amax_history: a known mode; known projections of the family, or
+    the untied head (not with delayed scaling under the chunked loss); a history of at least one step."""
     _one_of(m.fp8, FP8_MODES, "model.fp8")
+    _check(isinstance(m.fp8_amax_history, int) and m.fp8_amax_history >= 1, "model.fp8_amax_history",
+           f"must be a whole number of steps >= 1 (Flax's default 1024), got {m.fp8_amax_history!r}")  # fmt: skip
     allowed = ", ".join((*finetune.TARGET_GROUPS, finetune.HEAD, *finetune.family_projections(m.family)))
     _check(isinstance(m.fp8_targets, tuple) and len(m.fp8_targets) > 0, "model.fp8_targets",
            f"must be a non-empty tuple of {allowed}, got {m.fp8_targets!r}")  # fmt: skip
@@ -224,8 +242,13 @@ def _validate_fp8(m: ml_collections.ConfigDict) -> None:
     except KeyError as unknown:
         raise ConfigError(f"model.fp8_targets: unknown {unknown.args[0]!r} for model.family={m.family}; "
                           f"allowed: {allowed}") from None  # fmt: skip
-    _check(finetune.HEAD not in m.fp8_targets or not m.tie_embeddings, "model.fp8_targets",
-           "head: the output head is the token embedding here (model.tie_embeddings); FP8 covers an untied head only")
+    tied = "head: the output head is the token embedding here (model.tie_embeddings); FP8 covers an untied head only"
+    _check(finetune.HEAD not in m.fp8_targets or not m.tie_embeddings, "model.fp8_targets", tied)
+    # the chunked loss applies the head once per chunk: each application would return its own new scaling state
+    chunked = ("head with model.fp8=delayed needs the whole-logits loss (train.loss_chunk_len=0): the chunked loss "
+               "applies the head once per chunk and delayed scaling keeps one amax history per tensor; use "
+               "model.fp8=dynamic")  # fmt: skip
+    _check(m.fp8 != "delayed" or finetune.HEAD not in m.fp8_targets or not loss_chunk_len, "model.fp8_targets", chunked)
 
 
 def _validate_moe(config: ml_collections.ConfigDict) -> None:
@@ -267,6 +290,13 @@ def _validate_finetune(config: ml_collections.ConfigDict) -> None:
     f, m = config.finetune, config.model
     _one_of(f.train, finetune.TRAIN_CHOICES, "finetune.train")
     _one_of(f.frozen_dtype, FROZEN_DTYPES, "finetune.frozen_dtype")
+    if f.frozen_dtype == finetune.NF4:  # QLoRA: the 4-bit base under trained adapters (jaxscale.model.nf4)
+        mode = finetune.train_mode(config)
+        _check(mode == "adapters", "finetune.frozen_dtype", f"nf4 is QLoRA's base, frozen in 4 bits under trained LoRA "
+               f"adapters: it needs finetune.train=adapters (or auto with model.lora_rank > 0), not {mode}; or "
+               "frozen_dtype=bfloat16")  # fmt: skip
+        _check(m.fp8 == "none", "finetune.frozen_dtype", f"nf4 kernels are dequantized to model.dtype for their "
+               f"matmul, which model.fp8={m.fp8} would run in FP8; use one of the two (model.fp8=none)")  # fmt: skip
     _check(isinstance(f.head, bool), "finetune.head", f"must be True or False, got {f.head!r}")
     _non_negative_int(f.last_blocks, "finetune.last_blocks")
     if f.train == "adapters":  # as given: "auto" resolves to adapters only where there are some

@@ -155,6 +155,17 @@ def shape_bytes(shape: str, only: str | None = None) -> int:
     return sum(DTYPE_BYTES[dtype] * math.prod(d) for dtype, d in arrays(shape) if only in (None, dtype))
 
 
+HOST_MEMORY_SPACE = "S(5)"  # the layout mark of an array in host memory (XLA's memory space 5, pinned_host)
+_LAID_OUT = re.compile(r"(\w+)\[([\d,]*)\]\{([^}]*)\}")
+
+
+def host_bytes(shape: str) -> int:
+    """Bytes of the arrays of a shape whose layout puts them in host memory ('f32[8]{0:S(5)}' -> 32)."""
+    return sum(DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims, layout in _LAID_OUT.findall(shape)
+               if dtype in DTYPE_BYTES and HOST_MEMORY_SPACE in layout)  # fmt: skip
+
+
 def operand_bytes(instruction: Instruction, computation: dict[str, Instruction], only: str | None = None) -> int:
     """Bytes of an instruction's operands that its computation defines (each operand's whole shape; see
     shape_bytes for `only`)."""

@@ -73,6 +73,11 @@ class Kernel:
     # the program runs between its start and its -done, which may hide it (first > last: none); None: the
     # collective is synchronous (or its -done was not found), nothing hides it.
     window: tuple[int, int] | None = None
+    # Bytes of its operands and results in host memory (layout S(5): jaxscale.train.offload): what crosses the
+    # host link (PCIe) per launch. A host transfer (a copy-start between memory spaces, async like a collective:
+    # `window`) moves its array; a kernel that reads a host buffer in place (XLA lets a GPU kernel read pinned host
+    # memory) reads it over the link.
+    host_bytes: int = 0
     dtype: str = ""  # element type of the kernel's largest result array ("bf16", "f32", ...; "" unknown)
 
     @property
@@ -319,7 +324,13 @@ def kernels(hlo_text: str) -> list[Kernel]:
         computation = module.computations[step.computation]
         fields = dict(name=instruction.name, trips=step.trips, times=step.times, dtype=result_dtype(instruction.shape))
         collective = collectives.launched(step, module)
-        if collective is not None:
+        if instruction.opcode == "copy-start" and hlo.host_bytes(instruction.shape):
+            started[(step.computation, instruction.name)] = len(found)  # async: hidden by what runs until its -done
+            found.append(_host_transfer(instruction, **fields))
+        elif instruction.opcode == "fusion-start" and hlo.host_bytes(instruction.shape):
+            started[(step.computation, instruction.name)] = len(found)  # an async slice of a host buffer
+            found.append(_host_slice(instruction, **fields))
+        elif collective is not None:
             if instruction.opcode.endswith("-start"):  # async: its -done comes later in this computation
                 started[(step.computation, instruction.name)] = len(found)
             found.append(_collective(collective, module.num_partitions, **fields))
@@ -329,7 +340,54 @@ def kernels(hlo_text: str) -> list[Kernel]:
             found.append(_fusion(instruction, module, memo, **fields))
         else:
             found.append(_plain(instruction, computation, **fields))
+        if not found[-1].host_bytes:  # a kernel that reads or writes host buffers in place
+            found[-1] = _in_place_host_access(found[-1], instruction, computation)
     return found
+
+
+def _host_slice(instruction: hlo.Instruction, **fields) -> Kernel:
+    """An async fusion that slices a host buffer (XLA's offload of a saved activation under nn.scan: a
+    dynamic-update-slice-start writing a layer's slice into the stacked host buffer, a dynamic-slice-start reading
+    it back), shaped ((operands), result, context): it moves its device-side arrays (the update, or the slice read,
+    and the indices) over the host link, never the whole host buffer."""
+    moved = hlo.shape_bytes(instruction.shape) - hlo.host_bytes(instruction.shape)
+    depth, operands_end = 0, 0
+    for index, char in enumerate(instruction.shape):  # the operands' group: the first balanced (...) in the tuple
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 1 and char == ")":
+            operands_end = index
+            break
+    detail = "device_to_host" if hlo.host_bytes(instruction.shape[operands_end + 1 :]) else "host_to_device"
+    return Kernel(category="copy", detail=detail, flops=0.0, flop_dtype="vector", bytes_read=moved,
+                  bytes_written=moved, host_bytes=moved, **fields)  # fmt: skip
+
+
+def _in_place_host_access(kernel: Kernel, instruction: hlo.Instruction, computation: dict) -> Kernel:
+    """`kernel` with the bytes it moves over the host link reading or writing host buffers in place: what it writes
+    when its result is a host buffer (an update writes only its slice: the kernel's bytes_written), and what it reads
+    of host operands (at most their size, and at most the kernel's bytes_read, which counts a slice's bytes only);
+    the host buffer a host result updates in place (the operand of the result's shape) is not read."""
+    if 'custom_call_target="AllocateBuffer"' in instruction.attributes:
+        return dataclasses.replace(kernel, bytes_read=0, bytes_written=0)  # reserves a buffer, moves nothing
+    result_on_host = bool(hlo.host_bytes(instruction.shape))
+    read_from = [computation[o].shape for o in instruction.operands if o in computation]
+    read_from = [s for s in read_from if hlo.host_bytes(s) and not (result_on_host and s == instruction.shape)]
+    read = min(kernel.bytes_read, sum(map(hlo.host_bytes, read_from)))
+    moved = (kernel.bytes_written if result_on_host else 0) + read
+    return dataclasses.replace(kernel, host_bytes=int(moved)) if moved else kernel
+
+
+_FIRST_ARRAY = re.compile(r"\(\s*(\w+\[[\d,]*\]\{[^}]*\})")
+
+
+def _host_transfer(instruction: hlo.Instruction, **fields) -> Kernel:
+    """A copy between host and device memory (a copy-start, whose result is (destination, source, context)): the
+    destination's memory space names the direction; it moves one array, all of it over the host link."""
+    destination = _FIRST_ARRAY.match(instruction.shape).group(1)
+    size = hlo.shape_bytes(destination)
+    detail = "device_to_host" if hlo.host_bytes(destination) else "host_to_device"
+    return Kernel(category="copy", detail=detail, flops=0.0, flop_dtype="vector", bytes_read=size,
+                  bytes_written=size, host_bytes=size, **fields)  # fmt: skip
 
 
 def resolve_causal(found: list[Kernel], causal: bool) -> list[Kernel]:

@@ -19,6 +19,7 @@ import ml_collections
 
 from jaxscale.config import finetune, layout_rules, remat_policies
 from jaxscale.config.defaults import INT8_BLOCK_SIZE, INT8_MIN_SIZE
+from jaxscale.config.quantization import ABSMAX_BLOCK_SIZE, NF4_BLOCK_SIZE
 from jaxscale.config.spec import (
     ModelConfig,
     accumulates_locally,
@@ -26,11 +27,12 @@ from jaxscale.config.spec import (
     minibatch_per_device,
     sequence_parallel,
 )
-from jaxscale.measure import params
+from jaxscale.measure import host_memory, params
 
 
-def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
-    """XLA's buffer plan for one call of the compiled step, in bytes.
+def compiled_memory(compiled: jax.stages.Compiled, hlo_text: str | None = None) -> dict[str, int | str | None]:
+    """XLA's buffer plan for one call of the compiled step, in bytes, and its host-memory share
+    (jaxscale.measure.host_memory.host_columns; `hlo_text`: compiled.as_text(), read here when None).
 
     compiled_peak_bytes = argument + output - alias + temp: the inputs and outputs live at once except
     where an output reuses a donated input's buffer (alias), plus XLA's scratch for intermediates (temp).
@@ -38,8 +40,9 @@ def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
     leaves out the runtime's own overheads (allocator fragmentation, CUDA context, preallocation).
     """
     analysis = compiled.memory_analysis()
+    host = host_memory.host_columns(analysis, compiled.as_text() if hlo_text is None else hlo_text)
     if analysis is None:
-        return {f"compiled_{k}_bytes": None for k in ("argument", "output", "temp", "alias", "peak")}
+        return {**{f"compiled_{k}_bytes": None for k in ("argument", "output", "temp", "alias", "peak")}, **host}
     row = {
         "compiled_argument_bytes": int(analysis.argument_size_in_bytes),
         "compiled_output_bytes": int(analysis.output_size_in_bytes),
@@ -52,7 +55,7 @@ def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
         - row["compiled_alias_bytes"]
         + row["compiled_temp_bytes"]
     )
-    return row
+    return {**row, **host}
 
 
 def device_peak_bytes(devices: Sequence[jax.Device] | None = None) -> tuple[int | None, str | None]:
@@ -394,7 +397,31 @@ def trained_param_count(config: ml_collections.ConfigDict, fsdp: int | None = No
 
 
 def _frozen_itemsize(config: ml_collections.ConfigDict) -> int:
-    return jnp.dtype(config.finetune.frozen_dtype).itemsize
+    return jnp.dtype(finetune.stored_dtype(config)).itemsize
+
+
+def nf4_kernel_bytes(shape: tuple[int, ...], stacked: int = 0) -> int:
+    """Bytes of a kernel of `shape` stored in NF4 (jaxscale.model.nf4; each of its `stacked` leading dims, nn.scan's
+    layers, quantized apart): per kernel of n elements in b = ceil(n / 64) blocks, 32·b bytes of codes (4 bits a
+    weight) + b absmax codes (8 bits a block) + 4·ceil(b / 256) float32 scales + one float32 offset: about 4.127 bits
+    a weight (QLoRA's 0.127 bits of constants)."""
+    layers, n = math.prod(shape[:stacked]), math.prod(shape[stacked:])
+    blocks = -(-n // NF4_BLOCK_SIZE)
+    return layers * (blocks * NF4_BLOCK_SIZE // 2 + blocks + _FLOAT32 * -(-blocks // ABSMAX_BLOCK_SIZE) + _FLOAT32)
+
+
+def frozen_bytes(config: ml_collections.ConfigDict, held: int, trained: int) -> int:
+    """Bytes of the frozen parameters on one device that holds `held` parameters of which `trained` train:
+    finetune.stored_dtype's bytes per frozen one; under finetune.frozen_dtype=nf4 the projection kernels
+    (finetune.nf4_kernel) at nf4_kernel_bytes instead, whole on every device (the codes are replicated)."""
+    if config.finetune.frozen_dtype != finetune.NF4:
+        return _frozen_itemsize(config) * (held - trained)
+    splits, mesh = zero_splits(config), mesh_shape(config)
+    kernels = {k: v for k, v in params.param_table(config.model).items() if finetune.nf4_kernel(k, config)}
+    quantized = _held(kernels, splits["params"], mesh.tensor, mesh.expert)
+    stacked = int(config.model.scan_layers)
+    nf4 = sum(nf4_kernel_bytes(shape, stacked) for shape, _ in kernels.values())
+    return _frozen_itemsize(config) * (held - trained - quantized) + nf4
 
 
 def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
@@ -448,7 +475,8 @@ def _gathered_layer_bytes(config: ml_collections.ConfigDict, gradient_only: bool
     total = 0
     for key, (shape, names) in params.layer_param_table(m).items():
         trains = finetune.trainable(f"{block}/{key}", config)
-        per = (1 if gradient_only else 2) * _FLOAT32 if trains else 0 if gradient_only else _frozen_itemsize(config)
+        gathered = not (gradient_only or finetune.nf4_kernel(f"{block}/{key}", config))  # NF4: whole already
+        per = (1 if gradient_only else 2) * _FLOAT32 if trains else _frozen_itemsize(config) if gathered else 0
         total += per * math.prod(params.shard_shape(shape, names, 1, mesh.tensor, mesh.expert))
     return total
 
@@ -478,8 +506,11 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
         parameters are gathered whole (/ tensor) at a time, with their full gradient before it is
         reduce-scattered: 2 × 4 × its parameters (analytic_fsdp_gather_bytes, in the activations; at ZeRO
         stage 2 its whole gradient only, 4 ×).
+    Host offload (jaxscale.train.offload): the optimizer state (optimizer.offload_state) and the trained parameters'
+    4 bytes each (train.offload_params) are analytic_host_offload_bytes, in host memory and left out of the peak.
     Fine-tuning (jaxscale.config.finetune): params are 4 bytes per trained parameter plus
-    finetune.frozen_dtype's bytes per frozen one; gradients and optimizer state are the trained parameters'
+    finetune.frozen_dtype's bytes per frozen one (frozen_bytes: under nf4 the projection kernels' 4-bit codes and
+    constants, the rest bfloat16); gradients and optimizer state are the trained parameters'
     only; with finetune.train=last_blocks only the blocks the backward pass goes through keep activations
     (finetune.backward_blocks). Otherwise the activations are full training's: an upper bound, as a frozen
     projection's input is kept only where something below it still needs it.
@@ -506,14 +537,18 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     minibatch_grads = _FLOAT32 * trained_param_count(config, 1 if local else splits["grads"])
     accumulator = minibatch_grads if t.num_minibatches > 1 else 0
     row = {
-        "analytic_params_bytes": _FLOAT32 * trained + _frozen_itemsize(config) * (n - trained),
+        "analytic_params_bytes": _FLOAT32 * trained + frozen_bytes(config, n, trained),
         "analytic_grads_bytes": minibatch_grads + accumulator,
         "analytic_optimizer_bytes": optimizer_state_bytes(config),
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,
         "analytic_fsdp_gather_bytes": gather,
     }
+    # Host offload (jaxscale.train.offload): the offloaded parts live in host memory, out of the device's peak.
+    row["analytic_host_offload_bytes"] = (row["analytic_optimizer_bytes"] * config.optimizer.offload_state
+                                          + _FLOAT32 * trained * config.train.offload_params)  # fmt: skip
     row["analytic_peak_bytes"] = sum(row[f"analytic_{k}_bytes"] for k in ("params", "grads", "optimizer", "activation"))
+    row["analytic_peak_bytes"] -= row["analytic_host_offload_bytes"]
     return row
 
 

@@ -1,4 +1,5 @@
-"""FP8 matmuls for the projections: dynamic (current) tensorwise scaling, as torchtitan's Float8 runs it.
+"""FP8 matmuls for the projections: dynamic (current) tensorwise scaling, as torchtitan's Float8 runs it, or
+delayed scaling, as Flax's Fp8DirectDotGeneralOp (MaxText's `quantization=fp8`) and Transformer Engine run it.
 
 `model.fp8 = "dynamic"` runs each projection named by `model.fp8_targets` (attention, mlp, head, or projection
 names; the output head stays in the compute dtype unless named, as in torchtitan) as an FP8 GEMM:
@@ -17,8 +18,17 @@ turns `dot(convert(convert(x, f8) , bf16) * scale, ...)` into one FP8 GEMM with 
 (tests/model/test_fp8.py). On a CPU (and a GPU without FP8) the same program computes in the compute dtype on
 values rounded to FP8: the same function, so the CPU tests check the numerics.
 
-Delayed scaling (an amax history per tensor, Transformer Engine and MaxText's `quantization=fp8`) needs the
-scales as state the step carries; it is not here (`model.fp8` allows "none" and "dynamic").
+`model.fp8 = "delayed"` runs the same projections through Flax's own `nn.Fp8DirectDotGeneralOp` (flax.linen.fp8_ops,
+the maintained op; this module only casts the float32 kernel to the compute dtype on its shard first). Each GEMM keeps
+per tensor (input, kernel, output gradient) a history of the last `model.fp8_amax_history` absolute maxima and a
+scale; a step quantizes with the scale computed from the history *before* it (scale = max(history) / max(dtype), the
+previous scale where that max is 0 or not finite) and pushes its own amax onto the history (Flax's
+`update_fp8_meta`, Transformer Engine's `update_fp8_metas`). The state lives in Flax's `_overwrite_with_gradient`
+collection: the ops return its new value as its "gradient", so the train step carries it beside the parameters
+(jaxscale.train.step.TrainState.fp8_meta) and replaces it after each step instead of handing it to the optimizer,
+as flax.training.train_state does. Accumulated over minibatches, the new states (one per minibatch, all computed
+from the same old state) are combined by their maximum: the histories' newest entry is then the whole batch's amax,
+the scales are equal anyway, so the step equals the one-minibatch step.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
@@ -36,8 +47,14 @@ from jaxscale.config import finetune
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model import precision
 
+OVERWRITE = fp8_ops.OVERWRITE_WITH_GRADIENT  # Flax's collection of delayed-scaling state (amax histories, scales)
 FORWARD_DTYPE = jnp.float8_e4m3fn  # inputs and weights: 3 mantissa bits, max 448
 GRADIENT_DTYPE = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344
+
+
+def delayed(cfg: ModelConfig, name: str) -> bool:
+    """Whether the projection called `name` runs in FP8 with delayed scaling (Flax's op and its state)."""
+    return cfg.fp8 == "delayed" and applies(cfg, name)
 
 
 def applies(cfg: ModelConfig, name: str) -> bool:
@@ -89,3 +106,28 @@ def dot_general(cfg: ModelConfig, names: tuple[str | None, ...]) -> Callable[...
 
     dot.defvjp(dot_fwd, dot_bwd)
     return lambda x, w, dims, precision=None, **_: dot(x, w, dims)
+
+
+class DelayedScalingDot(fp8_ops.Fp8DirectDotGeneralOp):
+    """Flax's Fp8DirectDotGeneralOp (delayed scaling, its state in the OVERWRITE collection) for nn.DenseGeneral's
+    `dot_general_cls`, the float32 kernel named `kernel_axes` first cast to the compute dtype on its shard
+    (precision.compute_weight, as every projection's). The op computes its GEMMs' outputs and the input's and
+    kernel's gradients in the compute dtype (the kernel's gradient then reaches the float32 kernel through the
+    cast)."""
+
+    config: ModelConfig | None = None
+    kernel_axes: tuple[str | None, ...] = ()
+
+    def __call__(self, x: jax.Array, w: jax.Array, dims: Any, **_: Any) -> jax.Array:
+        return super().__call__(x, precision.compute_weight(self.config, w, self.kernel_axes), dims)
+
+
+def delayed_dot_cls(cfg: ModelConfig, names: tuple[str | None, ...]) -> Callable[[], nn.Module]:
+    """nn.DenseGeneral's `dot_general_cls` for a projection with delayed scaling (DelayedScalingDot)."""
+    return functools.partial(DelayedScalingDot, config=cfg, kernel_axes=names, amax_history_length=cfg.fp8_amax_history)
+
+
+def with_state(apply_fn: Callable[..., Any], fp8_meta: Any) -> Callable[..., Any]:
+    """`apply_fn` (a model's apply) reading the delayed-scaling state `fp8_meta` beside the variables it is given:
+    the loss functions pass {"params": ...} only."""
+    return lambda variables, *args, **kwargs: apply_fn({**variables, OVERWRITE: fp8_meta}, *args, **kwargs)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxscale.config.spec import ModelConfig
+from jaxscale.model import nf4
 from jaxscale.model.axes import constrain
 
 
@@ -71,7 +72,13 @@ def weight_dot_general(cfg: ModelConfig, names: tuple[str | None, ...]) -> Calla
 
     dot.defvjp(dot_fwd, dot_bwd)
     chosen = dot if _reduces_in_float32(cfg) else forward
-    return lambda x, w, dims, precision=None, **_: chosen(x, w, dims, precision)
+
+    def apply(x: jax.Array, w: Any, dims: Any, precision: Any = None, **_: Any) -> jax.Array:
+        if isinstance(w, nf4.Nf4Kernel):  # a 4-bit frozen kernel (QLoRA): dequantized here, at its use
+            return nf4.dot_general(x, w, dims, precision)
+        return chosen(x, w, dims, precision)
+
+    return apply
 
 
 def cotangent_like(grad: jax.Array, w: jax.Array) -> jax.Array:

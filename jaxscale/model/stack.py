@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxscale.config.remat_policies import remat_policy
 from jaxscale.config.spec import ModelConfig
-from jaxscale.model import fp8, lora, precision, ring_attention
+from jaxscale.model import fp8, lora, nf4, precision, ring_attention
 from jaxscale.model.axes import Initializer, constrain, mesh_axis_size, partitioned
 
 
@@ -77,7 +77,7 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             scanned = nn.scan(
                 block_cls,
-                variable_axes={"params": 0, **dict.fromkeys(SOWN_COLLECTIONS, 0)},
+                variable_axes={"params": 0, fp8.OVERWRITE: 0, **dict.fromkeys(SOWN_COLLECTIONS, 0)},
                 split_rngs={"params": True, "dropout": True},
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
@@ -94,8 +94,10 @@ class Transformer(nn.Module):
 
 
 def count_params(params) -> int:
-    """Number of scalars in a params tree (arrays or ShapeDtypeStructs, boxed or not)."""
-    return sum(math.prod(p.shape) for p in jax.tree_util.tree_leaves(params))
+    """Number of scalars in a params tree (arrays or ShapeDtypeStructs, boxed or not; an NF4 kernel counts its
+    kernel's elements)."""
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, nf4.Nf4Weight))
+    return sum(math.prod(p.shape) for p in leaves)
 
 
 def unstack_scanned_params(params: dict, num_layers: int) -> dict:
@@ -140,6 +142,8 @@ def dense(
         dot_general=(fp8.dot_general if fp8.applies(cfg, name) else precision.weight_dot_general)(cfg, kernel_axes),
         name=name,
     )
+    if fp8.delayed(cfg, name):  # Flax's delayed-scaling op, its state in its own collection (jaxscale.model.fp8)
+        fields["dot_general_cls"] = fp8.delayed_dot_cls(cfg, kernel_axes)
     if lora.adapted(cfg, name):  # a LoRA adapter beside the kernel (jaxscale.model.lora)
         return lora.lora_dense(cfg, kernel_axes, **fields)
     return nn.DenseGeneral(**fields)

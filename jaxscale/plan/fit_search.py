@@ -31,7 +31,7 @@ from jaxscale.config.overrides import apply_overrides
 from jaxscale.config.spec import tokens_per_step
 from jaxscale.measure import flops, memory
 from jaxscale.plan import gpu_plan
-from jaxscale.train import abstract_inputs, make_train_step, param_columns
+from jaxscale.train import abstract_inputs, make_train_step, offload, param_columns, sharding
 
 # Remat choices the planner compares: (label, model.remat, model.remat_policy), roughly from least kept to most.
 # The named policies apply to the whole block (what they keep is per block, MaxText's usage); what each keeps,
@@ -67,8 +67,25 @@ FINETUNE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
         {"finetune.train": "all", "optimizer.state_dtype": "int8"},
     ),
     "full_adafactor": ("full, Adafactor", {"finetune.train": "all", "optimizer.name": "adafactor"}),
+    # Host offload (jaxscale.train.offload, MaxText's optimizer_ / parameter_memory_host_offload): the state, and the
+    # trained parameters too, in pinned host memory; the plan's device peak leaves them out, the prediction prices
+    # what crosses the target's PCIe link.
+    "full_offload_state": ("full, Adam, state on the host", {"finetune.train": "all", "optimizer.offload_state": True}),
+    "full_offload_params": (
+        "full, Adam, state and parameters on the host",
+        {"finetune.train": "all", "optimizer.offload_state": True, "train.offload_params": True},
+    ),
     "lora_attention": ("LoRA on attention", {"finetune.train": "adapters", "model.lora_targets": ("attention",)}),
     "lora_all": ("LoRA on all projections", {"finetune.train": "adapters", "model.lora_targets": ("all",)}),
+    # QLoRA: the same adapters over a base whose projection kernels are frozen in NF4 (jaxscale.model.nf4)
+    "qlora_attention": (
+        "QLoRA on attention (NF4 base)",
+        {"finetune.train": "adapters", "model.lora_targets": ("attention",), "finetune.frozen_dtype": "nf4"},
+    ),
+    "qlora_all": (
+        "QLoRA on all projections (NF4 base)",
+        {"finetune.train": "adapters", "model.lora_targets": ("all",), "finetune.frozen_dtype": "nf4"},
+    ),
 }
 
 
@@ -89,6 +106,7 @@ def remat_choice(choice: str) -> tuple[str, tuple[str, ...], str]:
 PRECISION_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16": ("bf16 matmuls", {"model.fp8": "none"}),
     "fp8": ("FP8 matmuls (dynamic tensorwise scaling)", {"model.fp8": "dynamic"}),
+    "fp8_delayed": ("FP8 matmuls (delayed scaling, Flax's op)", {"model.fp8": "delayed"}),
 }
 DEFAULT_LIMIT = 4096  # largest minibatch tried
 DEFAULT_MAX_COMPILES = 12  # per remat choice
@@ -189,7 +207,7 @@ def target_planner(
 
     def enough(cublas: dict[str, Any]) -> bool:
         warned = respect_xla_limit and not cublas["plan_fits"]
-        return warned or (usable is not None and cublas["compiled_peak_bytes"] > usable)
+        return warned or (usable is not None and device_peak(cublas) > usable)
 
     def plan(config: ml_collections.ConfigDict) -> dict[str, Any]:
         return gpu_plan.plan_for_target(config, target, gemm=gemm, devices=devices, in_process=True, enough=enough)
@@ -201,8 +219,12 @@ def local_planner(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """This machine's compiler's plan of the train step (on a CPU only a proxy for a GPU's), as row fields."""
     start = time.perf_counter()
     with gpu_plan.captured_stderr() as stderr:
-        inputs = abstract_inputs(config)
-        compiled = make_train_step(config).lower(*inputs).compile()
+        if offload.parts(config):  # state in host memory: the placement's one-device layout carries the memory kinds
+            placement = sharding.placement(config)
+            inputs, step = placement.abstract_inputs(), placement.step()
+        else:
+            inputs, step = abstract_inputs(config), make_train_step(config)
+        compiled = step.lower(*inputs).compile()
     row: dict[str, Any] = {**memory.compiled_memory(compiled), "compile_s": time.perf_counter() - start}
     row.update(param_columns(inputs[0]))
     warning = gpu_plan.parse_remat_warning(stderr[0])  # a local GPU's compiler warns as a target's does
@@ -223,6 +245,13 @@ def plan_row(plan: Planner, config, choice: str, minibatch: int) -> tuple[dict[s
         return {}, message, time.perf_counter() - start
 
 
+def device_peak(row: dict[str, Any]) -> int | None:
+    """The plan's peak on the device: compiled_device_peak_bytes (jaxscale.measure.host_memory: the CPU backend's
+    plan counts host-memory state in its peak) where the row has it, else compiled_peak_bytes."""
+    found = row.get("compiled_device_peak_bytes")
+    return found if found is not None else row.get("compiled_peak_bytes")
+
+
 def judge(
     minibatch: int, row: dict[str, Any], error: str | None, seconds: float, usable: int, respect_xla_limit: bool = True
 ) -> Probe:
@@ -235,7 +264,7 @@ def judge(
     """
     if error is not None:
         return Probe(minibatch, False, None, error, row, seconds, failed=True)
-    peak = row.get("compiled_peak_bytes")
+    peak = device_peak(row)
     reason = row.get("plan_fits_reason") if respect_xla_limit and row.get("plan_fits") is False else None
     if reason is None and peak is not None and peak > usable:
         reason = f"planned peak {peak} bytes > usable {usable} bytes"

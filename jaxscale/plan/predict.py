@@ -188,6 +188,9 @@ class Roofline:
     # Fitted per calibration_cell (group, precision, size): a kernel takes the efficiency of its own cell, else of
     # the nearest size of its group and precision, else its group's (fitted_efficiency). None: none.
     fitted_cells: dict[tuple[str, str, int], float] | None = None
+    # The host link (a GPU's PCIe slot, per direction): a kernel's bytes in host memory (kernels.Kernel.host_bytes,
+    # jaxscale.train.offload) cross it. None: host memory is the device's own (a CPU), priced as memory.
+    host_link_bytes_per_s: float | None = None
 
 
 def gpu_roofline(
@@ -234,6 +237,7 @@ def gpu_roofline(
         memory_efficiency=MEMORY_EFFICIENCY,
         launch_s=LAUNCH_S,
         network_rails=devices_per_host if target.network_bandwidth else 1,
+        host_link_bytes_per_s=float(target.pcie_bandwidth),
         source=f"{peak.source}; {target.source}; links: {target.interconnect_source}; efficiencies: GEMM "
         f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, fused attention "
         f"{attention:.0%} (published FlashAttention-2 figure for compute capability {generation}.x), memory "
@@ -325,8 +329,10 @@ def _roofline_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, fl
     else:
         peak, efficiency = roof.vector_flops_per_s, 1.0
     compute = kernel.flops / peak
-    memory = kernel.bytes / roof.memory_bytes_per_s
-    return max(compute / efficiency, memory / roof.memory_efficiency), max(compute, memory)
+    host = kernel.host_bytes if roof.host_link_bytes_per_s else 0  # over the host link, at its full rate
+    link = host / roof.host_link_bytes_per_s if host else 0.0
+    memory = (kernel.bytes - host) / roof.memory_bytes_per_s
+    return max(compute / efficiency, memory / roof.memory_efficiency, link), max(compute, memory, link)
 
 
 def exposed(found: list[kernels.Kernel], seconds: list[float]) -> list[float]:
@@ -340,9 +346,10 @@ def exposed(found: list[kernels.Kernel], seconds: list[float]) -> list[float]:
     kernel twice). A synchronous collective (no window) is all exposed.
     """
     out = list(seconds)
-    hiding = [0.0 if k.collective is not None else s for k, s in zip(found, seconds, strict=True)]
+    hiding = [0.0 if k.collective is not None or k.window is not None else s  # async kernels hide nothing
+              for k, s in zip(found, seconds, strict=True)]  # fmt: skip
     for i, kernel in enumerate(found):
-        if kernel.collective is None or kernel.window is None:
+        if kernel.window is None:  # synchronous: nothing hides it
             continue
         left = seconds[i]
         first, last = kernel.window
@@ -365,19 +372,36 @@ def predict(found: Iterable[kernels.Kernel], roof: Roofline) -> dict[str, float]
     predicted = exposed(found, [k.times * s for k, (s, _) in zip(found, per_kernel, strict=True)])
     bound = exposed(found, [k.times * b for k, (_, b) in zip(found, per_kernel, strict=True)])
     totals = dict.fromkeys(BREAKDOWN, 0.0)
-    hidden, launches = 0.0, 0
+    hidden, launches = {"collective": 0.0, "host": 0.0}, 0
     for kernel, (seconds, _), shown in zip(found, per_kernel, predicted, strict=True):
         totals[_GROUP[kernel.category]] += shown
-        hidden += kernel.times * seconds - shown
+        hidden["collective" if kernel.collective is not None else "host"] += kernel.times * seconds - shown
         totals["launch"] += kernel.times * roof.launch_s
         launches += kernel.times
     return {
         "predicted_step_s": sum(totals.values()),
         "predicted_step_lower_bound_s": sum(bound),
         **{f"predicted_{name}_s": value for name, value in totals.items()},
-        "predicted_collective_hidden_s": hidden,
+        "predicted_collective_hidden_s": hidden["collective"],
         "predicted_kernel_launches": launches,
+        **host_link_columns(found, roof, hidden["host"]),
     }
+
+
+def host_link_columns(found: list[kernels.Kernel], roof: Roofline, hidden: float) -> dict[str, float | None]:
+    """The host link's share of a step (jaxscale.train.offload): predicted_host_link_bytes, what the kernels move
+    between host and device memory per step (transfers, and host buffers read or written in place);
+    predicted_host_link_s, those bytes at the link's rate (the target's PCIe, per direction, both directions counted
+    one after the other: an upper bound where they overlap); predicted_host_link_hidden_s, what the compute kernels
+    run between an async transfer's start and its -done hide of it (the schedule XLA compiled: the optimizer state
+    is fetched only once the gradients exist, so its transfers overlap the update's kernels at most). A kernel's
+    link time is already inside its group's predicted_<group>_s (a kernel takes the longest of its compute, memory
+    and link times); these columns say how much of the step the link is. None on a CPU (no host link)."""
+    if not roof.host_link_bytes_per_s:
+        return {"predicted_host_link_bytes": None, "predicted_host_link_s": None, "predicted_host_link_hidden_s": None}
+    moved = sum(k.times * k.host_bytes for k in found)
+    return {"predicted_host_link_bytes": moved, "predicted_host_link_s": moved / roof.host_link_bytes_per_s,
+            "predicted_host_link_hidden_s": hidden}  # fmt: skip
 
 
 def step_columns(
@@ -516,6 +540,10 @@ def summary_line(row: dict) -> str:
     )
     if row.get("predicted_collective_hidden_s"):
         text += f"; {row['predicted_collective_hidden_s']:.3g} s of collectives hidden behind compute"
+    if row.get("predicted_host_link_bytes"):
+        text += (f"; host link (offload) {row['predicted_host_link_bytes'] / 1e9:.3g} GB a step, "
+                 f"{row['predicted_host_link_s']:.3g} s at the host link's rate, "
+                 f"{row['predicted_host_link_hidden_s']:.3g} s of it hidden behind compute")  # fmt: skip
     if row.get("predicted_mfu") is not None:
         text += f"; MFU {row['predicted_mfu']:.1%}"
     if row.get("calibration_above_share"):

@@ -41,7 +41,7 @@ from jaxscale.cli import Usage, fail, print_help, wants_help
 from jaxscale.config import mesh_shape
 from jaxscale.measure import collectives, kernels, memory
 from jaxscale.plan import targets
-from jaxscale.train import sharding
+from jaxscale.train import offload, sharding
 from jaxscale.train.step import param_columns
 
 # The GEMM choice of a deviceless compile, as compile options (`lowered.compile(compiler_options=...)`): without
@@ -156,7 +156,7 @@ def compile_for_target(
       plan_key, compile_cache_hit (None: cache off), compile_cache_saved_s, and `kernels`: the kernels the
       program launches (jaxscale.measure.kernels, as dicts) for the time prediction.
     """
-    if mesh_shape(config).devices == 1:
+    if mesh_shape(config).devices == 1 and not offload.parts(config):  # offload: the layout's step (1x1x1 mesh)
         target = target_sharding(target_config_text)
         step, inputs, device = (
             train.make_train_step(config),
@@ -189,7 +189,7 @@ def compile_for_target(
     seconds = time.perf_counter() - start
     text = compiled.as_text()
     result = {
-        **memory.compiled_memory(compiled),
+        **memory.compiled_memory(compiled, text),
         **collectives.collective_columns(text),
         "compile_s": seconds,
         **param_columns(inputs[0]),

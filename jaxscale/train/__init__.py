@@ -3,6 +3,7 @@ and the logical-axis rules that lay the step out on it (sharding.py)."""
 
 from jaxscale.train.step import (
     Batch,
+    Fp8Gradients,
     Metrics,
     TrainState,
     abstract_inputs,
@@ -26,6 +27,7 @@ from jaxscale.train.step import (
 
 __all__ = [
     "Batch",
+    "Fp8Gradients",
     "Metrics",
     "TrainState",
     "abstract_inputs",

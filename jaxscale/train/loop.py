@@ -44,7 +44,7 @@ class TrainLoop:
         metrics: Any,
         source: Any,
         scalars: ScalarWriter,
-        evaluation: Callable[[Any], dict[str, float]] | None = None,
+        evaluation: Callable[[Any, Any], dict[str, float]] | None = None,
         eval_every: int = 0,
         checkpoints: Checkpoints | None = None,
         first_step: int = 0,
@@ -87,7 +87,7 @@ class TrainLoop:
 
     def evaluate(self) -> dict[str, float]:
         """Validation now (after `steps_done` steps), recorded and written as `loss/validation`."""
-        result = self.evaluation(model_params(self.state.params, self.state.frozen))
+        result = self.evaluation(model_params(self.state.params, self.state.frozen), self.state.fp8_meta)
         self.validation.append((self.steps_done, result))
         self.scalars.add("loss/validation", result["loss"], self.steps_done)
         self.scalars.flush()

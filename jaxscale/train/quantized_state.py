@@ -38,7 +38,6 @@ moments of small parameters keep the parameters' layout.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -47,45 +46,12 @@ import numpy as np
 import optax
 
 from jaxscale.config.defaults import INT8_BLOCK_SIZE, INT8_MIN_SIZE
+from jaxscale.config.quantization import dynamic_map  # the map's one home (the 4-bit base reads it too)
 
 # Elements of a quantized parameter that one iteration of the update's loop dequantizes, updates and quantizes
 # (whole blocks: 2048 of INT8_BLOCK_SIZE): 16 MiB per float32 array of the chunk, so a step's float32 temporaries
 # are a few such arrays, not the whole tree's moments.
 UPDATE_CHUNK_SIZE = 2**22
-
-
-@functools.cache
-def dynamic_map(signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
-    """The 2**total_bits values of the dynamic quantization map, ascending, float32 (read-only).
-
-    The values of bitsandbytes' `create_dynamic_map(signed, max_exponent_bits, total_bits)` (bitsandbytes/
-    functional.py, bitsandbytes-foundation/bitsandbytes @95f9af3): for each exponent e = 0 ... max_exponent_bits - 1
-    the midpoints of 2**(e + total_bits - 1 - max_exponent_bits) equal bins of [0.1, 1] (twice as many unsigned),
-    times 10**(e - max_exponent_bits + 1), negated too when signed; then 0 and 1. At 8 bits: signed, 127 positive
-    values, 127 negative ones (the most negative -0.99297), 0 and 1; unsigned, 254 positive values, 0 and 1.
-    Computed in float64 and rounded once to float32 (bitsandbytes computes in float32: a value may differ by an
-    ulp).
-    """
-    non_sign_bits = total_bits - 1  # bitsandbytes' count, signed or not: unsigned, the sign bit adds fraction bins
-    extra = 2 ** (non_sign_bits - max_exponent_bits) - 1  # bins of the exponent-less case (0 at 8 bits, 7 exponents)
-    values: list[float] = []
-
-    def bins(count: int, scale: float) -> None:
-        edges = np.linspace(0.1, 1.0, count + 1)
-        means = scale * (edges[:-1] + edges[1:]) / 2
-        values.extend(means)
-        if signed:
-            values.extend(-means)
-
-    for e in range(max_exponent_bits):
-        bins(2 ** (e + non_sign_bits - max_exponent_bits + (0 if signed else 1)), 10.0 ** (e - max_exponent_bits + 1))
-    if extra > 0:
-        bins(extra, 1.0)  # bitsandbytes' loop variable left at its last exponent: 10**0
-    values += [0.0, 1.0]
-    values += [0.0] * (2**total_bits - len(values))
-    code = np.sort(np.asarray(values, np.float64)).astype(np.float32)
-    code.setflags(write=False)
-    return code
 
 
 class QuantizedMoment(NamedTuple):

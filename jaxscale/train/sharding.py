@@ -45,6 +45,7 @@ from jaxscale.config import (
 )
 from jaxscale.config.layout_rules import RULES, gradient_rules, rules  # the rules table: its one home
 from jaxscale.measure.params import removed_axis
+from jaxscale.train import offload
 from jaxscale.train.step import (
     Batch,
     LocalAccumulation,
@@ -189,6 +190,7 @@ def make_layout(config: ml_collections.ConfigDict, mesh: Mesh, init_fn: Callable
     state = named(logical_state).replace(
         params=named(logical_state.params, param_table), frozen=named(logical_state.frozen, param_table)
     )
+    state = offload.host_shardings(state, config)  # the offloaded parts in pinned host memory
     grads = named(logical_state.params, gradient_rules(config))
     return Layout(mesh=mesh, state=state, metrics=named(metrics), batch=named(batch), grads=grads,
                   rules=param_table, local=local_accumulation(config, mesh, state.params))  # fmt: skip
@@ -224,7 +226,8 @@ def make_step(config: ml_collections.ConfigDict, layout: Layout | None) -> Any:
     layout, and tracing (`.lower`, a first call) inside `layout.activate()`."""
     if layout is None:
         return make_train_step(config)
-    step = functools.partial(train_step, **step_options(config), grad_shardings=layout.grads, local=layout.local)
+    step = functools.partial(offload.offloaded_step(train_step, config), **step_options(config),
+                             grad_shardings=layout.grads, local=layout.local)  # fmt: skip
     shardings = (layout.state, layout.metrics, layout.batch)
     jitted = jax.jit(step, in_shardings=shardings, out_shardings=shardings[:2], donate_argnums=(0, 1))
     return MeshStep(jitted, layout)
@@ -403,13 +406,14 @@ class Placement:
 
 
 def placement(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Placement:
-    """The Placement of `config`'s step: one device for the 1x1x1 mesh, else its mesh over `devices`.
+    """The Placement of `config`'s step: one device for the 1x1x1 mesh, else its mesh over `devices` (and a 1x1x1
+    mesh where something is offloaded to the host: the layout's shardings carry the memory kinds).
 
     Raises:
       ConfigError: the mesh does not use every device (see config.check_mesh_devices).
     """
     init_fn = make_init_fn(config)
-    if mesh_shape(config).devices == 1:
+    if mesh_shape(config).devices == 1 and not offload.parts(config):  # offload needs the layout's memory kinds
         return Placement(config, init_fn, None)
     return Placement(config, init_fn, make_layout(config, make_mesh(config, devices), init_fn))
 

@@ -20,7 +20,8 @@ from jaxscale import model as models
 from jaxscale.config import finetune, step_model
 from jaxscale.data.batch import Batch as Batch  # the batch type is the data package's; re-exported
 from jaxscale.data.batch import make_batch as make_batch  # as train.Batch and train.make_batch
-from jaxscale.train import quantized_state
+from jaxscale.model import fp8, nf4
+from jaxscale.train import offload, quantized_state
 
 Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 scalars, summed
 
@@ -28,22 +29,65 @@ Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 sca
 class TrainState(train_state.TrainState):
     """Params, optimizer state and step (from Flax) plus the RNG key that dropout draws from, and the frozen
     parameters (jaxscale.config.finetune): `params` holds what trains (all of them by default), `frozen` the
-    rest in finetune.frozen_dtype ({} when everything trains); the model reads both (`model_params`)."""
+    rest in finetune.frozen_dtype ({} when everything trains); the model reads both (`model_params`).
+    `fp8_meta`: with model.fp8=delayed, Flax's delayed-scaling state (amax histories and scales, the
+    jaxscale.model.fp8.OVERWRITE collection), which each step replaces by the value its FP8 ops return ({} without)."""
 
     rng: jax.Array
     frozen: Any = flax.struct.field(default_factory=dict)
+    fp8_meta: Any = flax.struct.field(default_factory=dict)
+
+
+@flax.struct.dataclass
+class Fp8Gradients:
+    """What the step differentiates and gets back with delayed FP8 scaling: the trained params' gradients, and the
+    new delayed-scaling state Flax's FP8 ops return as the "gradient" of their state (jaxscale.model.fp8)."""
+
+    params: Any
+    fp8_meta: Any
+
+
+def _accumulate(total: Any, new: Any) -> Any:
+    """Two minibatches' gradients together: summed; delayed-scaling states (each computed from the same old state)
+    by their maximum, so the newest amax is the batch's (jaxscale.model.fp8)."""
+    if isinstance(total, Fp8Gradients):
+        return Fp8Gradients(
+            _tree_add(total.params, new.params), jax.tree_util.tree_map(jnp.maximum, total.fp8_meta, new.fp8_meta)
+        )
+    return _tree_add(total, new)
+
+
+def _scale(grads: Any, factor: float) -> Any:
+    """Gradients multiplied by `factor` (an average's 1/n); a delayed-scaling state left as it is."""
+    scaled = lambda tree: jax.tree_util.tree_map(lambda g: g * factor, tree)  # noqa: E731
+    return grads.replace(params=scaled(grads.params)) if isinstance(grads, Fp8Gradients) else scaled(grads)
+
+
+def _on_params(fn: Callable[[Any], Any], grads: Any) -> Any:
+    """`fn` (a sharding constraint of the parameters' layout) applied to the gradients of the params only."""
+    return grads.replace(params=fn(grads.params)) if isinstance(grads, Fp8Gradients) else fn(grads)
 
 
 def split_params(params: Any, config: ml_collections.ConfigDict) -> tuple[Any, Any]:
     """(trainable, frozen) halves of a params tree by jaxscale.config.finetune.trainable, the frozen half cast
-    to finetune.frozen_dtype; ({}: nothing frozen) when every parameter trains. Boxed leaves keep their box."""
+    to finetune.frozen_dtype (`frozen_leaf`); ({}: nothing frozen) when every parameter trains. Boxed leaves keep
+    their box, except NF4 kernels (replicated)."""
     if finetune.trains_everything(config):
         return params, {}
     flat = traverse_util.flatten_dict(params, sep="/")
-    dtype = jnp.dtype(config.finetune.frozen_dtype)
     train = {k: v for k, v in flat.items() if finetune.trainable(k, config)}
-    frozen = {k: jax.tree_util.tree_map(lambda x: x.astype(dtype), v) for k, v in flat.items() if k not in train}
+    frozen = {k: frozen_leaf(k, v, config) for k, v in flat.items() if k not in train}
     return traverse_util.unflatten_dict(train, sep="/"), traverse_util.unflatten_dict(frozen, sep="/")
+
+
+def frozen_leaf(path: str, value: Any, config: ml_collections.ConfigDict) -> Any:
+    """A frozen parameter as the state stores it: a projection kernel under finetune.frozen_dtype=nf4 quantized to
+    NF4 (jaxscale.model.nf4.quantize, each of nn.scan's stacked layers apart), anything else cast to
+    finetune.stored_dtype."""
+    if finetune.nf4_kernel(path, config):
+        return nf4.quantize(nn.meta.unbox(value), stacked=int(config.model.scan_layers))
+    dtype = jnp.dtype(finetune.stored_dtype(config))
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype), value)
 
 
 def param_columns(state: TrainState) -> dict[str, int]:
@@ -100,7 +144,7 @@ def make_optimizer(opt: ml_collections.ConfigDict) -> optax.GradientTransformati
     tx = optimizers[opt.name]()
     if opt.grad_clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), tx)
-    return tx
+    return offload.offloaded_optimizer(tx) if opt.offload_state else tx  # state on the host: jaxscale.train.offload
 
 
 def make_model(config: ml_collections.ConfigDict, train: bool = True) -> nn.Module:
@@ -126,9 +170,11 @@ def make_init_fn(config: ml_collections.ConfigDict, boxed: bool = False) -> Call
     def init_fn() -> TrainState:
         init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.train.seed))
         tokens = jnp.zeros((1, config.data.seq_len), jnp.int32)
-        params, frozen = split_params(init_model.init(init_rng, tokens)["params"], config)
-        state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng, frozen=frozen)
-        return state if boxed else nn.meta.unbox(state)
+        variables = init_model.init(init_rng, tokens)
+        params, frozen = split_params(variables["params"], config)
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng, frozen=frozen,
+                                  fp8_meta=variables.get(fp8.OVERWRITE, {}))  # fmt: skip
+        return state if boxed else nf4.unbox(state)  # an NF4 kernel stays one (its own unbox is its use)
 
     return init_fn
 
@@ -238,7 +284,8 @@ def accumulate_gradients(
       constrain_grads: on a mesh, pins the gradient accumulator to the parameters' layout (FSDP keeps it
         sharded); None off a mesh.
     Returns:
-      (grads averaged over minibatches, metrics summed over minibatches).
+      (grads averaged over minibatches, metrics summed over minibatches); with delayed FP8 scaling (Fp8Gradients)
+      the new scaling state is the minibatches' maximum (`_accumulate`).
     """
     if num_minibatches == 1:
         return grad_fn(params, batch, jax.random.fold_in(rng, 0))
@@ -251,7 +298,7 @@ def accumulate_gradients(
                     lambda x, i=i: x[i * minibatch_size : (i + 1) * minibatch_size], batch
                 )
                 step_grads, step_metrics = grad_fn(params, minibatch, jax.random.fold_in(rng, i))
-            grads = step_grads if grads is None else _tree_add(grads, step_grads)
+            grads = step_grads if grads is None else _accumulate(grads, step_grads)
             metrics = step_metrics if metrics is None else _tree_add(metrics, step_metrics)
     elif method == "scan":
         # [n, B/n, ...]: minibatch i is rows i*B/n ... (i+1)*B/n - 1, as in the loop.
@@ -266,13 +313,13 @@ def accumulate_gradients(
         def body(carry, xs):
             index, minibatch = xs
             with jax.named_scope("minibatch"):
-                return _tree_add(carry, grad_fn(params, minibatch, jax.random.fold_in(rng, index))), None
+                grads, metrics = grad_fn(params, minibatch, jax.random.fold_in(rng, index))
+                return (_accumulate(carry[0], grads), _tree_add(carry[1], metrics)), None
 
         (grads, metrics), _ = jax.lax.scan(body, carry, (jnp.arange(num_minibatches), minibatches))
     else:
         raise ValueError(f"train.accumulate: unknown {method!r}; allowed: scan, loop")
-    grads = jax.tree_util.tree_map(lambda g: g / num_minibatches, grads)
-    return grads, metrics
+    return _scale(grads, 1 / num_minibatches), metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +357,7 @@ def _per_group(grad_fn: Callable, local: LocalAccumulation) -> Callable:
         keys = jax.vmap(lambda g: jax.random.fold_in(minibatch_rng, g))(jnp.arange(local.count))
         with nn.logical_axis_rules(local.rules):
             grads, metrics = jax.vmap(grad_fn, in_axes=(None, 0, 0), spmd_axis_name=local.axes)(params, groups, keys)
-        return jax.lax.with_sharding_constraint(grads, local.carry), metrics
+        return _on_params(functools.partial(jax.lax.with_sharding_constraint, shardings=local.carry), grads), metrics
 
     return grouped
 
@@ -335,10 +382,15 @@ def batch_gradients(
     """
 
     def constrain_grads(grads: Any) -> Any:
-        return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
+        if grad_shardings is None:
+            return grads
+        return _on_params(functools.partial(jax.lax.with_sharding_constraint, shardings=grad_shardings), grads)
 
-    def loss_of_trained(params, minibatch, minibatch_rng):  # the frozen params are constants here
-        return loss_fn(model_params(params, state.frozen), state.apply_fn, minibatch, minibatch_rng)
+    def loss_of_trained(trained, minibatch, minibatch_rng):  # the frozen params are constants here
+        apply_fn, params = state.apply_fn, trained
+        if isinstance(trained, Fp8Gradients):  # delayed FP8 scaling: its state differentiated beside the params
+            apply_fn, params = fp8.with_state(apply_fn, trained.fp8_meta), trained.params
+        return loss_fn(model_params(params, state.frozen), apply_fn, minibatch, minibatch_rng)
 
     def grad_fn(params, minibatch, minibatch_rng):
         (_, step_metrics), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(
@@ -350,17 +402,24 @@ def batch_gradients(
         grads, step_metrics = grad_fn(params, minibatch, minibatch_rng)
         return constrain_grads(grads), step_metrics
 
+    trained = Fp8Gradients(state.params, state.fp8_meta) if state.fp8_meta else state.params
     if local is None or num_minibatches == 1:
         return accumulate_gradients(
-            constrained_grad_fn, state.params, batch, rng, num_minibatches, accumulate, constrain_grads
+            constrained_grad_fn, trained, batch, rng, num_minibatches, accumulate, constrain_grads
         )
-    carry = functools.partial(jax.lax.with_sharding_constraint, shardings=local.carry)
+    carry = functools.partial(_on_params, functools.partial(jax.lax.with_sharding_constraint, shardings=local.carry))
     grads, metrics = accumulate_gradients(
-        _per_group(grad_fn, local), state.params, batch, rng, num_minibatches, accumulate, carry
+        _per_group(grad_fn, local), trained, batch, rng, num_minibatches, accumulate, carry
     )
     with jax.named_scope("reduce_gradients"):  # the step's one sum over the devices that split the batch
-        # each group's gradient is of its own rows' mean loss: the batch's is their mean (equal groups)
-        grads = constrain_grads(jax.tree_util.tree_map(lambda g: g.sum(0) / local.count, grads))
+        # each group's gradient is of its own rows' mean loss: the batch's is their mean (equal groups); each
+        # group's delayed-scaling state saw its own rows: the batch's is their maximum
+        mean = lambda tree: jax.tree_util.tree_map(lambda g: g.sum(0) / local.count, tree)  # noqa: E731
+        if isinstance(grads, Fp8Gradients):
+            grads = Fp8Gradients(mean(grads.params), jax.tree_util.tree_map(lambda m: m.max(0), grads.fp8_meta))
+        else:
+            grads = mean(grads)
+        grads = constrain_grads(grads)
     return grads, jax.tree_util.tree_map(lambda m: m.sum(0), metrics)
 
 
@@ -384,7 +443,11 @@ def train_step(
             state, batch, step_rng, num_minibatches, accumulate, grad_shardings, loss_fn, local
         )
     with jax.named_scope("optimizer"):
-        state = state.apply_gradients(grads=grads, rng=rng)
+        # a delayed FP8 scaling state is replaced, never optimized (as flax.training.train_state does)
+        if isinstance(grads, Fp8Gradients):
+            state = state.apply_gradients(grads=grads.params, rng=rng, fp8_meta=grads.fp8_meta)
+        else:
+            state = state.apply_gradients(grads=grads, rng=rng)
     return state, _tree_add(metrics, step_metrics)
 
 

@@ -86,7 +86,7 @@ def test_fp8_targets_choose_the_projections_and_bad_ones_are_one_line():
     config.model.fp8, config.model.fp8_targets = "dynamic", ("attention", "gate")  # gate: llama's, not gpt's
     with pytest.raises(ConfigError, match=r"^model.fp8_targets: unknown 'gate' for model.family=gpt; allowed: "):
         validate(config)
-    config.model.fp8 = "delayed"
+    config.model.fp8 = "rowwise"  # torchao's other recipe: not offered
     with pytest.raises(ConfigError, match=r"^model.fp8: "):
         validate(config)
 
@@ -147,10 +147,10 @@ def test_a_gpu_target_compiles_fp8_gemms_and_the_kernels_read_them_as_fp8(tmp_pa
 
 @pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["b200", "l40s"])
+@pytest.mark.parametrize("target", ["b200", "gb200", "l40s"])
 def test_blackwell_and_ada_targets_compile_the_same_fp8_gemms(tmp_path, target):
-    """The B200 (sm_100) and L40S (sm_89) targets: cuBLASLt's FP8 matmul for the same 14 GEMMs per layer as the
-    H100 (the count by hand in the test above)."""
+    """The B200 and GB200 (sm_100) and L40S (sm_89) targets: cuBLASLt's FP8 matmul for the same 14 GEMMs per layer
+    as the H100 (the count by hand in the test above)."""
     config = load_config("bf16_remat", "tiny")
     config.model.fp8 = "dynamic"
     validate(config)
@@ -167,3 +167,35 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_one_line():
         gpu_plan.check_fp8(config, "a100-80gb")
     gpu_plan.check_fp8(config, "l4")  # Ada: has them
     gpu_plan.check_fp8(config, "b200")
+
+
+def _gathered(program: str) -> dict[tuple[str, str], int]:
+    """(dtype, shape) -> count of the arrays the program's all-gathers produce (async starts and sync ones)."""
+    counts: dict[tuple[str, str], int] = {}
+    for line in program.splitlines():
+        if " all-gather-start(" not in line and " all-gather(" not in line:
+            continue
+        result = line.split(" all-gather")[0].split("), (")[-1]  # an async start's tuple: (operands), (results)
+        for found in re.findall(r"(f8e4m3fn|f8e5m2|bf16|f32)\[(\d+(?:,\d+)*)\]", result):
+            counts[found] = counts.get(found, 0) + 1
+    return counts
+
+
+@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+@pytest.mark.parametrize("mode", ["dynamic", pytest.param("delayed", marks=pytest.mark.slow)])
+def test_fsdp_on_a_gpu_target_gathers_the_fp8_weights_in_fp8(tmp_path, mode):
+    """torchtitan's "Float8 + FP8 all-gather" is what XLA's GPU compiler does by itself: with FSDP over 8 H100s (the
+    tiny GPT, scanned) every projection kernel is all-gathered as float8_e4m3fn (quantized on its shard, the scale
+    an all-reduced max), none in bf16; the embedding tables, which are not FP8, still gather bf16. The gathered
+    shapes by hand: qkv [64, 4, 48] (hidden, heads, 3 x head_dim), out [64, 16, 4] as laid out, up and down 64 x 256."""
+    config = load_config("bf16_remat", "tiny")
+    config.model.fp8, config.model.scan_layers, config.mesh.fsdp, config.data.batch_size = mode, True, 8, 16
+    validate(config)
+    path = tmp_path / "fsdp.hlo.gz"
+    gpu_plan.compile_in_process(config, targets.target_config_text(targets.get_target("h100")), "cublas", devices=8,
+                                hlo_path=path)  # fmt: skip
+    gathered = _gathered(gzip.open(path, "rt").read())
+    kernels = ("64,4,48", "64,16,4", "64,256")
+    assert all(gathered.get(("f8e4m3fn", shape), 0) > 0 for shape in kernels), gathered
+    assert not any(gathered.get(("bf16", shape), 0) for shape in kernels), gathered
+    assert gathered.get(("bf16", "64,128"), 0) > 0  # the token table [vocab 128, hidden 64]: bf16 as without FP8

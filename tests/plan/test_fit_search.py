@@ -300,3 +300,12 @@ def test_a_compile_s_warnings_reach_fd_2_whatever_sys_stderr_is(monkeypatch):
     with gpu_plan.captured_stderr() as captured:
         target_compile._emit("W external/xla: Can't reduce memory use below 1 bytes\n")
     assert "Can't reduce memory use below 1 bytes" in captured[0]
+
+
+def test_the_offload_methods_keep_the_state_and_the_parameters_on_the_host():
+    config = base_config("tiny", "offload")
+    state = fit_search.with_finetune(config, "full_offload_state")
+    both = fit_search.with_finetune(config, "full_offload_params")
+    assert (state.optimizer.offload_state, state.train.offload_params) == (True, False)
+    assert (both.optimizer.offload_state, both.train.offload_params) == (True, True)
+    assert state.finetune.train == both.finetune.train == "all"

@@ -387,3 +387,20 @@ def test_simulated_cpu_devices_share_the_machines_roofline_so_a_mesh_step_is_nev
     assert two["predicted_step_s"] == pytest.approx(2 * 2 * n**3 / peak, rel=0.02)
     assert "one of 2 simulated devices" in two["predicted_roofline_source"]
     assert two["predicted_mfu"] == pytest.approx(one["predicted_mfu"] / 2)
+
+
+def test_host_bytes_cross_the_targets_pcie_link_and_an_async_transfer_hides_behind_compute():
+    """By hand: an H100's host link is PCIe 5.0 x16, 63 GB/s per direction (32 GT/s x 16 lanes, 128b/130b); a
+    transfer of 6.3 GB takes 0.1 s there, and a fusion of 0.06 s between its start and -done hides 0.06 s of it."""
+    roof = predict.gpu_roofline(targets.TARGETS["h100"])
+    assert roof.host_link_bytes_per_s == 32e9 * 16 * 128 / 130 / 8 // 1e9 * 1e9  # 63 GB/s
+    size = 6_300_000_000
+    transfer = _kernel("copy", name="d2h", detail="device_to_host", bytes_read=size, bytes_written=size,
+                       host_bytes=size, window=(1, 1))  # fmt: skip
+    assert predict.kernel_seconds(transfer, roof)[0] == pytest.approx(0.1)
+    fusion = _kernel(name="update", flops=roof.vector_flops_per_s * 0.06)
+    columns = predict.predict([transfer, fusion], roof)
+    assert columns["predicted_host_link_bytes"] == size and columns["predicted_host_link_s"] == pytest.approx(0.1)
+    assert columns["predicted_host_link_hidden_s"] == pytest.approx(0.06)
+    assert columns["predicted_copy_dus_s"] == pytest.approx(0.04)
+    assert predict.predict([transfer, fusion], predict.cpu_roofline())["predicted_host_link_s"] is None  # a CPU: none

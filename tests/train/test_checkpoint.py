@@ -235,6 +235,26 @@ def test_init_from_reads_another_runs_parameters_and_starts_its_adapters_fresh(t
     assert lora_b and all(not np.any(np.asarray(b)) for b in lora_b)
 
 
+def test_init_from_quantizes_the_loaded_kernels_to_nf4(tmp_path):
+    """finetune.frozen_dtype=nf4 (QLoRA): the loaded projection kernels become the NF4 codes of the loaded values
+    (jaxscale.model.nf4.quantize of them), the other loaded parameters bfloat16."""
+    from jaxscale.model import nf4
+
+    base = base_config("tiny-llama", "base")
+    trained = jax.tree_util.tree_map(lambda x: x + 0.5, _state(base))
+    _save(tmp_path / "base" / "checkpoints", base, steps=(2,), state=trained)
+    config = _finetune_config(init_from=str(tmp_path / "base"), frozen_dtype="nf4")
+    state = checkpoint.with_base_params(jax.jit(train.make_init_fn(config))(), config)
+    flat = traverse_util.flatten_dict(state.frozen, sep="/")
+    expected = traverse_util.flatten_dict(trained.params, sep="/")
+    assert set(flat) == set(expected)
+    kernels = [path for path, value in flat.items() if isinstance(value, nf4.Nf4Weight)]
+    assert len(kernels) == 2 * 7  # q, k, v, out, gate, up, down in 2 blocks
+    for path, value in flat.items():
+        want = nf4.quantize(expected[path]) if path in kernels else expected[path].astype(jax.numpy.bfloat16)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, value, want)
+
+
 @pytest.mark.parametrize(
     "setup, message",
     [

@@ -17,6 +17,7 @@ from jaxscale.train.step import init_metrics
 class FakeState:
     params: float
     frozen: dict = dataclasses.field(default_factory=dict)  # nothing frozen: validation reads params alone
+    fp8_meta: dict = dataclasses.field(default_factory=dict)  # no delayed FP8 scaling state
 
 
 class FakeSource:
@@ -58,7 +59,7 @@ class Recorder:
 
 def test_steps_record_losses_and_run_validation_and_checkpoints_on_schedule():
     recorder = Recorder()
-    evaluation = lambda params: {"loss": 10.0 * params}  # noqa: E731
+    evaluation = lambda params, fp8_meta: {"loss": 10.0 * params}  # noqa: E731
     source = FakeSource([3.0, 2.0, 1.5, 1.0, 0.5])
     loop = TrainLoop(fake_step, FakeState(0), init_metrics(), source, recorder, evaluation,
                      eval_every=3, checkpoints=recorder, first_step=10)  # fmt: skip
@@ -75,7 +76,7 @@ def test_steps_record_losses_and_run_validation_and_checkpoints_on_schedule():
 def test_a_non_finite_loss_stops_before_validation_or_a_checkpoint():
     recorder = Recorder()
     loop = TrainLoop(fake_step, FakeState(0), init_metrics(), FakeSource([1.0, float("nan")]), recorder,
-                     lambda params: {"loss": 0.0}, eval_every=1, checkpoints=recorder)  # fmt: skip
+                     lambda params, fp8_meta: {"loss": 0.0}, eval_every=1, checkpoints=recorder)  # fmt: skip
     loop.step()
     with pytest.raises(FloatingPointError, match="loss became nan at step 1"):
         loop.step()

@@ -250,7 +250,7 @@ def test_int8_with_another_optimizer_is_one_line(fields, message):
 def test_frozen_dtype_does_not_take_int8():
     config = load_config("bf16_remat", "tiny")
     config.finetune.frozen_dtype = "int8"
-    with pytest.raises(ConfigError, match=r"^finetune.frozen_dtype: unknown 'int8'; allowed: float32, bfloat16$"):
+    with pytest.raises(ConfigError, match=r"^finetune.frozen_dtype: unknown 'int8'; allowed: float32, bfloat16, nf4$"):
         validate(config)
 
 

@@ -542,3 +542,70 @@ def test_moe_expert_parallel_shards_the_experts_their_gradients_and_adam_state()
                                    placement.layout.grads)  # fmt: skip
     assert sum(jax.tree_util.tree_leaves(grads)) == expected  # split as the parameters are (ZeRO-3)
     assert row["analytic_grads_bytes"] == 2 * expected  # a minibatch's gradients and their accumulator
+
+
+# From a state with filled histories, the params of a mesh and of one device differ within FP8_RTOL after a step; the
+# next step's activations and gradients, and so the amaxes it records, differ a little (measured, this test: 8x1x1
+# equal to one device bit for bit; 1x8x1's first differing leaf 6.3e-8 relative). A state reduced over one device's
+# rows only would be off by the spread of a max over 1/8 of the batch (>5%), 50x this tolerance.
+NEXT_AMAX_RTOL = 1e-3
+
+
+def _delayed_steps(config, devices=None, state=None, steps: int = 1):
+    """model.fp8=delayed: the states after each of `steps` train steps (from `state`, or the init) on fixed batches."""
+    placement = sharding.placement(config, devices)
+    step, states = placement.step(), []
+    fresh = placement.init_state()
+    if state is not None:  # its values in this placement's state (whose static fields are this config's)
+        state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(fresh), jax.tree_util.tree_leaves(state))
+        state = jax.device_put(state, None if placement.layout is None else placement.layout.state)
+    state = fresh if state is None else state
+    for i in range(steps):
+        batch = train.make_batch(jax.random.PRNGKey(i + 1), config.data.batch_size, config.data.seq_len,
+                                 config.model.vocab_size)  # fmt: skip
+        state, _ = step(state, placement.init_metrics(), placement.place_batch(batch))
+        states.append(jax.device_get(state))
+    return states
+
+
+@pytest.mark.parametrize("mesh, minibatches", [((1, 8, 1), 2), pytest.param((8, 1, 1), 1, marks=pytest.mark.slow)])
+def test_delayed_fp8_on_a_mesh_equals_one_device(mesh, minibatches):
+    """model.fp8 = "delayed" from a state one step in on one device (histories filled, so the scales are a tensor's
+    own, as dynamic scaling's are): the amax each op records is a max over the whole (sharded) tensor, which the
+    partitioner reduces exactly. Two steps later the scaling state equals one device's within NEXT_AMAX_RTOL (the
+    params differ within FP8_RTOL after the first, so the next amaxes do a little) and the params within FP8_RTOL.
+    (The very first step quantizes at Flax's initial scale 1, where most gradients are e5m2 subnormals and a sum's
+    order flips many roundings: compared from the init, the params differ by ~3x FP8_RTOL on 1x8x1.)"""
+    changes = {"model.fp8": "delayed", "train.num_minibatches": minibatches}
+    warm = _delayed_steps(_config((1, 1, 1), **changes))[-1]
+    one = _delayed_steps(_config((1, 1, 1), **changes), state=warm, steps=2)
+    many = _delayed_steps(_config(mesh, **changes), jax.devices()[: int(np.prod(mesh))], state=warm, steps=2)
+    for a, b in zip(many, one, strict=True):
+        for x, y in zip(jax.tree_util.tree_leaves(a.fp8_meta), jax.tree_util.tree_leaves(b.fp8_meta), strict=True):
+            np.testing.assert_allclose(x, y, rtol=NEXT_AMAX_RTOL, atol=0)
+    for x, y in zip(jax.tree_util.tree_leaves(many[-1].params), jax.tree_util.tree_leaves(one[-1].params), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        np.testing.assert_allclose(x, y, rtol=0, atol=FP8_RTOL * float(np.abs(y).max()))
+
+
+def test_delayed_fp8_data_parallel_accumulation_takes_the_max_of_every_devices_rows():
+    """Data parallelism with 2 minibatches accumulates per device (LocalAccumulation): 16 rows, 2 minibatches of 8,
+    8 devices, so each device's group of each minibatch is one row. The step's new scaling state is the elementwise
+    max of the states one device returns for each row alone, its gradients their mean: both computed apart here."""
+    config = _config((8, 1, 1), **{"model.fp8": "delayed"})
+    placement = sharding.placement(config, jax.devices()[:8])
+    assert placement.layout.local is not None and placement.layout.local.count == 8
+    state = placement.init_state()
+    batch = train.make_batch(jax.random.PRNGKey(1), 16, config.data.seq_len, config.model.vocab_size)
+    fn = functools.partial(train.batch_gradients, rng=jax.random.PRNGKey(5), num_minibatches=2, accumulate="scan",
+                           grad_shardings=placement.layout.grads, local=placement.layout.local)  # fmt: skip
+    with placement.layout.activate():
+        grads, _ = jax.device_get(jax.jit(fn)(state, placement.place_batch(batch)))
+    single = jax.jit(functools.partial(train.batch_gradients, rng=jax.random.PRNGKey(5), num_minibatches=1,
+                                       accumulate="scan"))  # fmt: skip
+    host_state = jax.device_put(jax.device_get(state), jax.devices()[0])
+    rows = [jax.device_get(single(host_state, jax.tree_util.tree_map(lambda x, r=r: x[r : r + 1], batch))[0])
+            for r in range(16)]  # fmt: skip
+    for x, *per_row in zip(*(jax.tree_util.tree_leaves(g.fp8_meta) for g in (grads, *rows)), strict=True):
+        np.testing.assert_allclose(x, np.max(per_row, axis=0), rtol=1e-5, atol=0)
+    _assert_close(grads.params, jax.tree_util.tree_map(lambda *g: np.mean(g, axis=0), *(r.params for r in rows)))
