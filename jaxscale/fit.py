@@ -37,7 +37,7 @@ from jaxscale.cli import (
 from jaxscale.config import ConfigError, flatten, mesh_shape, mesh_text
 from jaxscale.measure import params
 from jaxscale.plan import budget as budget_lib
-from jaxscale.plan import cost, fit_levers, fit_recommend, fit_search, gpu_plan, targets
+from jaxscale.plan import cost, fit_levers, fit_recommend, fit_search, frontier, gpu_plan, targets
 from jaxscale.plan.probe_cache import ProbeCache
 from jaxscale.plan.probe_cache import plain as _plain
 from jaxscale.sweep import runner
@@ -76,7 +76,18 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         "the setting it needs.", flag_values=fv,
     )  # fmt: skip
     flags.DEFINE_float("headroom", 0.0, "Fraction of the budget kept free (0.1 = plan within 90%).", flag_values=fv)
-    flags.DEFINE_list("remat", list(fit_search.REMAT_CHOICES), "Remat choices to compare.", flag_values=fv)
+    flags.DEFINE_list(
+        "remat", list(fit_search.REMAT_CHOICES), "Remat choices to compare, or `frontier`: walk the per-activation "
+        "policies as MaxText's estimator does (jaxscale/plan/frontier.py, docs/fit.md).", flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_integer(
+        "frontier_compiles", frontier.DEFAULT_MAX_COMPILES, "With --remat frontier: probes of the whole walk (each "
+        "a compile unless kept from an earlier fit); the answer says when this bound cut the walk.", flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_list(
+        "frontier_places", list(frontier.DEFAULT_PLACES), "With --remat frontier: the places activations move to, "
+        "in turn (offload,device as MaxText; device alone skips offloading).", flag_values=fv,
+    )  # fmt: skip
     methods = ", ".join(fit_search.FINETUNE_CHOICES)
     flags.DEFINE_list(
         "finetune", [], f"Fine-tuning methods to compare, each with every --remat choice ({methods}; "
@@ -256,10 +267,14 @@ def _known_remat_choice(choice: str) -> bool:
 def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[list[dict], pathlib.Path, dict]:
     """Searches every selected remat choice that has no current row; returns all rows, the results path, and what
     the answer needs to try levers (the questions' configs, the planner, the budget)."""
-    unknown = [c for c in fv.remat if not _known_remat_choice(c)]
+    walking = frontier.NAME in fv.remat
+    unknown = [c for c in fv.remat if not _known_remat_choice(c) and c != frontier.NAME]
     if unknown:
         raise UsageError(f"--remat: unknown {', '.join(unknown)}; allowed: {', '.join(fit_search.REMAT_CHOICES)}, "
-                         "or per_activation:<activation>=<device|offload|remat>+... (docs/fit.md)")  # fmt: skip
+                         "or per_activation:<activation>=<device|offload|remat>+... (docs/fit.md), or "
+                         f"{frontier.NAME} alone")  # fmt: skip
+    if walking:
+        frontier.check_flags(fv.remat, fv.frontier_places, fv.frontier_compiles)
     unknown = [m for m in fv.finetune if m not in fit_search.FINETUNE_CHOICES]
     if unknown:
         raise UsageError(f"--finetune: unknown {', '.join(unknown)}; allowed: "
@@ -317,8 +332,10 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     if fv.measure:
         _check_measurable(spec)
     limits = {"limit": fv.max_minibatch, "max_compiles": fv.max_compiles}
+    if walking:  # what a frontier row answers includes the walk's bound and steps
+        limits.update(frontier_compiles=fv.frontier_compiles, frontier_places=list(fv.frontier_places))
     where = pathlib.Path(spec.name).stem if spec else jax.default_backend()  # a .txtpb target: its file's stem
-    name = fv.name or f"fit_{config.name}_{config.preset}_{where}"
+    name = fv.name or f"fit_{config.name}_{config.preset}_{where}" + ("_frontier" if walking else "")
     name += f"_x{devices}" if devices > 1 and not fv.name else ""
     output_root = pathlib.Path(fv.output_root)
     store = ResultsFile(output_root / "experiments" / "results" / name)
@@ -338,21 +355,33 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
             plan_question = _question(method_config, {k: settings[k] for k in plan_keys})
             cache = ProbeCache(ResultsFile(store.directory / "probes"), plan_question, fresh=fv.rerun)
             recorded = {r.get("variant"): r for r in store.rows() if r.get("fit_question") == question}
-            for choice in fv.remat:
+
+            def answer(choice, choice_limits, method=method, precision=precision, config=method_config,
+                       question=question, recorded=recorded, cache=cache) -> dict:  # fmt: skip
+                """One choice's row: recorded for this question, else searched within choice_limits and recorded."""
                 variant = ":".join(part for part in (method, precision, choice) if part)
                 wanted[variant] = question
                 if variant in recorded and not fv.rerun:
                     if not fv.quiet:
                         print(f"  {variant}: already answered (--rerun to search again)")
-                    continue
+                    return recorded[variant]
                 chosen = {**settings, "fit_finetune": method, "fit_precision": precision}
-                row = fit_choice(method_config, choice, plan, cache, chosen, limits)
+                row = fit_choice(config, choice, plan, cache, chosen, choice_limits)
                 row.update(sweep=name, variant=variant, baseline=next(iter(wanted)), fit_question=question,
                            plan_only=True)  # fmt: skip
                 store.record(json.loads(json.dumps(row, default=_plain)))
                 if not fv.quiet:
                     print(f"  {variant}: largest minibatch {row['fit_largest_minibatch']} ({row['fit_compiles']} "
                           f"compiles, {row['fit_wall_s']:.0f} s)", flush=True)  # fmt: skip
+                return row
+
+            if walking:
+                walked = frontier.walk_config(method_config, answer, fv.frontier_places, limits)
+                for row in walked:
+                    store.record(json.loads(json.dumps(row, default=_plain)))
+            else:
+                for choice in fv.remat:
+                    answer(choice, limits)
         rows = [r for r in store.rows() if wanted.get(r.get("variant")) == r.get("fit_question")]
         if fv.measure:
             measure_rows(rows, fv, name, output_root)
@@ -366,7 +395,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     fraction = settings.get("fit_mem_fraction")
     at = (lambda f: int(budget(fv.target, None, f).bytes * (1 - fv.headroom))) if spec and fv.memory is None else None
     context = {"configs": methods, "plan": plan, "usable": usable, "budget_at": at, "fraction": fraction,
-               "respect": respect}  # fmt: skip
+               "respect": respect, "walking": walking}  # fmt: skip
     return sorted(rows, key=lambda r: order[r["variant"]]), store.path, context
 
 
@@ -382,6 +411,21 @@ def _what_would_fit(rows: list[dict], config: ml_collections.ConfigDict, context
         names = ", ".join(lever.name for lever in fit_levers.LEVERS)
         return f"what would fit: none of the levers ({names}), alone or together, at minibatch 1"
     return fit_levers.answer(*found)
+
+
+def _frontier_text(rows: list[dict], path: pathlib.Path) -> str:
+    """The frontier's table and notes per fine-tuning method and precision; its figure written beside the rows."""
+    from jaxscale.report import frontier_report  # matplotlib: only when a frontier is drawn
+
+    texts = []
+    for group in dict.fromkeys((r.get("fit_finetune"), r.get("fit_precision")) for r in rows):
+        chosen = [r for r in rows if (r.get("fit_finetune"), r.get("fit_precision")) == group]
+        named = [fit_search.FINETUNE_CHOICES[group[0]][0]] if group[0] else []
+        named += [fit_search.PRECISION_CHOICES[group[1]][0]] if group[1] else []
+        head = [f"frontier for {', '.join(named)}:"] if named else []
+        texts += [*head, frontier.format_table(chosen), *(f"  {line}" for line in frontier.notes(chosen))]
+    figure = frontier_report.write_figure(rows, path.parent / "frontier.png")
+    return "\n".join([*texts, f"figure: {figure}"])
 
 
 def _check_measurable(spec: targets.GpuTarget | None) -> None:
@@ -403,6 +447,8 @@ USAGE = Usage(
         "python -m jaxscale.fit --config configs/bf16_remat.py:llama3.2-1b --target l4 "
         "--config.optimizer.name=adafactor --memory 20GiB --headroom 0.05",
         "python -m jaxscale.fit --config configs/bf16_remat.py:tiny --memory 4MiB",
+        "python -m jaxscale.fit --config configs/bf16_remat.py:llama3.2-1b --target a5000 --remat frontier "
+        "--config.model.attention=flash --mem_fraction 0.95",
         "python -m jaxscale.fit --config configs/bf16_remat.py:llama3.1-8b --config.data.seq_len=8192 "
         "--config.mesh.fsdp=8 --target h100 --devices 8",
     ),
@@ -431,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jaxscale: interrupted; finished rows and probes are kept, run the same command to resume")
         return 130
-    print(format_table(rows))
+    print(_frontier_text(rows, path) if context["walking"] else format_table(rows))
     for row in rows:
         if cost.cost_text(row):
             print(f"  {_label(row)}: {cost.cost_text(row)}")

@@ -10,7 +10,7 @@ import pytest
 from conftest import CONFIGS
 
 from jaxscale import fit as fit_cli
-from jaxscale.plan import fit_search, gpu_plan
+from jaxscale.plan import gpu_plan
 from jaxscale.sweep import load_results
 from jaxscale.sweep.results import ResultsFile
 
@@ -133,6 +133,20 @@ def test_fine_tuning_methods_are_searched_and_recommended_one_by_one(tmp_path, c
     assert "lora_all:block: already answered" in capsys.readouterr().out
 
 
+def test_qlora_methods_are_planned_with_the_base_in_nf4(tmp_path, capsys):
+    """--finetune lora_all,qlora_all: QLoRA trains LoRA's adapters, and its compiled arguments are LoRA's less the
+    frozen kernels' bf16 bytes plus their NF4 bytes, by hand (tiny gpt, 2 scanned layers: kernels 64 x 192, 64 x 64
+    and two 64 x 256, 98,304 weights, 196,608 bytes in bf16; in NF4 per layer 6,344 + 2,120 + 2 x 8,456 bytes,
+    tests/model/test_nf4.py: 50,752 for two)."""
+    assert _fit(tmp_path, "--memory", "3MiB", "--max_minibatch", "2", "--finetune", "lora_all,qlora_all") == 0
+    assert "recommendation for QLoRA on all projections (NF4 base): Block at minibatch" in capsys.readouterr().out
+    lora, qlora = _rows(tmp_path)
+    assert qlora["variant"] == "qlora_all:block" and qlora["config.finetune.frozen_dtype"] == "nf4"
+    assert (qlora["params"], qlora["trainable_params"]) == (lora["params"], lora["trainable_params"])
+    assert lora["compiled_argument_bytes"] - qlora["compiled_argument_bytes"] == 196_608 - 50_752
+    assert lora["analytic_params_bytes"] - qlora["analytic_params_bytes"] == 196_608 - 50_752
+
+
 def test_precisions_are_searched_side_by_side_and_recommended_one_by_one(tmp_path, capsys):
     """--precision bf16,fp8: a row per precision and remat choice, each with its model.fp8, and an answer per
     precision; the local (CPU) compiler plans FP8's program too (its numbers in bf16: no FP8 units here)."""
@@ -155,7 +169,8 @@ def test_an_unknown_remat_choice_lists_every_choice_with_the_named_policies(tmp_
                 "block_dots_no_batch", "block_minimal_flash", "block_dots"]  # fmt: skip
     assert code == 2 and err.count("\n") == 1
     assert err.strip().endswith("--remat: unknown everything; allowed: " + ", ".join(expected)
-                                + ", or per_activation:<activation>=<device|offload|remat>+... (docs/fit.md)")
+                                + ", or per_activation:<activation>=<device|offload|remat>+... (docs/fit.md), or "
+                                "frontier alone")
 
 
 @needs_extra
@@ -263,6 +278,7 @@ def test_the_committed_llama8b_flash_fit_holds_what_docs_models_says():
 
 _GIB = 2**30
 _FINETUNE_GPUS = ("rtx4090", "l4", "a100-40gb")
+_FINETUNE_METHODS = ("full", "full_bf16_state", "full_adafactor", "full_int8_state", "lora_attention", "lora_all")
 
 
 def _finetune_rows(gpu: str, suffix: str) -> dict[str, list[dict]]:
@@ -279,7 +295,7 @@ def test_the_committed_finetune_fits_hold_what_docs_finetune_says():
     doc = (REPO / "docs" / "finetune.md").read_text()
     for gpu in _FINETUNE_GPUS:
         default, raised = _finetune_rows(gpu, ""), _finetune_rows(gpu, "_mem95")
-        assert set(default) == set(raised) == set(fit_search.FINETUNE_CHOICES)
+        assert set(default) == set(raised) == set(_FINETUNE_METHODS)  # docs/finetune.md's command's --finetune
         for method in ("full", "full_bf16_state", "full_adafactor", "full_int8_state"):
             assert all(r["status"] == "oom" for r in default[method] + raised[method]), (gpu, method)
             least = [min(rows, key=lambda r: r["compiled_peak_bytes"]) for rows in (default[method], raised[method])]

@@ -28,7 +28,8 @@ from jaxscale.measure import hlo, params, peaks
 # and v are kept), "logits" the T x T QK^T (the reference attention's backward reads the softmax, so it comes back
 # unless kept), "values" the AV einsum (the out projection's weight gradient reads its output, so it comes back
 # unless `context` is kept), "out", "up" the up projection (llama: gate and up; "up_only" its up alone, where the
-# gate is kept). Checked against the compiled HLO in tests/measure/test_flops.py.
+# gate is kept; "gate_only" its gate alone, where the up is kept, as a per-activation policy may). Checked against
+# the compiled HLO in tests/measure/test_flops.py.
 def recomputed(policy: str, family: str) -> dict[str, tuple[str, ...]]:
     """The forward matmuls each remat target ("Attn", "MLP", "Block") recomputes under `policy` in `family`.
 
@@ -37,13 +38,14 @@ def recomputed(policy: str, family: str) -> dict[str, tuple[str, ...]]:
       family: the model family.
 
     Returns:
-      target -> the names of the recomputed matmuls (forward_matmul_flops_per_token's, with "k" and "up_only").
+      target -> the names of the recomputed matmuls (forward_matmul_flops_per_token's, with "k", "up_only" and
+        "gate_only").
     """
     kept = remat_policies.not_recomputed(policy, family)
     attn = _partly_kept(kept, ("q", "k", "v"), "qkv", {"k": "k"})
     attn += tuple(name for name, tensor in (("logits", "logits"), ("values", "context")) if tensor not in kept)
     up = tuple(t for t in ("gate", "up") if t in remat_policies.FAMILY_TENSORS[family])
-    mlp = _partly_kept(kept, up, "up", {"up": "up_only"})
+    mlp = _partly_kept(kept, up, "up", {"up": "up_only", "gate": "gate_only"})
     return {"Attn": attn, "MLP": mlp, "Block": (*attn, *(() if "out" in kept else ("out",)), *mlp)}
 
 
@@ -166,7 +168,7 @@ def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[st
 # their unit), and which recomputed forward matmul (`recomputed`'s names) is each projection's output.
 _UNIT_PROJECTIONS = {"Attn": finetune.group_projections("attention"), "MLP": finetune.group_projections("mlp")}
 _OUTPUT_OF = {"qkv": ("qkv",), "q": ("qkv",), "k": ("qkv", "k"), "v": ("qkv",), "out": ("out",),
-              "gate": ("up",), "up": ("up", "up_only"), "down": ()}  # fmt: skip
+              "gate": ("up", "gate_only"), "up": ("up", "up_only"), "down": ()}  # fmt: skip
 
 
 def _adapter_recompute(config: ml_collections.ConfigDict, target: str, names: tuple[str, ...]) -> float:
@@ -207,6 +209,7 @@ def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
     per_token = forward_matmul_flops_per_token(config)
     sizes = ModelConfig.from_config(m)
     per_token.update(k=2 * sizes.hidden_size * sizes.kv_width, up_only=per_token["up"] / 2)  # llama: up of gate+up
+    per_token.update(gate_only=per_token["up_only"])  # llama's gate alone: the same 2·H·F as its up
     policy = recomputed(m.remat_policy, m.family)
     out_adapted = m.lora_rank > 0 and "out" in finetune.lora_projections(m.family, tuple(m.lora_targets))
     total = 0.0

@@ -6,8 +6,8 @@ minibatch-1 plan was smallest) and names the first whose minibatch-1 plan fits, 
 single lever does, all of them together (of the optimizer levers, which replace one another, the last that
 applies). Cheapest first means: what costs no speed (the allocator's share), then what costs a little compute
 (the loss in chunks), then smaller optimizer state (bf16 first moment, 8-bit moments, Adafactor: a different
-optimizer), then, for fine-tuning, LoRA (a different method). Host offload is not a lever yet (the lab does not
-offload). Each lever is one compile.
+optimizer), then the optimizer state in host memory (time on the host link), then, for fine-tuning, LoRA and QLoRA
+(different methods). Each lever is one compile.
 """
 
 from __future__ import annotations
@@ -72,8 +72,14 @@ LEVERS: tuple[Lever, ...] = (
           {"optimizer.name": "adafactor", "optimizer.state_dtype": "float32"},
           "--config.optimizer.name=adafactor --config.optimizer.state_dtype=float32", optimizer=True,
           applies=lambda c, f: c.optimizer.name != "adafactor"),
+    Lever("offload_state", "host-link time: the optimizer state in host memory, brought over for the update "
+          "(jaxscale/train/offload.py)", {"optimizer.offload_state": True}, "--config.optimizer.offload_state=True",
+          applies=lambda c, f: not c.optimizer.offload_state and not c.train.checkpoint_every),
     Lever("lora_all", "a different method: LoRA on every projection, the base frozen in bf16", {},
           "--finetune lora_all", applies=lambda c, f: c.finetune.train != "adapters", finetune="lora_all"),
+    Lever("qlora_all", "a different method: QLoRA, LoRA on every projection over a 4-bit NF4 base", {},
+          "--finetune qlora_all", finetune="qlora_all",
+          applies=lambda c, f: c.finetune.frozen_dtype != "nf4" and c.model.fp8 == "none"),
 )  # fmt: skip
 
 
@@ -90,10 +96,11 @@ def with_levers(config: ml_collections.ConfigDict, levers: list[Lever]) -> ml_co
 
 
 def together(levers: list[Lever]) -> list[Lever]:
-    """The levers that can be used at once: every one but the optimizer levers, of which only the last (they replace
-    one another's state: a command that set them all would ask for 8-bit Adam moments of Adafactor)."""
-    last = [lever for lever in levers if lever.optimizer][-1:]
-    return [lever for lever in levers if not lever.optimizer or lever in last]
+    """The levers that can be used at once: every one but the optimizer levers and the fine-tuning methods, of each
+    of which only the last (they replace one another: a command that set them all would ask for 8-bit Adam moments
+    of Adafactor, or LoRA and QLoRA at once)."""
+    last = [lever for lever in levers if lever.optimizer][-1:] + [lever for lever in levers if lever.finetune][-1:]
+    return [lever for lever in levers if not (lever.optimizer or lever.finetune) or lever in last]
 
 
 def what_would_fit(

@@ -50,6 +50,13 @@ def _published(rows: pathlib.Path, runs: pathlib.Path) -> str:
     return published.format_table(found, published.load_runs(runs))
 
 
+def _frontier(rows: pathlib.Path) -> str:
+    """A remat frontier's table (`fit --remat frontier`), as jaxscale.report.frontier_report writes it."""
+    from jaxscale.report import frontier_report  # imports matplotlib: only when this table is written
+
+    return frontier_report.frontier_table(rows)
+
+
 def _sweep(name: str, experiment: str) -> tuple[str, str]:
     return f"{RESULTS}/{name}/results.jsonl", experiment
 
@@ -119,6 +126,10 @@ TABLES: tuple[DocTable, ...] = (
              models_tables.sharded_fit_step_table),  # fmt: skip
     DocTable("fit-llama3.1-8b-cudnn", _MODELS, _fits("llama3.1-8b_cudnn_h100_x8", "llama3.1-8b_flash_h100_x8"),
              models_tables.attention_pair_table),  # fmt: skip
+    DocTable("frontier-llama3.2-1b-a5000", "docs/fit.md",
+             (f"{RESULTS}/fit_frontier_llama3.2-1b_flash_a5000_mem95/results.jsonl",), _frontier),  # fmt: skip
+    DocTable("frontier-llama3.2-1b-adafactor-a5000", "docs/fit.md",
+             (f"{RESULTS}/fit_frontier_llama3.2-1b_adafactor_flash_a5000/results.jsonl",), _frontier),  # fmt: skip
     DocTable("notebook-a5000", _PREDICT, (_SEED_A5000,), predict_tables.notebook_check_table),
     DocTable("seed-plan-h100", _PREDICT, (f"{RESULTS}/seed_table_seed_plan_h100/results.jsonl", _SEED_A5000),
              predict_tables.h100_plan_table),  # fmt: skip

@@ -119,6 +119,8 @@ def test_mfu_divides_model_flops_per_second_by_the_peak(monkeypatch):
         pytest.param(("MLP",), "selective_op", True, False, marks=SLOW),
         pytest.param(("Block",), "save_dot_with_context_except_mlp", True, False, marks=SLOW),
         pytest.param(("Block",), "minimal_flash", True, True, marks=SLOW),
+        # a per-activation policy keeping llama's up without its gate recomputes the gate alone (the frontier's walk)
+        (("Block",), "per_activation:mlp_up=device", True, True),
     ],
 )
 def test_llama_compiled_matmuls_equal_the_analytic_hardware_flops(remat, policy, scan_layers, tie):

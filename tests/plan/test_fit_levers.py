@@ -13,11 +13,13 @@ MIB = 2**20
 
 def _peak(config, choice: str = "block") -> int:
     """The local compiler's minibatch-1 plan peak of `config`: computed here, apart from the levers' search."""
-    return fit_search.local_planner(fit_search.with_minibatch(config, choice, 1))["compiled_peak_bytes"]
+    row = fit_search.local_planner(fit_search.with_minibatch(config, choice, 1))
+    host = row["compiled_host_argument_bytes"] or 0  # the CPU's plan counts host-memory state in its peak
+    return row["compiled_peak_bytes"] - host
 
 
 @pytest.mark.parametrize("memory, named", [pytest.param("2.5MiB", "int8_state", marks=pytest.mark.slow),
-                                           ("2.2MiB", "lora_all")])  # fmt: skip
+                                           ("2.2MiB", "offload_state")])  # fmt: skip
 def test_when_nothing_fits_the_cheapest_fitting_lever_is_named(tmp_path, capsys, memory, named):
     """At a budget below the tiny model's minibatch-1 plan, the answer names the first lever, in LEVERS' order,
     whose own plan fits; each cheaper lever's plan (compiled here again) is above the budget, the named one's below."""
@@ -40,15 +42,17 @@ def test_when_nothing_fits_the_cheapest_fitting_lever_is_named(tmp_path, capsys,
 
 
 def test_levers_used_together_keep_one_optimizer_lever_and_make_a_valid_config():
-    """All levers at once: of the optimizer levers (which replace one another's state) only the last, Adafactor, so
-    the config they make validates, and the rerun flags they print name one optimizer state (an earlier version
-    set bf16, int8 and Adafactor together: a command that could not run)."""
+    """All levers at once: of the optimizer levers (which replace one another's state) only the last, Adafactor, and
+    of the fine-tuning methods only the last, QLoRA, so the config they make validates, and the rerun flags they
+    print name one optimizer state and one method (an earlier version set bf16, int8 and Adafactor together: a
+    command that could not run)."""
     config = load_config("bf16_remat", "tiny")
     active = [lever for lever in fit_levers.LEVERS if lever.applies(config, 0.75)]
     combined = fit_levers.together(active)
-    assert [lever.name for lever in combined] == ["mem_fraction", "adafactor", "lora_all"]  # seq 32: no chunked loss
+    assert [lever.name for lever in combined] == ["mem_fraction", "adafactor", "offload_state", "qlora_all"]  # seq 32
     made = fit_levers.with_levers(config, combined)
     assert (made.optimizer.name, made.optimizer.state_dtype) == ("adafactor", "float32")
     assert made.finetune.train == "adapters" and made.model.lora_rank == fit_search.DEFAULT_LORA_RANK
+    assert made.finetune.frozen_dtype == "nf4" and made.optimizer.offload_state
     flags = " ".join(lever.flags for lever in combined)
-    assert flags.count("--config.optimizer.state_dtype=") == 1
+    assert flags.count("--config.optimizer.state_dtype=") == 1 and flags.count("--finetune") == 1
