@@ -106,6 +106,9 @@ TABLES: tuple[DocTable, ...] = (
              gpu_tables.fp8_table),  # fmt: skip
     DocTable("fit-fp8-llama3.1-8b-h100", "docs/fp8.md", (f"{RESULTS}/fit_precision_llama3.1-8b_flash_h100_x8/results.jsonl",),
              gpu_tables.precision_fit_table),  # fmt: skip
+    *(DocTable(f"fit-levers-llama3.1-8b-{gpu}", "docs/finetune.md",
+               (f"{RESULTS}/finetune_levers_llama3.1-8b_{gpu}_mem95/results.jsonl",), gpu_tables.precision_fit_table)
+      for gpu in ("h100", "rtx4090")),  # fmt: skip
     DocTable("fit-fp8-llama3.2-1b-rtx4090", "docs/fp8.md",
              (f"{RESULTS}/fit_precision_llama3.2-1b_flash_rtx4090/results.jsonl",), gpu_tables.precision_fit_table),
     DocTable("moe-dispatch-h200", _MODELS, (f"{RESULTS}/moe_dispatch_olmoe-1b-7b_plan_h200/results.jsonl",
