@@ -101,7 +101,7 @@ def _step(config, steps: int = 2):
     return jax.device_get(state)
 
 
-@pytest.mark.parametrize("accumulate", ["scan", "loop"])
+@pytest.mark.parametrize("accumulate", ["scan", pytest.param("loop", marks=pytest.mark.slow)])
 def test_accumulated_minibatches_combine_gradients_by_mean_and_scaling_states_by_max(accumulate):
     """From a state one step in (histories filled), two accumulated minibatches give the mean of the gradients each
     half of the batch gives alone, and the elementwise max of the scaling states each half returns alone: the
