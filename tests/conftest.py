@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 # Before jaxscale is imported: the tests (and the processes they start) never read or write the user's
@@ -206,3 +207,19 @@ def train_losses(config, steps: int):
         state, metrics = step(state, train.init_metrics(), batch)
         losses.append(float(metrics["loss_sum"] / metrics["tokens"]))
     return np.asarray(losses), state
+
+
+def np_blockwise_quantize(x: np.ndarray, code: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Block-wise quantization (Dettmers et al., arXiv 2110.02861, section 2.1; QLoRA's NF4 the same way) in NumPy,
+    the independent reference of jaxscale.train.quantized_state and jaxscale.model.nf4: per block N_b = max |x_b|,
+    per element argmin_j |code_j - x / N_b| (float64 distances; an all-zero block: N_b = 0, the code of 0)."""
+    flat = np.asarray(x, np.float32).reshape(-1)
+    codes, absmax = np.empty(flat.size, np.int64), []
+    for start in range(0, flat.size, block):
+        part = flat[start : start + block]
+        n_b = np.float32(np.abs(part).max())
+        absmax.append(n_b)
+        normalized = part / n_b if n_b > 0 else np.zeros_like(part)
+        distance = np.abs(normalized.astype(np.float64)[:, None] - code.astype(np.float64)[None, :])
+        codes[start : start + block] = np.argmin(distance, axis=1)
+    return codes, np.asarray(absmax, np.float32)

@@ -15,21 +15,13 @@ import pandas as pd
 from matplotlib import ticker
 from matplotlib.figure import Figure
 
+from jaxscale.report import plots
 from jaxscale.report.markdown import PNG_METADATA
 from jaxscale.report.predicted import PLAN
 from jaxscale.sweep.results import read_rows
 
 GIB = 2**30
 _NEEDED = ("fit_largest_minibatch", "predicted_tokens_per_s", "frontier_on", "frontier_step")
-
-
-def _message(title: str, text: str) -> Figure:
-    figure = Figure(figsize=(7, 2.5), layout="constrained")
-    ax = figure.add_subplot()
-    ax.set_axis_off()
-    ax.set_title(title)
-    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, fontsize=9, color="#7a2020")
-    return figure
 
 
 def _groups(frame: pd.DataFrame) -> pd.Series:
@@ -47,12 +39,14 @@ def plot_frontier(frame: pd.DataFrame) -> Figure:
     title = "Remat frontier: largest minibatch against predicted tokens/s"
     missing = [c for c in _NEEDED if c not in frame]
     if missing:
-        return _message(title, f"not drawn: the rows lack {', '.join(missing)} (not a --remat frontier fit)")
+        lacking = f"not drawn: the rows lack {', '.join(missing)} (not a --remat frontier fit)"
+        return plots.message_figure(title, lacking)
     batch = pd.to_numeric(frame["fit_largest_minibatch"], errors="coerce")
     speed = pd.to_numeric(frame["predicted_tokens_per_s"], errors="coerce")
     placed = batch.notna() & speed.notna()
     if not placed.any():
-        return _message(title, "not drawn: no policy fits with a predicted speed (none fits, or no --target)")
+        unplaced = "not drawn: no policy fits with a predicted speed (none fits, or no --target)"
+        return plots.message_figure(title, unplaced)
     figure = Figure(figsize=(8, 5), layout="constrained")
     ax = figure.add_subplot()
     groups = _groups(frame)

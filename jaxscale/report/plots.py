@@ -179,7 +179,8 @@ def _sweep_colors(frame: pd.DataFrame) -> dict[str, str]:
     return {sweep: palette[i % len(palette)] for i, sweep in enumerate(frame["sweep"].astype(str).unique())}
 
 
-def _empty(title: str, message: str) -> Figure:
+def message_figure(title: str, message: str) -> Figure:
+    """A figure that only says, under `title`, why there is nothing to draw."""
     figure = Figure(figsize=(7, 2.5), layout="constrained")
     ax = figure.add_subplot()
     ax.set_axis_off()
@@ -221,7 +222,7 @@ def plot_time_vs_memory(frame: pd.DataFrame) -> Figure:
     if beside is None and step_label.startswith("predicted"):
         title = f"Step time against peak memory, {predicted_what}"
     if data.empty:
-        return _empty(title, "no successful variant with both a step time (measured or predicted) and a peak "
+        return message_figure(title, "no successful variant with both a step time (measured or predicted) and a peak "
                              "memory to plot")  # fmt: skip
     figure = Figure(figsize=(8, 5.5), layout="constrained")
     ax = figure.add_subplot()
@@ -349,7 +350,7 @@ def plot_tokens_per_s(frame: pd.DataFrame) -> Figure:
     title = "Throughput per variant" + (", input wait included" if reads_input(frame) else "")
     if measured.isna().all() and predicted.isna().all():
         rows = ", ".join(f"{n} {s}" for s, n in frame["status"].value_counts().items())
-        return _empty(title, f"no tokens/s to plot: no row measured one (tokens_per_s) or has a predicted one "
+        return message_figure(title, f"no tokens/s to plot: no row measured one (tokens_per_s) or has a predicted one "
                              f"(predicted_tokens_per_s); rows: {rows}")  # fmt: skip
     figure = Figure(figsize=(8, 1.2 + 0.45 * len(frame)), layout="constrained")
     ax = figure.add_subplot()
@@ -445,7 +446,7 @@ def plot_memory_breakdown(frame: pd.DataFrame) -> Figure:
     data, labels = frame[compiled_peak.notna()], variant_labels(frame)
     title = "Memory per variant: analytic estimate beside the compiled plan"
     if data.empty:
-        return _empty(title, "no variant has a compiled memory plan (compiled_peak_bytes) to plot")
+        return message_figure(title, "no variant has a compiled memory plan (compiled_peak_bytes) to plot")
     analytic = [(c, part) for c, part in ANALYTIC_PARTS if c in frame]
     divisor, unit = memory_unit(compiled_peak)
     figure = Figure(figsize=(10, 1.6 + 0.8 * len(data)), layout="constrained")
@@ -480,10 +481,10 @@ def plot_op_shares(frame: pd.DataFrame) -> Figure:
     columns, labels = share_columns(frame), variant_labels(frame)
     title = "Share of op time by category (trace analysis)"
     if not columns and is_plan(frame):
-        return _empty(title, "a plan runs no step, so there is no trace to analyse (trace_*_share): the op time "
-                             "by category comes from profiling a run on the device")  # fmt: skip
+        return message_figure(title, "a plan runs no step, so there is no trace to analyse (trace_*_share): the op "
+                              "time by category comes from profiling a run on the device")  # fmt: skip
     if not columns:
-        return _empty(title, "no trace_*_share columns in these results: they come from the trace analysis "
+        return message_figure(title, "no trace_*_share columns in these results: they come from the trace analysis "
                              "of each variant's profiled steps")  # fmt: skip
     shares = frame[columns].apply(pd.to_numeric, errors="coerce")
     figure = Figure(figsize=(1.6 + 1.1 * len(columns), 1.4 + 0.45 * len(frame)), layout="constrained")
@@ -510,7 +511,7 @@ def plot_vs_baseline(frame: pd.DataFrame) -> Figure:
     if speed.isna().all() and memory.isna().all():
         base = frame[frame["variant"] == frame["baseline"]]
         status = ", ".join(f"{v}: {s}" for v, s in zip(base["variant"], base["status"], strict=True)) or "no such row"
-        return _empty(f"Against the baseline ({baselines})", f"no ratios to draw: the baseline has neither a "
+        return message_figure(f"Against the baseline ({baselines})", f"no ratios to draw: the baseline has neither a "
                       f"throughput nor a peak to compare with ({status})")  # fmt: skip
     figure = Figure(figsize=(11, 1.4 + 0.45 * len(frame)), layout="constrained")
     speed_ax, memory_ax = figure.subplots(1, 2, sharey=True)

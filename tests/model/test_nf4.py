@@ -14,7 +14,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, slow_except, train_losses
+from conftest import assert_trees_close, np_blockwise_quantize, slow_except, train_losses
 from flax import traverse_util
 
 from jaxscale import train
@@ -42,31 +42,17 @@ def test_nf4_values_are_the_published_table():
     assert code[7] == 0.0 and (code < 0).sum() == 7 and (code > 0).sum() == 8 and code[0] == -1 and code[-1] == 1
 
 
-def np_blockwise(flat: np.ndarray, block: int, code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The paper's block-wise quantization in NumPy: per block N_b = max |x_b| (float32), per element
-    argmin_j |code_j - x / N_b| over float64 distances (an all-zero block: N_b = 0, normalized to 0)."""
-    indices, absmax = np.empty(flat.size, np.int64), []
-    for start in range(0, flat.size, block):
-        part = flat[start : start + block]
-        n_b = np.float32(np.abs(part).max())
-        absmax.append(n_b)
-        normalized = part / n_b if n_b > 0 else np.zeros_like(part)
-        distance = np.abs(normalized.astype(np.float64)[:, None] - code.astype(np.float64)[None, :])
-        indices[start : start + block] = np.argmin(distance, axis=1)
-    return indices, np.asarray(absmax, np.float32)
-
-
 def np_nf4(kernel: np.ndarray) -> dict[str, np.ndarray]:
     """QLoRA's storage of one kernel in NumPy: NF4 indices per block of 64 (padded with the index of 0), two a byte
     with the even element high; the absmax less its mean, 8-bit indices of the signed dynamic map per block of 256;
     and the dequantized kernel, NF4 value x (dynamic value x scale + mean), in float32."""
     flat = kernel.astype(np.float32).reshape(-1)
-    indices, absmax = np_blockwise(flat, 64, nf4_map())
+    indices, absmax = np_blockwise_quantize(flat, nf4_map(), 64)
     padded = np.full(absmax.size * 64, 7, np.int64)
     padded[: flat.size] = indices
     codes = (padded[0::2] * 16 + padded[1::2]).astype(np.uint8)
     offset = np.float32(absmax.astype(np.float64).mean())
-    absmax_codes, scales = np_blockwise(absmax - offset, 256, dynamic_map(True))
+    absmax_codes, scales = np_blockwise_quantize(absmax - offset, dynamic_map(True), 256)
     absmax_back = dynamic_map(True)[absmax_codes] * np.repeat(scales, 256)[: absmax.size] + offset
     values = nf4_map()[padded] * np.repeat(absmax_back, 64)
     return {"codes": codes, "absmax_codes": absmax_codes.astype(np.uint8), "absmax_scales": scales,

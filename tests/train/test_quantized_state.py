@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO, assert_trees_close, load_config, train_losses, xla_flags_with
+from conftest import REPO, assert_trees_close, load_config, np_blockwise_quantize, train_losses, xla_flags_with
 from jax.sharding import PartitionSpec
 
 from jaxscale import train
@@ -50,21 +50,6 @@ def paper_map(signed: bool) -> np.ndarray:
         f = int("".join(map(str, fraction)) or "0", 2)
         values.append(sign * 10.0**-exponent * (0.1 + 0.9 * (f + 0.5) / 2 ** len(fraction)))
     return np.sort(np.asarray(values)).astype(np.float32)
-
-
-def np_quantize(x: np.ndarray, code: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """The paper's block-wise quantization (section 2.1) in NumPy: per block N_b = max |x_b|, per element
-    argmin_j |code_j - x / N_b| (float64 distances; an all-zero block: N_b = 0, the code of 0)."""
-    flat = np.asarray(x, np.float32).reshape(-1)
-    codes, absmax = np.empty(flat.size, np.int64), []
-    for start in range(0, flat.size, block):
-        part = flat[start : start + block]
-        n_b = np.float32(np.abs(part).max())
-        absmax.append(n_b)
-        normalized = part / n_b if n_b > 0 else np.zeros_like(part)
-        distance = np.abs(normalized.astype(np.float64)[:, None] - code.astype(np.float64)[None, :])
-        codes[start : start + block] = np.argmin(distance, axis=1)
-    return codes, np.asarray(absmax, np.float32)
 
 
 def np_normalized(x: np.ndarray, absmax: np.ndarray, block: int) -> np.ndarray:
@@ -119,7 +104,7 @@ def test_blockwise_quantize_and_dequantize_equal_numpy(signed, block):
     x = _moment_like(1, size, block)
     x = (x if signed else x * x).reshape(4, -1)  # any shape is flattened; the second moment is never negative
     stored = jax.jit(lambda v: q.quantize_blockwise(v, q.dynamic_map(signed), block))(jnp.asarray(x))
-    codes, absmax = np_quantize(x, code, block)
+    codes, absmax = np_blockwise_quantize(x, code, block)
     assert stored.codes.dtype == jnp.uint8 and stored.codes.shape == (size,)
     np.testing.assert_array_equal(np.asarray(stored.absmax), absmax)
     assert_nearest_codes(stored.codes, codes, np_normalized(x, absmax, block), code)
@@ -170,7 +155,7 @@ def test_first_step_stores_the_numpy_codes_and_updates_like_float32_adam():
     moments = state[0]
     for stored, target, signed in ((moments.mu["w"], np.float32(1 - 0.9) * grad, True),
                                    (moments.nu["w"], np.float32(1 - 0.999) * (grad * grad), False)):  # fmt: skip
-        codes, absmax = np_quantize(target, paper_map(signed), 2048)
+        codes, absmax = np_blockwise_quantize(target, paper_map(signed), 2048)
         np.testing.assert_allclose(np.asarray(stored.absmax), absmax, rtol=1e-6)
         assert_nearest_codes(stored.codes, codes, np_normalized(target, absmax, 2048), paper_map(signed))
     assert isinstance(moments.mu["c"], q.QuantizedMoment) and moments.mu["b"].dtype == jnp.float32  # 4096 vs 4095
