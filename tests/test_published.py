@@ -362,3 +362,26 @@ def test_the_torchtitan_hardware_bounds_in_docs_follow_from_the_committed_breakd
     assert (f"Of the {gap:.2f} s by which the plan undershoots the 8-GPU step, the `torch.compile` row puts "
             f"{framework:.2f} s in the eager framework and the hardware bounds {low:.2f}-{high:.2f} s; "
             f"{gap - framework - high:.2f}-{gap - framework - low:.2f} s is left unexplained") in text  # fmt: skip
+
+
+def test_docs_published_md_states_the_torchtune_first_sights_as_the_committed_rows_give_them():
+    """docs/published.md's prose on the two torchtune runs, from the runs file's first sights and figures (and the
+    RTX 4090 LoRA row's 3,083 tokens/s, the figure docs/finetune.md quotes from the same table)."""
+    runs = {run["id"]: run for run in published.load_runs()}
+    text = " ".join((REPO / "docs" / "published.md").read_text().split())
+    finetune = " ".join((REPO / "docs" / "finetune.md").read_text().split())
+    qlora, lora = runs["torchtune-l31-8b-qlora-1x4090"], runs["torchtune-l31-8b-lora-1xa6000"]
+
+    def step(run: dict) -> float:  # tokens per step over the published tokens/s
+        return run["global_batch"] * run["seq_len"] / run["measured"]["tokens_per_s_per_gpu"]
+
+    time_off = abs(qlora["first_sight"]["predicted_step_s"] / step(qlora) - 1)
+    memory_off = abs(qlora["first_sight"]["plan_peak_gib"] / qlora["measured"]["peak_memory_gib"] - 1)
+    assert f"predicted within {time_off:.0%} (time) and {memory_off:.0%} (memory)" in text
+    ratio = lora["first_sight"]["predicted_step_s"] / step(lora)
+    assert (f"predicted {ratio:.2f}x slow, with a plan of {lora['first_sight']['plan_peak_gib']:.1f} GiB against the "
+            f"{lora['measured']['peak_memory_gib']:.1f} GiB it ran in") in text  # fmt: skip
+    assert "| Llama 3.1 8B | LoRA | 1x 4090 | 16.2 GiB | 3083 |" in finetune
+    assert f"({lora['measured']['tokens_per_s_per_gpu'] / 3083:.1f}x the RTX 4090 LoRA row's tokens/s" in text
+    assert f"first sight of torchtune's A6000 LoRA run, {ratio:.2f}, docs/published.md" in " ".join(
+        (REPO / "docs" / "fit.md").read_text().split())
