@@ -61,7 +61,7 @@ FP8_MODES = ("none", "dynamic", "delayed")  # model.fp8 (jaxscale.model.fp8)
 DATA_SOURCES = ("synthetic", "text")
 QK_NORMS = ("none", "head", "full")  # model.qk_norm
 MOE_ROUTINGS = ("topk_softmax", "softmax_topk", "softmax_topk_norm")  # model.moe_routing (jaxscale.model.moe)
-MOE_DISPATCHES = ("ragged", "capacity", "dense")  # model.moe_dispatch (jaxscale.model.moe)
+MOE_DISPATCHES = ("ragged", "capacity", "scatter", "dense")  # model.moe_dispatch (jaxscale.model.moe)
 
 
 def all_presets() -> dict[str, dict[str, dict[str, object]]]:
@@ -118,7 +118,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.moe_hidden_size = 0  # each expert's SwiGLU width (moe_intermediate_size); 0: the dense MLP's width
     c.model.num_shared_experts = 0  # experts every token also goes through (one SwiGLU n x moe_hidden_size wide)
     c.model.moe_routing = "topk_softmax"  # topk_softmax (Mixtral), softmax_topk (OLMoE), softmax_topk_norm (Qwen3)
-    c.model.moe_dispatch = "ragged"  # ragged (sorted, lax.ragged_dot, dropless), capacity (one-hot, drops), dense
+    c.model.moe_dispatch = "ragged"  # ragged (lax.ragged_dot, dropless), capacity (one-hot), scatter (indexed), dense
     c.model.moe_capacity_factor = 1.25  # capacity: slots per expert = ceil(factor x seq_len x k / num_experts)
     c.model.moe_aux_loss_weight = 0.01  # weight of the load-balancing loss num_experts x sum_e f_e x P_e (Switch)
     c.model.moe_z_loss_weight = 0.0  # weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE)

@@ -220,6 +220,12 @@ def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
     return bool(config.mesh.sequence_parallel) and mesh_shape(config).tensor > 1
 
 
+def capacity(seq_len: int, k: int, num_experts: int, factor: float) -> int:
+    """A mixture of experts' slots per expert per sequence: ceil(factor x seq_len x k / num_experts), at least 1
+    (GShard's capacity; the capacity and scatter dispatches of jaxscale.model.moe, and the memory model's count)."""
+    return max(1, math.ceil(factor * seq_len * k / num_experts))
+
+
 def step_model(config: ml_collections.ConfigDict) -> ModelConfig:
     """The model as the train step builds it: `model.reduce_dtype` is the dtype weight gradients are summed over
     devices in, so it applies where the tokens are split over devices (mesh data x fsdp x expert x context > 1); on one

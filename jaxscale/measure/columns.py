@@ -12,17 +12,17 @@ import pathlib
 import jax
 import ml_collections
 
-from jaxscale.measure import collectives, flops, memory, traces
+from jaxscale.measure import collectives, expert_flops, flops, memory, traces
 
 
 def after_compile(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled | None, row: dict) -> dict:
-    """Analytic FLOPs and memory, XLA's (loop-aware) FLOP count, the collectives, and compiled/analytic peak
-    ratio (per device on a mesh).
+    """Analytic FLOPs and memory, XLA's (loop-aware) FLOP count, the collectives, compiled/analytic peak ratio (per
+    device on a mesh), and a mixture of experts' matmul FLOPs compiled against its active experts' (expert_flops).
 
     `compiled` is None for a GPU target's plan (compiled in a child process, which counts its collectives
     itself): the ratio then compares the estimate with that plan, and the compiled FLOP columns are left out.
     """
-    compiled_columns = {}
+    compiled_columns, text = {}, None
     if compiled is not None:
         text = compiled.as_text()
         compiled_columns = {**flops.compiled_columns(compiled, text), **collectives.collective_columns(text)}
@@ -30,6 +30,7 @@ def after_compile(config: ml_collections.ConfigDict, compiled: jax.stages.Compil
         **flops.analytic_columns(config),
         **compiled_columns,
         **memory.analytic_columns(config, row.get("compiled_peak_bytes")),
+        **expert_flops.row_columns(config, text, row),
     }
 
 
@@ -95,6 +96,13 @@ def summary_lines(row: dict) -> list[str]:
         lines.append(
             f"  analytic peak {_fmt(row.get('analytic_peak_bytes'), 2**30, '.3f')} GiB; compiled/analytic "
             f"{_fmt(row.get('compiled_to_analytic_peak_ratio'), 1, '.2f')}"
+        )
+    if row.get("compiled_to_analytic_expert_flops_ratio") is not None:
+        lines.append(
+            f"  experts' matmuls: compiled {_flop(row['compiled_expert_matmul_flops_per_step'])} (remat "
+            f"{_flop(row['compiled_expert_recompute_flops_per_step'])}), active experts "
+            f"{_flop(row['analytic_expert_matmul_flops_per_step'])} (analytic): "
+            f"{row['compiled_to_analytic_expert_flops_ratio']:.2f}x"
         )
     collective_line = collectives.summary_line(row)
     if collective_line:

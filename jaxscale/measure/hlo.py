@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Callable
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -227,8 +228,9 @@ class LoopCount:
     unknown_trip_counts: int  # while loops without a known_trip_count (their bodies counted once)
 
 
-def count_matmul_flops(module: Module) -> LoopCount:
-    """Matmul FLOPs of one execution of the module, each while body multiplied by its trip count.
+def count_matmul_flops(module: Module, only: Callable[[Instruction], bool] | None = None) -> LoopCount:
+    """Matmul FLOPs of one execution of the module, each while body multiplied by its trip count; of the matmuls
+    `only` accepts where given (jaxscale.measure.expert_flops: those of a named scope).
 
     A loop without a known_trip_count is counted once (and reported); a conditional runs one of its n
     branches, so each is counted 1/n times: exact where the branches do the same work (the context-parallel
@@ -240,7 +242,7 @@ def count_matmul_flops(module: Module) -> LoopCount:
     @functools.cache
     def total(name: str, full: bool) -> float:
         computation = module.computations.get(name, {})
-        flops = sum(matmul_flops(i, computation) for i in computation.values())
+        flops = sum(matmul_flops(i, computation) for i in computation.values() if only is None or only(i))
         for instruction in computation.values():
             for role, callee in instruction.callees:
                 times = 1 / len(instruction.callees) if instruction.opcode == "conditional" else 1

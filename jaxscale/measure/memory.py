@@ -27,7 +27,7 @@ from jaxscale.config.spec import (
     minibatch_per_device,
     sequence_parallel,
 )
-from jaxscale.measure import host_memory, params
+from jaxscale.measure import host_memory, moe_memory, params
 
 
 def compiled_memory(compiled: jax.stages.Compiled, hlo_text: str | None = None) -> dict[str, int | str | None]:
@@ -126,6 +126,7 @@ class Dims:
     t: int = 1  # tensor-parallel degree (mesh.tensor): heads, K/V heads, MLP width and vocabulary split t ways
     sp: int = 1  # ways the residual stream's positions are split (t under sequence parallelism, else 1)
     c: int = 0  # positions per chunk of the output head and loss (train.loss_chunk_len); 0: the whole sequence
+    moe: moe_memory.MoEDims | None = None  # a mixture of experts' sizes: its layers' MLP is moe_mlp_residuals
 
     @property
     def fused_attention(self) -> bool:
@@ -154,6 +155,7 @@ class Dims:
             t=mesh.tensor,
             sp=mesh.tensor if sequence_parallel(config) else 1,
             c=config.train.loss_chunk_len,
+            moe=moe_memory.MoEDims.from_config(config),
         )
 
 
@@ -263,12 +265,26 @@ def llama_mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
     return _split(terms, _LLAMA_MLP_SPLIT, d)
 
 
-def residual_functions(family: str) -> tuple:
-    """The (attention, MLP) residual functions of a family (looked up when called, so a test can swap one)."""
-    return {
+_SWIGLU_TERMS = ("gate_output", "up_output", "hidden", "silu_intermediates", "kernel_casts")
+
+
+def moe_mlp_residuals(d: Dims, scanned: bool) -> dict[str, int]:
+    """Bytes a mixture of experts' layer keeps for its backward pass (jaxscale.model.moe): llama_mlp_residuals'
+    RMSNorm and dropout mask, its SwiGLU terms for the shared experts (width d.moe.shared, 0 without them, prefixed
+    shared_), and the router's and routed experts' terms of the dispatch (moe_memory.routed_residuals)."""
+    dense = llama_mlp_residuals(dataclasses.replace(d, f=d.moe.shared), scanned)
+    terms = {f"shared_{k}" if k in _SWIGLU_TERMS else k: v for k, v in dense.items()}
+    return {**terms, **moe_memory.routed_residuals(d, scanned)}
+
+
+def residual_functions(family: str, moe: bool = False) -> tuple:
+    """The (attention, MLP) residual functions of a family, with `moe` a mixture of experts' MLP (looked up when
+    called, so a test can swap one)."""
+    attn, mlp = {
         "gpt": (attention_residuals, mlp_residuals),
         "llama": (llama_attention_residuals, llama_mlp_residuals),
     }[family]
+    return attn, moe_mlp_residuals if moe else mlp
 
 
 # Bytes of what each remat policy keeps besides the checkpointed module's input: the tensors
@@ -277,9 +293,11 @@ def residual_functions(family: str) -> tuple:
 # tensor only where the unit's backward pass reads it: the out projection's output only under Block (the MLP's
 # norm reads it), the down projection's never (it only feeds the residual add); JAX's dot policies
 # (saves_by_dot_type) are counted with both in their unit. What is offloaded (qkv_proj_offloaded) is in host
-# memory, none of it on the device.
+# memory, none of it on the device. A mixture of experts' MLP: its shared experts' SwiGLU here (width d.moe.shared),
+# the router's and routed experts' tensors moe_memory.saved_bytes.
 def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
-    sbh, sbk, sbf, as2b = d.s * d.b * d.h, d.s * d.b * d.k, d.s * d.b * d.f, d.a * d.s * d.s * d.b
+    f = d.moe.shared if d.moe else d.f
+    sbh, sbk, sbf, as2b = d.s * d.b * d.h, d.s * d.b * d.k, d.s * d.b * f, d.a * d.s * d.s * d.b
     kept, by_type = remat_policies.kept(policy, d.family), remat_policies.saves_by_dot_type(policy)
     qkv = d.p * (sbh * ("q" in kept) + sbk * ("k" in kept) + sbk * ("v" in kept)) // d.t
     up = d.p * (("gate" in kept) + ("up" in kept)) * sbf // d.t
@@ -290,7 +308,9 @@ def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
     context = (d.p * sbh + logits) // d.t + lse if "context" in kept else 0
     whole = d.p * sbh if by_type else 0  # a dot policy's out (Attn) and down (MLP) projection outputs
     attn = qkv + context + (whole if "out" in kept else 0)
-    mlp = up + (whole if "down" in kept else 0)
+    mlp = up + (whole if "down" in kept and f else 0)
+    if d.moe:
+        mlp += moe_memory.saved_bytes(d, kept, by_type, with_batch_dims="logits" in kept)
     out = d.p * sbh // d.sp if "out" in kept and not by_type else 0  # the out projection's, kept under Block only
     return {"Attn": attn, "MLP": mlp, "Block": attn + mlp + out}
 
@@ -330,9 +350,11 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
     A checkpointed module keeps only its input (p·sbh) and the dot outputs its policy saves; its
     residuals come back during the backward pass as a working set, one unit at a time, fused (XLA
     optimizes the recompute and its backward as one region, so the fused terms apply even when scanned).
+    A mixture of experts' layer (d.moe) has moe_mlp_residuals for its MLP, and its expert-parallel exchange's
+    transient copy (moe_memory.all_to_all_bytes) in the working set.
     """
     sbh = d.s * d.b * d.h // d.sp  # a module's input: the residual stream, split by sequence parallelism
-    attn, mlp = residual_functions(d.family)
+    attn, mlp = residual_functions(d.family, moe=d.moe is not None)
     kept = {"Attn": sum(attn(d, scanned).values()), "MLP": sum(mlp(d, scanned).values())}
     fused = {"Attn": sum(attn(d, False).values()), "MLP": sum(mlp(d, False).values())}
     fused["Block"] = fused["Attn"] + fused["MLP"]
@@ -341,7 +363,7 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
         layer = d.p * sbh + saved["Block"]
     else:
         layer = sum(d.p * sbh + saved[unit] if unit in remat else kept[unit] for unit in ("Attn", "MLP"))
-    return layer, max((fused[unit] for unit in remat), default=0)
+    return layer, max((fused[unit] for unit in remat), default=0) + moe_memory.all_to_all_bytes(d)
 
 
 def sharded_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1, expert: int = 1) -> int:
@@ -521,8 +543,15 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     trained = trained_param_count(config)
     layer, working = layer_activation_bytes(d, tuple(m.remat), m.remat_policy, m.scan_layers)
     causal_mask = m.scan_layers and m.causal and m.attention == "reference"
-    # Blocks below the backward pass's lowest (finetune.train=last_blocks) keep nothing for it.
-    per_minibatch = finetune.backward_blocks(config) * layer + sum(head_residuals(d, causal_mask).values())
+    # Blocks below the backward pass's lowest (finetune.train=last_blocks) keep nothing for it. A mixture of experts'
+    # first_dense_layers (the bottom blocks) keep a dense layer's activations.
+    blocks = finetune.backward_blocks(config)
+    dense_blocks = max(0, blocks - ModelConfig.from_config(m).moe_layers) if d.moe else 0
+    if dense_blocks:
+        dense = layer_activation_bytes(dataclasses.replace(d, moe=None), tuple(m.remat), m.remat_policy, m.scan_layers)
+        working = max(working, dense[1])
+    per_minibatch = (blocks - dense_blocks) * layer + dense_blocks * (dense[0] if dense_blocks else 0)
+    per_minibatch += sum(head_residuals(d, causal_mask).values())
     live = t.num_minibatches if t.accumulate == "loop" else 1
     # Under FSDP one layer's weights are gathered whole with their whole gradient (_gathered_layer_bytes, 4 + 4
     # bytes a trained parameter); at ZeRO stage 2 the weights are whole already and only one layer's whole

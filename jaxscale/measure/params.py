@@ -252,7 +252,7 @@ def _adafactor_leaves(shape: tuple[int, ...], names: tuple[str, ...]) -> list[tu
         return [(tuple(shape), tuple(names)), placeholder, placeholder]
     leaves = [placeholder]
     for dropped in (int(order[-1]), int(order[-2])):  # v_row drops the largest, v_col the second largest
-        reduced = tuple(np.delete(np.array(shape), dropped))
+        reduced = tuple(int(d) for d in np.delete(np.array(shape), dropped))  # Python ints: rows are JSON
         axis = removed_axis(reduced, shape)  # the axis the sharding layout reads it as (the first that fits)
         leaves.append((reduced, tuple(n for i, n in enumerate(names) if i != axis)))
     return leaves

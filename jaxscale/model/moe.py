@@ -21,6 +21,9 @@ The dispatch (model.moe_dispatch) decides how tokens reach their experts; all th
   sequence is a group, each expert takes at most ceil(model.moe_capacity_factor x seq_len x k / E) tokens of it,
   first choices before second choices; the rest are dropped (the expert adds nothing for them; the residual keeps
   the token) and counted in the "moe_metrics" collection. With a factor large enough nothing drops.
+- "scatter": the capacity dispatch's slots and drops, filled by a scatter and read back by a gather of the token
+  choices' rows instead of the one-hot einsums, whose FLOPs and [B, T, E, C] masks grow with E x C (the
+  quadratic term GShard's einsums have; scatter_dispatch says by how much for Qwen3-30B-A3B).
 - "ragged": dropless: the token copies sorted by expert, the experts' matmuls as `jax.lax.ragged_dot` over the
   groups of sizes the router chose (MegaBlocks' grouped GEMM, Gale et al. 2022, arXiv 2211.15841), unsorted after.
 
@@ -40,9 +43,9 @@ The experts' weights are cast to the compute dtype where they are used, their gr
 Expert parallelism (mesh.expert > 1; GShard, Lepikhin et al. 2020, arXiv 2006.16668): "expert" is split over the mesh's
 expert axis (jaxscale.config.layout_rules), so each device holds E / mesh.expert experts (their gradients and
 optimizer state too), and the batch is split over data x fsdp x expert, the expert-parallel devices being data
-parallel everywhere else. The capacity dispatch constrains its dispatched tokens [B, E, C, H] from the batch's
-layout (rows over data x fsdp x expert) to the experts' ("batch_no_expert": rows over data x fsdp, E over expert)
-and back: JAX's SPMD partitioner exchanges them by an all-to-all over the expert axis each way (the compiled
+parallel everywhere else. The capacity and scatter dispatches constrain their dispatched tokens [B, E, C, H] from
+the batch's layout (rows over data x fsdp x expert) to the experts' ("batch_no_expert": rows over data x fsdp, E over
+expert) and back: JAX's SPMD partitioner exchanges them by an all-to-all over the expert axis each way (the compiled
 program's, tests/train/test_sharding_devices.py), and each device runs its own experts on every row's tokens for
 them. With mesh.expert = 1 the constraints are not added (the partitioner's own layout, the program of old). The
 dense and ragged dispatches take no constraint: the partitioner computes them correctly on the mesh by gathering
@@ -51,14 +54,13 @@ the experts' weights over the expert axis where it needs them (no token exchange
 
 from __future__ import annotations
 
-import math
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.config.spec import ModelConfig
+from jaxscale.config.spec import ModelConfig, capacity
+from jaxscale.measure.expert_flops import EXPERT_SCOPE
 from jaxscale.model import precision
 from jaxscale.model.axes import constrain, mesh_axis_size, partitioned
 from jaxscale.model.llama import Llama, LlamaAttention, rms_norm, swiglu
@@ -117,11 +119,6 @@ def z_loss(logits: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
-def capacity(seq_len: int, k: int, num_experts: int, factor: float) -> int:
-    """Slots per expert per sequence: ceil(factor x seq_len x k / num_experts), at least 1 (GShard's capacity)."""
-    return max(1, math.ceil(factor * seq_len * k / num_experts))
-
-
 def dense_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     """Every expert on every token, their outputs summed with the routing weights (zero outside a token's top k).
 
@@ -134,10 +131,11 @@ def dense_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict
       [B, T, H].
     """
     num_experts = w["gate"].shape[0]
-    gate = checkpoint_name(jnp.einsum("bth,ehf->btef", h, w["gate"]), "mlp_gate")  # [B, T, E, F]
-    up = checkpoint_name(jnp.einsum("bth,ehf->btef", h, w["up"]), "mlp_up")
-    hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-    out = checkpoint_name(jnp.einsum("btef,efh->bteh", hidden, w["down"]), "mlp_down")  # [B, T, E, H]
+    with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
+        gate = checkpoint_name(jnp.einsum("bth,ehf->btef", h, w["gate"]), "mlp_gate")  # [B, T, E, F]
+        up = checkpoint_name(jnp.einsum("bth,ehf->btef", h, w["up"]), "mlp_up")
+        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
+        out = checkpoint_name(jnp.einsum("btef,efh->bteh", hidden, w["down"]), "mlp_down")  # [B, T, E, H]
     combine = (jax.nn.one_hot(experts, num_experts, dtype=weights.dtype) * weights[..., None]).sum(axis=-2)
     return jnp.einsum("bteh,bte->bth", out, combine.astype(h.dtype))  # [B, T, H]
 
@@ -155,24 +153,79 @@ def capacity_dispatch(
     Returns:
       ([B, T, H], the number of dropped token choices, a float32 scalar).
     """
-    batch, seq, k = experts.shape
     num_experts = w["gate"].shape[0]
-    slots = capacity(seq, k, num_experts, factor)
-    routed = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [B, T, k, E]
-    by_choice = routed.transpose(0, 2, 1, 3).reshape(batch, k * seq, num_experts)  # first choices first
-    position = (jnp.cumsum(by_choice, axis=1) - 1).reshape(batch, k, seq, num_experts).transpose(0, 2, 1, 3)
-    kept = routed * (position < slots)  # [B, T, k, E]
+    slots = capacity(experts.shape[1], experts.shape[2], num_experts, factor)
+    routed, position, kept = slot_positions(experts, num_experts, slots)
     slot = jax.nn.one_hot(jnp.where(kept > 0, position, -1), slots, dtype=h.dtype)  # [B, T, k, E, C], 0 if dropped
     dispatch = slot.sum(axis=2)  # [B, T, E, C]: a token's k experts are distinct
     combine = (slot * weights.astype(h.dtype)[..., None, None]).sum(axis=2)  # [B, T, E, C]
     x = exchange(jnp.einsum("btec,bth->bech", dispatch, h), BY_ROW, BY_EXPERT)  # [B, E, C, H]
-    gate = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
-    up = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
-    hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-    out = checkpoint_name(jnp.einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
+    with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
+        gate = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
+        up = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
+        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
+        out = checkpoint_name(jnp.einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
     out = exchange(out, BY_EXPERT, BY_ROW)
     dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
     return jnp.einsum("btec,bech->bth", combine, out), dropped
+
+
+def slot_positions(experts: jax.Array, num_experts: int, slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GShard's priority: each token choice's place in its expert's queue within its sequence, every token's first
+    choice (by position) before any second choice.
+
+    Args:
+      experts: [B, T, k] the experts each token was routed to.
+      num_experts: E; slots: C, the places an expert has per sequence.
+
+    Returns:
+      int32 (routed, position, kept), each [B, T, k, E]: routed one-hot, the choice's 0-based place in the queue of
+      each expert (meaningful where routed), and routed where that place is below C (the choice is kept).
+    """
+    batch, seq, k = experts.shape
+    routed = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [B, T, k, E]
+    by_choice = routed.transpose(0, 2, 1, 3).reshape(batch, k * seq, num_experts)  # first choices first
+    position = (jnp.cumsum(by_choice, axis=1) - 1).reshape(batch, k, seq, num_experts).transpose(0, 2, 1, 3)
+    return routed, position, routed * (position < slots)
+
+
+def scatter_dispatch(
+    h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array], factor: float
+) -> tuple[jax.Array, jax.Array]:
+    """The capacity dispatch's function (the same slots, the same drops) by index instead of one-hot einsums:
+    each kept token choice is scattered to row e x C + place of a [B, E x C, H] buffer, the experts run on their
+    [B, E, C, H] slots as in capacity_dispatch (exchanged the same way under expert parallelism), and each choice
+    gathers its slot's output back. GShard's one-hot einsums cost 2 x T x E x C x H FLOPs a sequence each way,
+    which with many experts exceeds the experts' own matmuls (Qwen3-30B-A3B, 128 experts: C = 320 at factor
+    1.25 and sequence 4096, 6.9e11 FLOPs an einsum against 3.1e11 for the experts' forward), and its [B, T, E, C]
+    masks are held for the backward pass; the scatter and gather move T x k x H elements each way.
+
+    Args: as capacity_dispatch.
+
+    Returns:
+      ([B, T, H], the number of dropped token choices, a float32 scalar).
+    """
+    batch, seq, k = experts.shape
+    num_experts, hidden_size = w["gate"].shape[0], h.shape[-1]
+    slots = capacity(seq, k, num_experts, factor)
+    routed, position, kept = slot_positions(experts, num_experts, slots)
+    place = (position * routed).sum(axis=-1)  # [B, T, k] the choice's place in its expert's queue
+    keep = kept.sum(axis=-1) > 0  # [B, T, k]
+    spill = num_experts * slots  # a dropped choice's row, cut off after the scatter
+    row = jnp.where(keep, experts * slots + place, spill).reshape(batch, seq * k)  # [B, T k]
+    copies = jnp.repeat(h, k, axis=1)  # [B, T k, H]: token t's i-th choice at t k + i
+    buffer = jax.vmap(lambda r, c: jnp.zeros((spill + 1, hidden_size), h.dtype).at[r].add(c))(row, copies)
+    x = exchange(buffer[:, :spill].reshape(batch, num_experts, slots, hidden_size), BY_ROW, BY_EXPERT)
+    with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
+        gate = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
+        up = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
+        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
+        out = checkpoint_name(jnp.einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
+    out = exchange(out, BY_EXPERT, BY_ROW).reshape(batch, spill, hidden_size)
+    out = jnp.concatenate([out, jnp.zeros((batch, 1, hidden_size), out.dtype)], axis=1)  # the spill row: zeros
+    gathered = jnp.take_along_axis(out, row[..., None], axis=1).reshape(batch, seq, k, hidden_size)
+    dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
+    return jnp.einsum("btkh,btk->bth", gathered, weights.astype(h.dtype)), dropped
 
 
 def exchange(x: jax.Array, source: tuple, target: tuple) -> jax.Array:
@@ -198,10 +251,11 @@ def ragged_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dic
     order = jnp.argsort(flat, stable=True)  # the copies grouped by expert
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)  # [E] rows per expert
     x = h.reshape(-1, hidden_size)[order // k]  # [N k, H] sorted copies
-    gate = checkpoint_name(jax.lax.ragged_dot(x, w["gate"], sizes), "mlp_gate")  # [N k, F]
-    up = checkpoint_name(jax.lax.ragged_dot(x, w["up"], sizes), "mlp_up")
-    hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-    out = checkpoint_name(jax.lax.ragged_dot(hidden, w["down"], sizes), "mlp_down")  # [N k, H]
+    with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
+        gate = checkpoint_name(jax.lax.ragged_dot(x, w["gate"], sizes), "mlp_gate")  # [N k, F]
+        up = checkpoint_name(jax.lax.ragged_dot(x, w["up"], sizes), "mlp_up")
+        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
+        out = checkpoint_name(jax.lax.ragged_dot(hidden, w["down"], sizes), "mlp_down")  # [N k, H]
     out = out[jnp.argsort(order)].reshape(batch, seq, k, hidden_size)  # back to (token, choice) order
     return jnp.einsum("btkh,btk->bth", out, weights.astype(h.dtype))
 
@@ -255,8 +309,9 @@ class MoE(nn.Module):
             weights, experts = route(logits, cfg.experts_per_token, cfg.moe_routing)  # [B, T, k] each
             self._sow_losses(logits, experts)
             w = Experts(cfg, name="experts")()
-            if cfg.moe_dispatch == "capacity":
-                out, dropped = capacity_dispatch(h, weights, experts, w, cfg.moe_capacity_factor)
+            if cfg.moe_dispatch in ("capacity", "scatter"):
+                by_slots = capacity_dispatch if cfg.moe_dispatch == "capacity" else scatter_dispatch
+                out, dropped = by_slots(h, weights, experts, w, cfg.moe_capacity_factor)
                 self.sow(METRICS, "dropped", dropped)
             elif cfg.moe_dispatch == "ragged":
                 out = ragged_dispatch(h, weights, experts, w)

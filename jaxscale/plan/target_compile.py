@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxscale import compile_cache, train
 from jaxscale.cli import Usage, fail, print_help, wants_help
 from jaxscale.config import mesh_shape
-from jaxscale.measure import collectives, kernels, memory
+from jaxscale.measure import collectives, expert_flops, kernels, memory
 from jaxscale.plan import targets
 from jaxscale.train import offload, sharding
 from jaxscale.train.step import param_columns
@@ -191,6 +191,7 @@ def compile_for_target(
     result = {
         **memory.compiled_memory(compiled, text),
         **collectives.collective_columns(text),
+        **expert_flops.compiled_columns(text),
         "compile_s": seconds,
         **param_columns(inputs[0]),
         "device_kind": device.device_kind,

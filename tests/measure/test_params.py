@@ -64,3 +64,14 @@ def test_shape_warnings_name_the_dims_off_the_tile_and_suggest_a_padded_vocabula
         "model.head_dim",
         "MLP width (model.mlp_hidden_size or mlp_expansion x hidden_size)",
     ]
+
+
+def test_adafactor_state_count_of_a_factored_kernel_is_a_python_int_that_a_row_keeps_a_number():
+    """A [256, 512] kernel is factored: 512 + 256 row and column statistics and a placeholder, 769 (hand count).
+    The count must be a Python int: a NumPy integer is written to a result row's JSON as a string (its default=str),
+    which broke the sweep's table for every Adafactor variant."""
+    import json
+
+    count = params.adafactor_state_elements({"w": (256, 512)})
+    assert count == 769 and type(count) is int
+    assert json.loads(json.dumps({"n": count}, default=str))["n"] == 769

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -145,13 +146,14 @@ def _np_dropped(experts: np.ndarray, slots: int, num_experts: int) -> tuple[int,
     return int((~kept).sum()), kept
 
 
-def test_capacity_drops_past_the_slots_and_counts_the_drops():
+@pytest.mark.parametrize("dispatch", ["capacity", "scatter"])
+def test_capacity_drops_past_the_slots_and_counts_the_drops(dispatch):
     """Factor 0.5: 32 tokens x 2 choices / 4 experts x 0.5 = 8 slots an expert per sequence. The sown count is
     NumPy's priority rule's, and the output is the dense layer's without the dropped choices (recomputed here from
-    the dense layer's per-expert terms)."""
+    the dense layer's per-expert terms), for the one-hot einsums and for the scatter and gather alike."""
     config = _moe(moe_capacity_factor=0.5)
     assert moe.capacity(32, 2, 4, 0.5) == 8
-    x, p, out, sown = _layer(config, "capacity")
+    x, p, out, sown = _layer(config, dispatch)
     h = rms_norm(step_model(config), "n").apply({"params": p["pre_norm"]}, x)
     weights, experts = moe.route(h @ p["router"]["kernel"], 2, "topk_softmax")
     dropped, kept = _np_dropped(np.asarray(experts), 8, 4)
@@ -168,8 +170,9 @@ RTOL, ATOL = 1e-5, 1e-6
 
 @pytest.mark.parametrize(
     "dispatch, routing",
-    slow_except([(d, r) for d in ("capacity", "ragged") for r in ("topk_softmax", "softmax_topk")],
-                lambda case: case in {("capacity", "topk_softmax"), ("ragged", "softmax_topk")}),
+    slow_except([(d, r) for d in ("capacity", "scatter", "ragged") for r in ("topk_softmax", "softmax_topk")],
+                lambda case: case in {("capacity", "topk_softmax"), ("scatter", "softmax_topk"),
+                                      ("ragged", "softmax_topk")}),
 )  # fmt: skip
 def test_dispatches_compute_the_dense_reference_loss_and_gradients(dispatch, routing):
     """Capacity with factor E / k (= 2: every expert can take every token, so none drops) and dropless ragged give
@@ -184,9 +187,42 @@ def test_dispatches_compute_the_dense_reference_loss_and_gradients(dispatch, rou
     assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
     router_grad = grads["transformer"]["block_0"]["mlp"]["router"]["kernel"]
     assert float(jnp.abs(router_grad).max()) > 1e-4  # the routing is differentiated, not constant
-    if dispatch == "capacity":
-        _, _, _, sown = _layer(config, "capacity")
+    if dispatch in ("capacity", "scatter"):
+        _, _, _, sown = _layer(config, dispatch)
         assert float(sown[moe.METRICS]["dropped"][0]) == 0.0
+
+
+def test_scatter_dispatch_drops_as_capacity_does_with_the_same_loss_and_gradients():
+    """At factor 0.5 (8 slots an expert, some choices dropped) the scatter and gather give the one-hot einsums'
+    loss and every gradient: the same function, dropped choices included."""
+    fields = dict(moe_capacity_factor=0.5, moe_aux_loss_weight=0.1)
+    config, reference = _moe(moe_dispatch="scatter", **fields), _moe(moe_dispatch="capacity", **fields)
+    params_, batch = _params(reference), _batch(reference)
+    loss, grads = loss_and_grads(config, params_, batch)
+    expected_loss, expected_grads = loss_and_grads(reference, params_, batch)
+    np.testing.assert_allclose(float(loss), float(expected_loss), rtol=RTOL)
+    assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+    _, _, _, sown = _layer(config, "scatter")
+    assert float(sown[moe.METRICS]["dropped"][0]) > 0
+
+
+def _compiled_flops(fn, *shapes) -> float:
+    """FLOPs of `fn` on bf16 arguments of `shapes` from XLA's cost analysis of the compiled program (no data)."""
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
+    return float(jax.jit(fn).lower(*args).compile().cost_analysis()["flops"])
+
+
+def test_the_one_hot_einsums_cost_more_than_qwen3s_experts_as_docs_say():
+    """docs/models.md's figures for Qwen3-30B-A3B at sequence 4096 (128 experts, 8 a token, H 2048, F 768, factor
+    1.25): XLA's cost analysis of one dispatch einsum [T, E, C] x [T, H] and of the experts' three forward matmuls
+    on the T x k routed copies, against the sentence's 6.9e11 and 3.1e11."""
+    t, e, k, h, f = 4096, 128, 8, 2048, 768
+    c = moe.capacity(t, k, e, 1.25)
+    einsum = _compiled_flops(lambda d, x: jnp.einsum("tec,th->ech", d, x), (t, e, c), (t, h))
+    experts = 3 * _compiled_flops(lambda x, w: x @ w, (t * k, h), (h, f))
+    text = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    written = (f"each einsum is {einsum:.1e} FLOPs", f"forward matmuls, {experts:.1e})")
+    assert all(phrase.replace("e+", "e") in " ".join(text.split()) for phrase in written)
 
 
 # --- the router losses in the train loss; the dense model untouched --------------------------------------------

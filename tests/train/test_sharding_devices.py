@@ -472,6 +472,7 @@ def _assert_moe_same_function(mesh, dispatch="capacity", step=False, **changes):
         pytest.param((2, 1, 1, 1, 4), "capacity", True, marks=pytest.mark.slow),  # 4 ways: one expert a device
         ((2, 2, 1, 1, 2), "capacity", False),  # with FSDP (ZeRO-3) and data parallelism
         pytest.param((1, 1, 2, 1, 4), "capacity", False, marks=pytest.mark.slow),  # with tensor parallelism
+        pytest.param((2, 1, 1, 1, 4), "scatter", True, marks=pytest.mark.slow),  # capacity's slots by index
         pytest.param((2, 2, 1, 1, 2), "ragged", False, marks=pytest.mark.slow),  # the weights gathered, no exchange
         pytest.param((2, 1, 1, 1, 4), "dense", False, marks=pytest.mark.slow),
     ],
@@ -506,14 +507,15 @@ def _all_to_alls(config) -> int:
 
 
 def test_moe_expert_parallel_program_exchanges_tokens_by_all_to_all():
-    """The capacity dispatch on 2 data x 2 expert devices compiles to 4 all-to-alls per MoE layer: the tokens to
-    their experts and back in the forward pass, the two transposed in the backward (hand count: 2 layers x 4); the
-    same 4 devices as 4 data-parallel ones (expert 1) compile none. One minibatch a step, so no other reshard of
-    the batch adds one. (Without the dispatch's constraints the partitioner gathers the experts' weights instead:
-    no all-to-all, so the first count fails.)"""
+    """The capacity dispatch (and the scatter one) on 2 data x 2 expert devices compiles to 4 all-to-alls per MoE layer:
+    the tokens to their experts and back in the forward pass, the two transposed in the backward (hand count: 2 layers x
+    4); the same 4 devices as 4 data-parallel ones (expert 1) compile none. One minibatch a step, so no other reshard of
+    the batch adds one. (Without the dispatch's constraints the partitioner gathers the experts' weights instead: no
+    all-to- all, so the first count fails.)"""
     one_minibatch = {"train.num_minibatches": 1}
     config = _moe_config((2, 1, 1, 1, 2), **one_minibatch)
     assert _all_to_alls(config) == 4 * config.model.num_layers
+    assert _all_to_alls(_moe_config((2, 1, 1, 1, 2), "scatter", **one_minibatch)) == 4 * config.model.num_layers
     assert _all_to_alls(_moe_config((4, 1, 1, 1, 1), **one_minibatch)) == 0
 
 
