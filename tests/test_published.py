@@ -385,3 +385,24 @@ def test_docs_published_md_states_the_torchtune_first_sights_as_the_committed_ro
     assert f"({lora['measured']['tokens_per_s_per_gpu'] / 3083:.1f}x the RTX 4090 LoRA row's tokens/s" in text
     assert f"first sight of torchtune's A6000 LoRA run, {ratio:.2f}, docs/published.md" in " ".join(
         (REPO / "docs" / "fit.md").read_text().split())
+
+
+QWEN3_MOE_RUNS = ("mbridge-2604p-qwen3-30b-a3b-16xh100-ep16-fp8cs", "mbridge-2604p-qwen3-30b-a3b-8xb200-ep8-mxfp8",
+                  "mbridge-2604p-qwen3-30b-a3b-8xgb200-ep8-mxfp8", "automodel-qwen3-30b-a3b-8xh100-ep8-fsdp8-bf16")
+
+
+def test_docs_published_md_states_the_moe_first_sights_as_the_runs_file_gives_them():
+    """docs/published.md's prose on the four Qwen3-30B-A3B runs: their plans' GiB and the range of their first sights
+    over the published steps (tokens a step / the published tokens/s, or the published step), from the runs file."""
+    runs = {run["id"]: run for run in published.load_runs()}
+    text = " ".join((REPO / "docs" / "published.md").read_text().split())
+    ratios, plans = [], []
+    for name in QWEN3_MOE_RUNS:
+        run = runs[name]
+        measured = run["measured"]
+        step = measured["step_time_s"] or run["global_batch"] * run["seq_len"] / (
+            measured["tokens_per_s_per_gpu"] * run["n_gpus"])
+        ratios.append(run["first_sight"]["predicted_step_s"] / step)
+        plans.append(f"{run['first_sight']['plan_peak_gib']:.1f}")
+    assert f"plans of {', '.join(plans[:-1])} and {plans[-1]} GiB" in text
+    assert f"predict {min(ratios):.2f}x to {max(ratios):.2f}x the published steps" in text
