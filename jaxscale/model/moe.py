@@ -215,6 +215,8 @@ def scatter_dispatch(
     row = jnp.where(keep, experts * slots + place, spill).reshape(batch, seq * k)  # [B, T k]
     copies = jnp.repeat(h, k, axis=1)  # [B, T k, H]: token t's i-th choice at t k + i
     buffer = jax.vmap(lambda r, c: jnp.zeros((spill + 1, hidden_size), h.dtype).at[r].add(c))(row, copies)
+    buffer = constrain(buffer, BY_ROW[:3])  # each row's slots where its tokens are (else the partitioner may split
+    # the slot axis and all-reduce the scatter; its transpose, the gather's gradient, likewise)
     x = exchange(buffer[:, :spill].reshape(batch, num_experts, slots, hidden_size), BY_ROW, BY_EXPERT)
     with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
         gate = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
@@ -223,6 +225,7 @@ def scatter_dispatch(
         out = checkpoint_name(jnp.einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
     out = exchange(out, BY_EXPERT, BY_ROW).reshape(batch, spill, hidden_size)
     out = jnp.concatenate([out, jnp.zeros((batch, 1, hidden_size), out.dtype)], axis=1)  # the spill row: zeros
+    out = constrain(out, BY_ROW[:3])
     gathered = jnp.take_along_axis(out, row[..., None], axis=1).reshape(batch, seq, k, hidden_size)
     dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
     return jnp.einsum("btkh,btk->bth", gathered, weights.astype(h.dtype)), dropped

@@ -424,3 +424,25 @@ def test_expert_parallel_all_to_alls_are_priced_on_nvswitch_by_their_token_buffe
     assert {k.collective[1:] for k in exchanges} == {(2, 40_960)}
     roof = predict.gpu_roofline(H100)
     assert predict.kernel_seconds(exchanges[0], roof)[0] == pytest.approx(0.5 * 40_960 / 450e9, rel=1e-9)
+
+
+@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+def test_the_scatter_dispatch_under_fsdp_compiles_the_capacity_dispatchs_collectives():
+    """tiny-moe on 8 deviceless H100s with FSDP 8 (no expert axis): the scatter dispatch's program has the capacity
+    dispatch's collectives, kind for kind and byte for byte. Without its buffer kept by rows (moe.scatter_dispatch's
+    constraints) the partitioner split the slots and added 8 all-to-alls and 2 all-reduces (160 KiB a step here;
+    6 GiB of all-to-all a step at Mixtral 8x7B's size)."""
+    from jaxscale.plan import target_compile
+
+    def collectives(dispatch: str) -> dict[str, tuple[int, int]]:
+        config = load_config("bf16_remat", "tiny-moe")
+        config.model.moe_dispatch, config.mesh.fsdp, config.train.num_minibatches = dispatch, 8, 1
+        result = target_compile.compile_for_target(config, targets.target_config_text(H100), devices=8)
+        found: dict[str, tuple[int, int]] = {}
+        for k in kernels.from_dicts(result["kernels"]):
+            if k.collective:
+                count, size = found.get(k.collective[0], (0, 0))
+                found[k.collective[0]] = (count + k.times, size + k.times * k.collective[2])
+        return found
+
+    assert collectives("scatter") == collectives("capacity")
