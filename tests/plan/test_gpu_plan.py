@@ -1,5 +1,6 @@
 """Planning GPU memory for a target on a CPU-only machine: the plan, remat's effect, not fitting, bad input."""
 
+import functools
 import gzip
 import json
 import pathlib
@@ -29,7 +30,7 @@ def _tiny(name: str, **overrides):
 
 @pytest.fixture(scope="module")
 def remat_scan_plan():
-    return gpu_plan.plan_for_target(_tiny("bf16_remat"), "a5000", gemm="triton")
+    return gpu_plan.plan_for_target(_tiny("bf16_remat"), "a5000", gemm="triton", in_process=True)
 
 
 @needs_extra
@@ -52,7 +53,7 @@ def test_run_plans_a_tiny_config_for_an_a5000(tmp_path, capsys):
 
 @needs_extra
 def test_remat_with_scan_lowers_the_planned_temp_bytes(remat_scan_plan):
-    scan_only = gpu_plan.plan_for_target(_tiny("bf16"), "a5000", gemm="triton")
+    scan_only = gpu_plan.plan_for_target(_tiny("bf16"), "a5000", gemm="triton", in_process=True)  # no child's start
     assert remat_scan_plan["compiled_temp_bytes"] < scan_only["compiled_temp_bytes"]
     assert remat_scan_plan["compiled_argument_bytes"] == scan_only["compiled_argument_bytes"]
 
@@ -134,10 +135,13 @@ def test_a_target_that_kills_the_compiler_is_a_failed_row_not_a_crash(tmp_path):
 
 
 @needs_extra
-def test_a_sweep_plans_its_variants_for_a_target_and_a_budget_uses_that_plan(tmp_path, capsys):
+def test_a_sweep_plans_its_variants_for_a_target_and_a_budget_uses_that_plan(tmp_path, capsys, monkeypatch):
     """`jaxscale.sweep --plan --target a5000`: the variant's row is the target's plan; the table says fits; a
     device budget below that plan makes the variant oom without running it (remat against no remat in a target's
-    plan: test_remat_with_scan_lowers_the_planned_temp_bytes)."""
+    plan: test_remat_with_scan_lowers_the_planned_temp_bytes). The plan cache is on, in a directory of this test's,
+    so the rerun reads the first run's plan instead of compiling it again (the cache: test_compile_cache.py)."""
+    monkeypatch.setenv("JAXSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("JAXSCALE_COMPILATION_CACHE", "1")
     spec = f"{REPO / 'experiments' / 'seed_table.py'}:tiny"
     args = ["sweep", "--config", spec, "--only", "bf16_scan_remat_block", "--plan", "--target", "a5000",
             "--gemm", "triton", "--output_root", str(tmp_path), "--quiet"]  # fmt: skip
@@ -315,9 +319,16 @@ def test_zero_stages_1_and_2_on_2_target_gpus_compile_their_collectives(stage):
 def _layout_plan(mesh: dict, minibatches: int) -> dict:
     """tiny-llama's whole step planned on 2 deviceless H100s (batch 16) with `mesh` and `minibatches`, its output
     head apart from the token table (tied, with one minibatch XLA reduces the table's two gradient terms apart:
-    one table's bytes more, whatever the layout)."""
+    one table's bytes more, whatever the layout). Each plan is compiled once a test process: the layout tests below
+    read different facts (gathers, reductions, temporaries) of the same few plans."""
+    return dict(_kept_layout_plan(tuple(sorted(mesh.items())), minibatches))
+
+
+@functools.cache
+def _kept_layout_plan(mesh: tuple, minibatches: int) -> dict:
     config = load_config("bf16_remat", "tiny-llama")
-    overrides = {**mesh, "train.num_minibatches": minibatches, "data.batch_size": 16, "model.tie_embeddings": False}
+    overrides = {"train.num_minibatches": minibatches, "data.batch_size": 16, "model.tie_embeddings": False}
+    overrides.update(mesh)
     apply_overrides(config, overrides, "bf16_remat")
     validate(config)
     return gpu_plan.plan_for_target(config, "h100", gemm="triton", devices=2, in_process=True)
@@ -349,7 +360,7 @@ def test_zero_1_and_2_gather_each_parameter_once_a_step(stage):
     parameters once (plus a few bytes of integer bookkeeping). Failed before the weight's cast was constrained by
     the parameters' own rules (2.34x the parameters, gathered again at every use)."""
     params = _float32_params_bytes()
-    for minibatches in (1, 2):
+    for minibatches in (1, 4):  # the plans test_zero_2_and_3_reduce_every_minibatch_by_default also reads
         row = _layout_plan({"mesh.fsdp": 2, "mesh.zero_stage": stage}, minibatches)
         gathered = row["compiled_collective_all_gather_bytes"]
         assert params <= gathered <= params + 4096, (minibatches, gathered, params)

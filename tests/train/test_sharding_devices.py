@@ -75,10 +75,15 @@ def _everything(config, devices=None, step: bool = True):
     return initial, grads, stepped, placement
 
 
-@functools.cache
 def _one_device(preset: str, changes: tuple, step: bool):
-    same_function = {key: value for key, value in changes if not key.startswith("mesh.")}  # a layout's fields
-    return _everything(_config((1, 1, 1), preset, **same_function), step=step)
+    """One device's _everything for the (key, value) `changes` less a layout's fields (mesh.*), computed once a
+    process for each function: the layouts of one function share it."""
+    return _one_device_of(preset, tuple(item for item in changes if not item[0].startswith("mesh.")), step)
+
+
+@functools.cache
+def _one_device_of(preset: str, changes: tuple, step: bool):
+    return _everything(_config((1, 1, 1), preset, **dict(changes)), step=step)
 
 
 def _assert_close(a, b):
@@ -115,6 +120,13 @@ def _assert_same_function(mesh, step=False, preset="tiny", **changes):
         _assert_close(many[2], one[2])  # the parameters after one optimizer step, and the running metrics
 
 
+# The Llama whole-step tests below (2x2x2, ZeRO-1, context parallel, 1x2x2x2) compute one function, so _one_device
+# computes its reference once a process (2 compiles each test saves): scanned layers, Block remat, 2 minibatches
+# (_config's), the chunked attention that the context-parallel ring needs (the reference kernel on a Llama mesh is
+# the LoRA test's, and the GPT 2x2x2 test's).
+LLAMA_STEP = {"model.attention": "chunked", "model.scan_layers": True, "model.remat": ("Block",)}
+
+
 def test_remat_scan_accumulation_and_dropout_on_a_2x2x2_mesh_equal_one_device():
     """Data, FSDP and tensor parallel at once, with scanned layers, remat of MLP and Attn, 4 minibatches in
     lax.scan, and dropout, whose masks are drawn identically in shards (JAX's partitionable threefry);
@@ -129,13 +141,10 @@ def test_remat_scan_accumulation_and_dropout_on_a_2x2x2_mesh_equal_one_device():
 
 def test_llama_with_remat_scan_and_accumulation_on_a_2x2x2_mesh_equals_one_device():
     """The Llama family (RMSNorm, SwiGLU, RoPE, 2 K/V heads for 4 query heads, tied embeddings): its K/V
-    heads and SwiGLU width split over tensor, embed over fsdp; the gradients (the whole step on a mesh is the
-    gpt case's above, and llama's FSDP one in test_llama_layouts_equal_one_device, -m slow)."""
-    _assert_same_function(
-        (2, 2, 2),
-        preset="tiny-llama",
-        **{"model.scan_layers": True, "model.remat": ("MLP", "Attn"), "train.num_minibatches": 4},
-    )
+    heads and SwiGLU width split over tensor, embed over fsdp, the batch over data x fsdp; the gradients and the
+    parameters after a whole step (LLAMA_STEP; remat of MLP and Attn with 4 minibatches on a mesh is the gpt case's
+    above, and on a Llama mesh test_llama_layouts_equal_one_device's, -m slow)."""
+    _assert_same_function((2, 2, 2), step=True, preset="tiny-llama", **LLAMA_STEP)
 
 
 @pytest.mark.slow
@@ -218,15 +227,10 @@ def test_each_device_holds_its_hand_counted_share_of_params_and_adam_state(prese
 
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_zero_stages_1_and_2_equal_one_device(stage):
-    """ZeRO-1 and ZeRO-2 over fsdp (x data parallel), with scanned layers, Block remat and 2 minibatches:
+    """ZeRO-1 and ZeRO-2 over fsdp (x data parallel), with scanned layers, Block remat and 2 minibatches (LLAMA_STEP):
     gradients and the parameters after a whole train step equal one device's. (ZeRO-2's fast whole-step check is
     test_fsdp_tensor_sequence_and_context_parallel_at_once_equal_one_device.)"""
-    _assert_same_function(
-        (2, 4, 1),
-        step=True,
-        preset="tiny-llama",
-        **{"mesh.zero_stage": stage, "model.scan_layers": True, "model.remat": ("Block",), "train.num_minibatches": 2},
-    )
+    _assert_same_function((2, 4, 1), step=True, preset="tiny-llama", **{"mesh.zero_stage": stage, **LLAMA_STEP})
 
 
 def test_local_accumulation_with_dropout_is_each_devices_own_rows_and_key():
@@ -305,26 +309,20 @@ def test_gpt_sequence_parallel_with_fsdp_and_dropout_free_equals_one_device():
 
 def test_context_parallel_with_remat_scan_and_accumulation_equals_one_device():
     """Context parallelism over 4 devices (x 2 data parallel): the sequence split in the balanced order,
-    attention as a ring of chunked blocks, with scanned layers, Block remat and 2 minibatches; gradients and the
-    parameters after a step equal one device's chunked attention in natural order."""
-    _assert_same_function(
-        (2, 1, 1, 4),
-        step=True,
-        preset="tiny-llama",
-        **{"model.attention": "chunked", "model.scan_layers": True, "model.remat": ("Block",)},
-    )
+    attention as a ring of chunked blocks, with scanned layers, Block remat and 2 minibatches (LLAMA_STEP); gradients
+    and the parameters after a step equal one device's chunked attention in natural order."""
+    _assert_same_function((2, 1, 1, 4), step=True, preset="tiny-llama", **LLAMA_STEP)
 
 
 def test_fsdp_tensor_sequence_and_context_parallel_at_once_equal_one_device():
     """1x2x2x2: FSDP over fsdp x context, tensor parallelism with sequence parallelism, and a ring of 2, at
-    ZeRO stage 2; the gradients and the parameters after a whole train step."""
+    ZeRO stage 2 (LLAMA_STEP: with Block remat); the gradients and the parameters after a whole train step."""
     _assert_same_function(
         (1, 2, 2, 2),
         step=True,
         preset="tiny-llama",
-        **{"model.attention": "chunked", "mesh.sequence_parallel": True, "mesh.zero_stage": 2,
-           "model.scan_layers": True},
-    )  # fmt: skip
+        **{"mesh.sequence_parallel": True, "mesh.zero_stage": 2, **LLAMA_STEP},
+    )
 
 
 @pytest.mark.slow
@@ -396,24 +394,20 @@ def test_lora_adapters_over_a_frozen_bf16_base_on_a_2x2x2_mesh_equal_one_device(
             train.make_batch(jax.random.PRNGKey(1), config.data.batch_size, config.data.seq_len, 128)
         )
         state, metrics, step = placement.init_state(), placement.init_metrics(), placement.step()
+        initial_a = jax.device_get(state.params["transformer"]["blocks"]["attn"]["q"]["lora_a"])
         for _ in range(2):
             state, metrics = step(state, metrics, batch)
-        return jax.device_get((state.params, state.frozen, metrics))
+        return jax.device_get((state.params, state.frozen, metrics)), initial_a
 
-    one, many = two_steps((1, 1, 1)), two_steps((2, 2, 2))
+    (one, initial_a), (many, _) = two_steps((1, 1, 1)), two_steps((2, 2, 2))
     assert all(k.endswith(("lora_a", "lora_b")) for k in _paths(one[0]))
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(many[1])} == {np.dtype(jnp.bfloat16)}
     _assert_close(many, one)
-    assert not np.allclose(one[0]["transformer"]["blocks"]["attn"]["q"]["lora_a"], _initial_a(changes))
+    assert not np.allclose(one[0]["transformer"]["blocks"]["attn"]["q"]["lora_a"], initial_a)
 
 
 def _paths(tree) -> list[str]:
     return ["/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _initial_a(changes):
-    config = _config((1, 1, 1), "tiny-llama", **changes)
-    return jax.device_get(jax.jit(train.make_init_fn(config))().params["transformer"]["blocks"]["attn"]["q"]["lora_a"])
 
 
 # FP8's tensorwise scales couple the rows of a minibatch, so a layout computes one device's function only where it
