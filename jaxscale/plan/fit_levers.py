@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from jaxscale.config import validate
+from jaxscale.config import ConfigError, validate
 from jaxscale.config.overrides import apply_overrides
 from jaxscale.plan import fit_search
 
@@ -95,6 +95,16 @@ def with_levers(config: ml_collections.ConfigDict, levers: list[Lever]) -> ml_co
     return config
 
 
+def _valid(config: ml_collections.ConfigDict, levers: list[Lever]) -> bool:
+    """Whether the levers make a config the lab builds (e.g. LoRA on every projection does not apply to a mixture
+    of experts' stacked experts: validation says so, and the lever is not tried)."""
+    try:
+        with_levers(config, levers)
+    except ConfigError:
+        return False
+    return True
+
+
 def together(levers: list[Lever]) -> list[Lever]:
     """The levers that can be used at once: every one but the optimizer levers and the fine-tuning methods, of each
     of which only the last (they replace one another: a command that set them all would ask for 8-bit Adam moments
@@ -126,7 +136,8 @@ def what_would_fit(
       respect_xla_limit: as the fit's --xla_limit.
     """
     shared = budget_at is not None and fraction is not None
-    active = [lv for lv in LEVERS if (lv.mem_fraction is None or shared) and lv.applies(config, fraction or 1)]
+    active = [lv for lv in LEVERS if (lv.mem_fraction is None or shared) and lv.applies(config, fraction or 1)
+              and _valid(config, [lv])]  # fmt: skip
 
     def tried(levers: list[Lever]) -> fit_search.Probe:
         share = max([lever.mem_fraction for lever in levers if lever.mem_fraction], default=None)
@@ -138,7 +149,7 @@ def what_would_fit(
         if probe.fits:
             return [lever], probe
     combined = together(active)
-    if len(combined) > 1:
+    if len(combined) > 1 and _valid(config, combined):
         probe = tried(combined)
         if probe.fits:
             return combined, probe
