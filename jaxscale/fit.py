@@ -408,7 +408,8 @@ def _what_would_fit(rows: list[dict], config: ml_collections.ConfigDict, context
     found = fit_levers.what_would_fit(config, smallest["fit_choice"], context["plan"], context["usable"],
                                       context["budget_at"], context["fraction"], context["respect"])  # fmt: skip
     if found is None:
-        names = ", ".join(lever.name for lever in fit_levers.LEVERS)
+        shared = context["budget_at"] is not None and context["fraction"] is not None
+        names = ", ".join(lever.name for lever in fit_levers.applicable(config, shared, context["fraction"]))
         return f"what would fit: none of the levers ({names}), alone or together, at minibatch 1"
     return fit_levers.answer(*found)
 

@@ -113,6 +113,13 @@ def together(levers: list[Lever]) -> list[Lever]:
     return [lever for lever in levers if not (lever.optimizer or lever.finetune) or lever in last]
 
 
+def applicable(config: ml_collections.ConfigDict, shared: bool, fraction: float | None) -> list[Lever]:
+    """The levers what_would_fit tries for `config`, in LEVERS' order: those that apply to it (Lever.applies) and
+    make a config the lab builds, the allocator's share only where the budget is one (`shared`)."""
+    return [lv for lv in LEVERS if (lv.mem_fraction is None or shared) and lv.applies(config, fraction or 1)
+            and _valid(config, [lv])]  # fmt: skip
+
+
 def what_would_fit(
     config: ml_collections.ConfigDict,
     choice: str,
@@ -136,8 +143,7 @@ def what_would_fit(
       respect_xla_limit: as the fit's --xla_limit.
     """
     shared = budget_at is not None and fraction is not None
-    active = [lv for lv in LEVERS if (lv.mem_fraction is None or shared) and lv.applies(config, fraction or 1)
-              and _valid(config, [lv])]  # fmt: skip
+    active = applicable(config, shared, fraction)
 
     def tried(levers: list[Lever]) -> fit_search.Probe:
         share = max([lever.mem_fraction for lever in levers if lever.mem_fraction], default=None)

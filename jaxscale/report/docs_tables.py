@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from absl import flags
 
 from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
-from jaxscale.report import gpu_tables, measurements_tables, mesh_tables, models_tables, predict_tables
+from jaxscale.report import gpu_tables, measurements_tables, mesh_tables, models_tables, moe_tables, predict_tables
 from jaxscale.sweep.results import read_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -114,6 +114,10 @@ TABLES: tuple[DocTable, ...] = (
     DocTable("moe-dispatch-h200", _MODELS, (f"{RESULTS}/moe_dispatch_olmoe-1b-7b_plan_h200/results.jsonl",
                                             f"{RESULTS}/moe_dispatch_olmoe-1b-7b_h200/results.jsonl"),
              gpu_tables.plan_then_measured_table),  # fmt: skip
+    *(DocTable(f"moe-layouts-{preset}-h100", _MODELS, (f"{RESULTS}/moe_layouts_{preset}_plan_h100_x8/results.jsonl",),
+               moe_tables.layouts_table) for preset in ("mixtral-8x7b", "qwen3-30b-a3b")),  # fmt: skip
+    DocTable("fit-olmoe-1b-7b-rtx4090", _MODELS, (f"{RESULTS}/finetune_olmoe-1b-7b_rtx4090_mem95/results.jsonl",),
+             gpu_tables.precision_fit_table),  # fmt: skip
     DocTable("seed-h200", "docs/gpu.md", (f"{RESULTS}/seed_table_seed_h200/results.jsonl",
                                           f"{RESULTS}/seed_table_seed_plan_h200/results.jsonl"),
              gpu_tables.seed_on_gpu_table),  # fmt: skip

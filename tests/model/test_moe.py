@@ -508,3 +508,12 @@ def test_what_is_not_built_is_a_one_line_error_naming_the_field(preset, fields, 
     with pytest.raises(ConfigError, match=f"^{field}: ") as error:
         validate(config)
     assert "\n" not in str(error.value)
+
+
+def test_docs_adam_state_per_gpu_for_the_moe_presets_on_8_gpus():
+    """docs/models.md's Adam figures: float32 weights, gradients and two moments, 16 bytes a parameter of the
+    presets' exact counts (the hand counts above), over 8 GPUs: 93 GB (Mixtral 8x7B) and 61 GB (Qwen3-30B-A3B)."""
+    text = " ".join((Path(__file__).parents[2] / "docs" / "models.md").read_text().split())
+    mixtral, qwen3 = (16 * params.param_count(load_config("bf16", p).model) / 8 / 1e9
+                      for p in ("mixtral-8x7b", "qwen3-30b-a3b"))  # fmt: skip
+    assert f"{mixtral:.0f} GB a GPU for Mixtral and {qwen3:.0f} GB for Qwen3" in text

@@ -78,3 +78,5 @@ def test_a_lever_the_model_cannot_take_is_not_tried():
     for name in ("lora_all", "qlora_all"):
         assert not fit_levers._valid(moe, [levers[name]]) and fit_levers._valid(dense, [levers[name]])
     assert fit_levers._valid(moe, [levers["offload_state"]])
+    tried = {lever.name for lever in fit_levers.applicable(moe, shared=True, fraction=0.75)}
+    assert "offload_state" in tried and not tried & {"lora_all", "qlora_all"}
