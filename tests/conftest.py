@@ -223,3 +223,31 @@ def np_blockwise_quantize(x: np.ndarray, code: np.ndarray, block: int) -> tuple[
         distance = np.abs(normalized.astype(np.float64)[:, None] - code.astype(np.float64)[None, :])
         codes[start : start + block] = np.argmin(distance, axis=1)
     return codes, np.asarray(absmax, np.float32)
+
+
+def bf16_shapes_in_gradient_step(config) -> set[tuple[int, ...]]:
+    """The shapes of every bfloat16 value the traced gradient step of `config` holds (its jaxpr walked into every
+    sub-jaxpr: scan bodies and their transposes), with 2 minibatches; what the NF4 tests look for a dequantized
+    stacked kernel among (a residual kept for the backward pass would be one)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxscale import train
+
+    state = jax.eval_shape(train.make_init_fn(config))
+    jaxpr = jax.make_jaxpr(lambda s, b: train.batch_gradients(s, b, jax.random.PRNGKey(0), 2, "scan"))(
+        state, train.batch_shape(config)
+    )
+    shapes: set[tuple[int, ...]] = set()
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            for var in (*eqn.invars, *eqn.outvars):
+                aval = getattr(var, "aval", None)
+                if aval is not None and getattr(aval, "dtype", None) == jnp.bfloat16:
+                    shapes.add(tuple(aval.shape))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return shapes

@@ -187,8 +187,8 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.finetune.train = "auto"  # auto (adapters if model.lora_rank > 0, else all); all; adapters; last_blocks
     c.finetune.last_blocks = 0  # train=last_blocks: the top blocks that train (0 with head: the head alone; unrolled)
     c.finetune.head = False  # train=adapters or last_blocks: the output head and final norm train too
-    # nf4 (QLoRA, with trained LoRA adapters): the frozen projection kernels in 4-bit NormalFloat with double-quantized
-    # absmax, dequantized to model.dtype at their matmul; the other frozen parameters (embeddings, norms, head) bfloat16
+    # nf4 (QLoRA, with trained LoRA adapters): the frozen projection kernels and stacked experts in 4-bit NormalFloat
+    # with double-quantized absmax, dequantized to model.dtype at their matmul; the other frozen parameters bfloat16
     c.finetune.frozen_dtype = "bfloat16"  # frozen parameters are stored in this dtype: float32, bfloat16 or nf4
     c.finetune.init_from = ""  # a run directory whose latest checkpoint's parameters start this run ("": random)
 

@@ -35,6 +35,7 @@ MULTI_INPUT = {"out": 2}  # projections whose kernel contracts more than one inp
 TRAIN_CHOICES = ("auto", "all", "adapters", "last_blocks")
 LORA_PARAMS = ("lora_a", "lora_b")
 NF4 = "nf4"  # finetune.frozen_dtype of the 4-bit frozen base (QLoRA): nf4_kernel, jaxscale.model.nf4
+EXPERTS, EXPERT_WEIGHTS = "experts", ("gate", "up", "down")  # jaxscale.model.moe.Experts' stacked [E, ...] weights
 _BLOCK = re.compile(r"^transformer/block_(\d+)/")
 _HEAD = ("output/", "post_norm/")
 
@@ -103,12 +104,25 @@ def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def nf4_kernel(path: str, config: ml_collections.ConfigDict) -> bool:
     """Whether a frozen parameter at `path` is stored in NF4 (QLoRA, jaxscale.model.nf4): finetune.frozen_dtype=nf4 and
-    a projection's kernel in the blocks (`transformer/.../<projection>/kernel`, the family's PROJECTIONS); the
-    embeddings, norms, biases, the output head and a mixture of experts' router and experts are kept in
-    `stored_dtype`, as QLoRA keeps everything but the linear layers' weights in 16 bits."""
+    either a projection's kernel in the blocks (`transformer/.../<projection>/kernel`, the family's PROJECTIONS; a
+    mixture of experts' shared experts are such projections) or a mixture of experts' stacked expert weights
+    (`transformer/.../experts/gate`, `up` [E, H, F], `down` [E, F, H]: every expert's linear layers, as bitsandbytes
+    quantizes each expert's nn.Linear of Mixtral and OLMoE; frozen whenever there are adapters, which the experts
+    never carry). The embeddings, norms, biases, the output head and the router are kept in `stored_dtype`, as
+    QLoRA keeps everything but the linear layers' weights in 16 bits. The one rule: the state (train.step.frozen_leaf,
+    and through it checkpoint's init_from) and the analytic memory model (measure.memory.frozen_bytes) ask it."""
     parts = path.split("/")
-    return (config.finetune.frozen_dtype == NF4 and parts[0] == "transformer" and parts[-1] == "kernel"
-            and parts[-2] in family_projections(config.model.family))  # fmt: skip
+    if config.finetune.frozen_dtype != NF4 or parts[0] != "transformer" or len(parts) < 2:
+        return False
+    projection = parts[-1] == "kernel" and parts[-2] in family_projections(config.model.family)
+    return projection or (parts[-2] == EXPERTS and parts[-1] in EXPERT_WEIGHTS)
+
+
+def nf4_stacked(path: str, config: ml_collections.ConfigDict) -> int:
+    """The leading dims of the NF4 parameter at `path` quantized apart (jaxscale.model.nf4.quantize's `stacked`):
+    nn.scan's layers (model.scan_layers) and a stacked expert weight's experts, so each expert is its own [H, F] (or
+    [F, H]) kernel, its blocks never straddling two experts."""
+    return int(config.model.scan_layers) + int(path.split("/")[-2] == EXPERTS)
 
 
 def stored_dtype(config: ml_collections.ConfigDict) -> str:
@@ -200,5 +214,5 @@ def summary_line(row: dict) -> str | None:
         parts.append("the head")
     rest = "base" if mode == "adapters" else "rest"
     frozen = row.get("config.finetune.frozen_dtype")
-    frozen = "nf4 (the projection kernels; the rest bfloat16)" if frozen == NF4 else frozen
+    frozen = "nf4 (the linear layers' weights; the rest bfloat16)" if frozen == NF4 else frozen
     return f"  trains: {' and '.join(parts)} ({trained:,} of {total:,} params), {rest} frozen in {frozen}"

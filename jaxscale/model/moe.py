@@ -38,7 +38,8 @@ that their sum is the mean over layers; the train step adds every leaf to the lo
 Parameters: "router/kernel" [H, E] named ("embed", "expert"), "experts/gate" and "experts/up" [E, H, F] named
 ("expert", "embed", "mlp"), "experts/down" [E, F, H] named ("expert", "mlp", "embed"), F = model.moe_hidden_size.
 The experts' weights are cast to the compute dtype where they are used, their gradients summed in it
-(model.reduce_dtype's float32 weight gradients cover the Dense projections only).
+(model.reduce_dtype's float32 weight gradients cover the Dense projections only); frozen in NF4 (QLoRA,
+finetune.frozen_dtype=nf4) they are dequantized inside each expert matmul (expert_einsum, expert_ragged_dot).
 
 Expert parallelism (mesh.expert > 1; GShard, Lepikhin et al. 2020, arXiv 2006.16668): "expert" is split over the mesh's
 expert axis (jaxscale.config.layout_rules), so each device holds E / mesh.expert experts (their gradients and
@@ -54,6 +55,8 @@ the experts' weights over the expert axis where it needs them (no token exchange
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -61,7 +64,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config.spec import ModelConfig, capacity
 from jaxscale.measure.expert_flops import EXPERT_SCOPE
-from jaxscale.model import precision
+from jaxscale.model import nf4, precision
 from jaxscale.model.axes import constrain, mesh_axis_size, partitioned
 from jaxscale.model.llama import Llama, LlamaAttention, rms_norm, swiglu
 from jaxscale.model.stack import SOWN_COLLECTIONS, ResidualBlock, branch_output, whole_sequence
@@ -119,6 +122,21 @@ def z_loss(logits: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
+def expert_einsum(spec: str, x: jax.Array, w: jax.Array | nf4.Nf4Kernel) -> jax.Array:
+    """jnp.einsum(spec, x, w) of tokens `x` (compute dtype) and a stacked expert weight `w` (`Experts`' output: the
+    compute dtype, or an NF4 view under finetune.frozen_dtype=nf4, dequantized inside the matmul: nf4.linear)."""
+    if isinstance(w, nf4.Nf4Kernel):
+        return nf4.linear(functools.partial(jnp.einsum, spec), x, w)
+    return jnp.einsum(spec, x, w)
+
+
+def expert_ragged_dot(x: jax.Array, w: jax.Array | nf4.Nf4Kernel, sizes: jax.Array) -> jax.Array:
+    """jax.lax.ragged_dot(x, w, sizes) with `w` as in expert_einsum: [N k, in] x [E, in, out] -> [N k, out]."""
+    if isinstance(w, nf4.Nf4Kernel):
+        return nf4.linear(jax.lax.ragged_dot, x, w, sizes)
+    return jax.lax.ragged_dot(x, w, sizes)
+
+
 def dense_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     """Every expert on every token, their outputs summed with the routing weights (zero outside a token's top k).
 
@@ -132,10 +150,10 @@ def dense_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict
     """
     num_experts = w["gate"].shape[0]
     with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
-        gate = checkpoint_name(jnp.einsum("bth,ehf->btef", h, w["gate"]), "mlp_gate")  # [B, T, E, F]
-        up = checkpoint_name(jnp.einsum("bth,ehf->btef", h, w["up"]), "mlp_up")
+        gate = checkpoint_name(expert_einsum("bth,ehf->btef", h, w["gate"]), "mlp_gate")  # [B, T, E, F]
+        up = checkpoint_name(expert_einsum("bth,ehf->btef", h, w["up"]), "mlp_up")
         hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-        out = checkpoint_name(jnp.einsum("btef,efh->bteh", hidden, w["down"]), "mlp_down")  # [B, T, E, H]
+        out = checkpoint_name(expert_einsum("btef,efh->bteh", hidden, w["down"]), "mlp_down")  # [B, T, E, H]
     combine = (jax.nn.one_hot(experts, num_experts, dtype=weights.dtype) * weights[..., None]).sum(axis=-2)
     return jnp.einsum("bteh,bte->bth", out, combine.astype(h.dtype))  # [B, T, H]
 
@@ -161,10 +179,10 @@ def capacity_dispatch(
     combine = (slot * weights.astype(h.dtype)[..., None, None]).sum(axis=2)  # [B, T, E, C]
     x = exchange(jnp.einsum("btec,bth->bech", dispatch, h), BY_ROW, BY_EXPERT)  # [B, E, C, H]
     with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
-        gate = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
-        up = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
+        gate = checkpoint_name(expert_einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
+        up = checkpoint_name(expert_einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
         hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-        out = checkpoint_name(jnp.einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
+        out = checkpoint_name(expert_einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
     out = exchange(out, BY_EXPERT, BY_ROW)
     dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
     return jnp.einsum("btec,bech->bth", combine, out), dropped
@@ -219,10 +237,10 @@ def scatter_dispatch(
     # the slot axis and all-reduce the scatter; its transpose, the gather's gradient, likewise)
     x = exchange(buffer[:, :spill].reshape(batch, num_experts, slots, hidden_size), BY_ROW, BY_EXPERT)
     with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
-        gate = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
-        up = checkpoint_name(jnp.einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
+        gate = checkpoint_name(expert_einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
+        up = checkpoint_name(expert_einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
         hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-        out = checkpoint_name(jnp.einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
+        out = checkpoint_name(expert_einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
     out = exchange(out, BY_EXPERT, BY_ROW).reshape(batch, spill, hidden_size)
     out = jnp.concatenate([out, jnp.zeros((batch, 1, hidden_size), out.dtype)], axis=1)  # the spill row: zeros
     out = constrain(out, BY_ROW[:3])
@@ -255,17 +273,19 @@ def ragged_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dic
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)  # [E] rows per expert
     x = h.reshape(-1, hidden_size)[order // k]  # [N k, H] sorted copies
     with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
-        gate = checkpoint_name(jax.lax.ragged_dot(x, w["gate"], sizes), "mlp_gate")  # [N k, F]
-        up = checkpoint_name(jax.lax.ragged_dot(x, w["up"], sizes), "mlp_up")
+        gate = checkpoint_name(expert_ragged_dot(x, w["gate"], sizes), "mlp_gate")  # [N k, F]
+        up = checkpoint_name(expert_ragged_dot(x, w["up"], sizes), "mlp_up")
         hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-        out = checkpoint_name(jax.lax.ragged_dot(hidden, w["down"], sizes), "mlp_down")  # [N k, H]
+        out = checkpoint_name(expert_ragged_dot(hidden, w["down"], sizes), "mlp_down")  # [N k, H]
     out = out[jnp.argsort(order)].reshape(batch, seq, k, hidden_size)  # back to (token, choice) order
     return jnp.einsum("btkh,btk->bth", out, weights.astype(h.dtype))
 
 
 class Experts(nn.Module):
     """The routed experts' stacked SwiGLU weights: gate, up [E, H, F] and down [E, F, H], float32, each expert
-    initialised as a Dense (LeCun normal over its fan-in)."""
+    initialised as a Dense (LeCun normal over its fan-in). Returned in the compute dtype (cast on their shard), except
+    a frozen NF4 weight (QLoRA, finetune.frozen_dtype=nf4), whose view is returned as it is and dequantized inside each
+    matmul that uses it (expert_einsum, expert_ragged_dot), one layer's at a time under nn.scan."""
 
     config: ModelConfig
 
@@ -278,7 +298,8 @@ class Experts(nn.Module):
         weights = {
             name: self.param(name, partitioned(init, EXPERT_NAMES[name]), shape) for name, shape in shapes.items()
         }
-        return {name: precision.compute_weight(cfg, w, EXPERT_NAMES[name]) for name, w in weights.items()}
+        return {name: w if isinstance(w, nf4.Nf4Kernel) else precision.compute_weight(cfg, w, EXPERT_NAMES[name])
+                for name, w in weights.items()}  # fmt: skip
 
 
 class SharedExperts(nn.Module):

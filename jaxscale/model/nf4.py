@@ -1,4 +1,4 @@
-"""A 4-bit frozen base (QLoRA): projection kernels stored as NF4 codes, dequantized to the compute dtype at use.
+"""A 4-bit frozen base (QLoRA): projection kernels and stacked experts stored as NF4 codes, dequantized at use.
 
 Dettmers, Pagnoni, Holtzman, Zettlemoyer, "QLoRA: Efficient Finetuning of Quantized LLMs", NeurIPS 2023 (arXiv
 2305.14314), section 3, as bitsandbytes implements it (`quantize_4bit(..., quant_type="nf4",
@@ -21,7 +21,10 @@ which nn.DenseGeneral passes untouched through `precision.keep_kernel_dtype` to 
 `precision.weight_dot_general` hands it to `dot_general` below, which dequantizes the kernel inside the layer (under
 nn.scan one layer's bf16 kernel at a time) and whose backward pass keeps the 4-bit codes, not the dequantized
 kernel, as its residual (bitsandbytes' MatMul4Bit does the same), dequantizing again for the input's gradient. A
-frozen kernel has no gradient. nn.scan stacks the codes of every layer on a leading axis like any parameter
+frozen kernel has no gradient. A mixture of experts' stacked weights [E, H, F] (jaxscale.model.moe.Experts) are NF4
+too, each expert quantized apart as each layer is (a leading dim of the arrays: jaxscale.config.finetune.nf4_stacked);
+Experts returns their view as it is and each expert matmul (an einsum, ragged_dot) goes through `linear`, the same
+custom VJP as `dot_general`. nn.scan stacks the codes of every layer on a leading axis like any parameter
 (`remove_axis` / `add_axis` keep the box's static kernel shape in step); the codes are never split over a mesh
 (their blocks cut across the kernel's axes, which have no logical names here): every device holds them whole.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -71,7 +75,8 @@ def _per_block(values: jax.Array, scales: jax.Array, block_size: int) -> jax.Arr
 
 
 class Nf4Weight(struct.PyTreeNode, nn.meta.AxisMetadata):
-    """A kernel in NF4 with double-quantized absmax (arrays per kernel; under nn.scan each with a leading [layers]).
+    """A kernel in NF4 with double-quantized absmax (arrays per kernel; a leading [experts] for stacked experts, and
+    under nn.scan a leading [layers] before it).
 
     Attributes:
       codes: uint8 [..., ceil(n / 64) · 32]: two NF4 indices a byte, element 2i in the high nibble (n the kernel's
@@ -91,7 +96,7 @@ class Nf4Weight(struct.PyTreeNode, nn.meta.AxisMetadata):
 
     @property
     def stacked(self) -> int:
-        """Leading dims the arrays carry beyond one kernel's (1 for nn.scan's stacked layers, else 0)."""
+        """Leading dims the arrays carry beyond one kernel's (nn.scan's stacked layers, a stacked experts' E)."""
         return self.absmax_offset.ndim
 
     @property
@@ -173,33 +178,52 @@ def _leaves(weight: Nf4Weight) -> tuple[jax.Array, ...]:
     return weight.codes, weight.absmax_codes, weight.absmax_scales, weight.absmax_offset
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _dot(dims: Any, precision: Any, shape: tuple, x_shape: tuple, x_dtype: Any, x: jax.Array, *leaves: jax.Array):
-    return lax.dot_general(x, _dequantize_leaves(leaves, shape, x.dtype), dims, precision=precision)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _linear(fn: Callable, shape: tuple, x_shape: tuple, x_dtype: Any, x: jax.Array, consts: tuple, *leaves: jax.Array):
+    return fn(x, _dequantize_leaves(leaves, shape, x.dtype), *consts)
 
 
-def _dot_fwd(dims, precision, shape, x_shape, x_dtype, x, *leaves):
-    return _dot(dims, precision, shape, x_shape, x_dtype, x, *leaves), leaves  # the 4-bit codes, not the kernel
+def _linear_fwd(fn, shape, x_shape, x_dtype, x, consts, *leaves):
+    return _linear(fn, shape, x_shape, x_dtype, x, consts, *leaves), (consts, leaves)  # the 4-bit codes, not the kernel
 
 
-def _dot_bwd(dims, precision, shape, x_shape, x_dtype, leaves, g):
+def _linear_bwd(fn, shape, x_shape, x_dtype, residuals, g):
+    consts, leaves = residuals
     w = _dequantize_leaves(leaves, shape, x_dtype)  # dequantized again, as in the forward pass
-    transpose = jax.linear_transpose(lambda x_: lax.dot_general(x_, w, dims, precision=precision),
-                                     jax.ShapeDtypeStruct(x_shape, x_dtype))  # fmt: skip
+    transpose = jax.linear_transpose(lambda x_: fn(x_, w, *consts), jax.ShapeDtypeStruct(x_shape, x_dtype))
     (dx,) = transpose(g.astype(x_dtype))
-    frozen = tuple(np.zeros(leaf.shape, jax.dtypes.float0) if leaf.dtype == jnp.uint8 else jnp.zeros_like(leaf)
-                   for leaf in leaves)  # fmt: skip
-    return (dx, *frozen)
+    return (dx, _no_cotangent(consts), *_no_cotangent(leaves))
 
 
-_dot.defvjp(_dot_fwd, _dot_bwd)
+def _no_cotangent(tree: Any) -> Any:
+    """Zero cotangents for what is not differentiated (the frozen codes, integer operands): float0 for integers."""
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0) if jnp.issubdtype(a.dtype, jnp.integer) else jnp.zeros_like(a)  # noqa: E731
+    return jax.tree_util.tree_map(zero, tree)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def linear(fn: Callable[..., jax.Array], x: jax.Array, kernel: Nf4Kernel, *consts: jax.Array) -> jax.Array:
+    """`fn(x, w, *consts)`, linear in `x`, with `w` the NF4 kernel dequantized to x's dtype inside it (under nn.scan one
+    layer's at a time); the backward pass gives x's gradient only (the kernel is frozen; `consts`, e.g. ragged_dot's
+    group sizes, are not differentiated), dequantizing again from the 4-bit codes, which are its residual in place of
+    the dequantized kernel (bitsandbytes' MatMul4Bit does the same).
+
+    Args:
+      fn: the matmul (lax.dot_general with its dims, an einsum, lax.ragged_dot), linear in its first argument.
+      x: [...] in the compute dtype.
+      kernel: the view of an Nf4Weight a module received.
+      consts: further operands of `fn`, not differentiated.
+    """
+    w = kernel.weight
+    return _linear(fn, w.shape, tuple(x.shape), x.dtype, x, consts, *_leaves(w))
 
 
 def dot_general(x: jax.Array, kernel: Nf4Kernel, dims: Any, precision: Any = None) -> jax.Array:
     """nn.DenseGeneral's matmul with an NF4 kernel: `x` [..., in...] (the compute dtype) times the kernel dequantized
-    to x's dtype, [..., out...]; the backward pass gives x's gradient only (the kernel is frozen), from the codes."""
-    w = kernel.weight
-    return _dot(dims, precision, w.shape, tuple(x.shape), x.dtype, x, *_leaves(w))
+    to x's dtype, [..., out...] (`linear`)."""
+    return linear(functools.partial(lax.dot_general, dimension_numbers=dims, precision=precision), x, kernel)
 
 
 def nbytes(weight: Nf4Weight) -> int:

@@ -81,11 +81,11 @@ def split_params(params: Any, config: ml_collections.ConfigDict) -> tuple[Any, A
 
 
 def frozen_leaf(path: str, value: Any, config: ml_collections.ConfigDict) -> Any:
-    """A frozen parameter as the state stores it: a projection kernel under finetune.frozen_dtype=nf4 quantized to
-    NF4 (jaxscale.model.nf4.quantize, each of nn.scan's stacked layers apart), anything else cast to
-    finetune.stored_dtype."""
+    """A frozen parameter as the state stores it: a projection kernel or stacked expert weight under
+    finetune.frozen_dtype=nf4 (finetune.nf4_kernel) quantized to NF4 (jaxscale.model.nf4.quantize, each of nn.scan's
+    stacked layers and each expert apart: finetune.nf4_stacked), anything else cast to finetune.stored_dtype."""
     if finetune.nf4_kernel(path, config):
-        return nf4.quantize(nn.meta.unbox(value), stacked=int(config.model.scan_layers))
+        return nf4.quantize(nn.meta.unbox(value), stacked=finetune.nf4_stacked(path, config))
     dtype = jnp.dtype(finetune.stored_dtype(config))
     return jax.tree_util.tree_map(lambda x: x.astype(dtype), value)
 

@@ -14,7 +14,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, np_blockwise_quantize, slow_except, train_losses
+from conftest import assert_trees_close, bf16_shapes_in_gradient_step, np_blockwise_quantize, slow_except, train_losses
 from flax import traverse_util
 
 from jaxscale import train
@@ -176,22 +176,9 @@ def test_the_scanned_step_holds_no_stacked_compute_dtype_kernel():
     dequantized kernel kept as the backward pass's residual would be one), and a single layer's kernel does occur."""
     config = _config("llama", True)
     state = jax.eval_shape(train.make_init_fn(config))
-    batch = train.batch_shape(config)
-    jaxpr = jax.make_jaxpr(lambda s, b: train.batch_gradients(s, b, jax.random.PRNGKey(0), 2, "scan"))(state, batch)
     kernels = [w.shape for w in jax.tree_util.tree_leaves(state.frozen, is_leaf=lambda x: isinstance(x, nf4.Nf4Weight))
                if isinstance(w, nf4.Nf4Weight)]  # fmt: skip
-    shapes = set()
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            for var in (*eqn.invars, *eqn.outvars):
-                aval = getattr(var, "aval", None)
-                if aval is not None and getattr(aval, "dtype", None) == jnp.bfloat16:
-                    shapes.add(tuple(aval.shape))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
+    shapes = bf16_shapes_in_gradient_step(config)
     assert kernels and not {tuple(k) for k in kernels} & shapes
     assert {tuple(k[1:]) for k in kernels} & shapes
 
