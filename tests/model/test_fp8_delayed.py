@@ -138,9 +138,16 @@ HISTORY_DEFAULT = 1024  # model.fp8_amax_history's default (Flax's, Transformer 
 STEPS, BAND_OF_FALL = 30, 0.10
 
 
-def test_a_tiny_gpt_trained_with_delayed_scaling_stays_within_a_band_of_bf16():
+@pytest.fixture(scope="module")
+def delayed_run():
+    """(losses, state) of the tiny GPT trained STEPS steps with delayed scaling (_config()): one compile of its step for
+    the band test, the evaluation test and the checkpoint test, which each need a state whose histories are filled."""
+    return train_losses(_config(), STEPS)
+
+
+def test_a_tiny_gpt_trained_with_delayed_scaling_stays_within_a_band_of_bf16(delayed_run):
     bf16 = train_losses(_config(**{"model.fp8": "none"}), STEPS)[0]
-    delayed, state = train_losses(_config(), STEPS)
+    delayed, state = delayed_run
     fall = bf16[0] - bf16[-1]
     assert fall > 0.3
     gap = np.abs(delayed - bf16)
@@ -149,11 +156,11 @@ def test_a_tiny_gpt_trained_with_delayed_scaling_stays_within_a_band_of_bf16():
     assert all(int((np.asarray(h) > 0).sum(-1).max()) == STEPS for h in histories)  # one amax recorded per step
 
 
-def test_evaluation_reads_the_scaling_state_and_bad_fields_are_one_line():
+def test_evaluation_reads_the_scaling_state_and_bad_fields_are_one_line(delayed_run):
     """The eval step quantizes with the scale the train state's histories give: histories of 1e6 (a scale of ~2,232:
     every activation of order 1 rounds to zero in e4m3, whose smallest subnormal is 2^-9) change the loss."""
     config = _config()
-    _, state = train_losses(config, 3)
+    _, state = delayed_run
     batch = train.make_batch(jax.random.PRNGKey(9), config.data.batch_size, config.data.seq_len,
                              config.model.vocab_size)  # fmt: skip
     eval_step = evaluate.make_eval_step(config)
@@ -185,20 +192,20 @@ def test_a_gpu_target_compiles_delayed_scaling_to_the_same_fp8_gemms(tmp_path):
     assert gzip.open(path, "rt").read().count('custom_call_target="__cublas$lt$matmul$f8"') == 4 + 4 + 4 + 2
 
 
-def test_the_scaling_state_is_checkpointed_and_restored_with_the_train_state(tmp_path):
+def test_the_scaling_state_is_checkpointed_and_restored_with_the_train_state(tmp_path, delayed_run):
     """The amax histories and scales are part of the train state: an orbax checkpoint brings them back leaf for leaf
     (a resumed run quantizes with the scales it had, not Flax's initial 1)."""
     from jaxscale.train.checkpoint import Checkpoints
 
     config = _config()
-    _, state = train_losses(config, 2)
+    _, state = delayed_run
     saver = Checkpoints(tmp_path / "checkpoints", config)
-    saver.save(2, state, {})
+    saver.save(STEPS, state, {})
     saver.close()
     loader = Checkpoints(tmp_path / "checkpoints", config)
     step, restored, _ = loader.restore(jax.eval_shape(train.make_init_fn(config)))
     loader.close()
-    assert step == 2 and jax.tree_util.tree_leaves(state.fp8_meta)
+    assert step == STEPS and jax.tree_util.tree_leaves(state.fp8_meta)
     want, got = (
         jax.tree_util.tree_leaves_with_path(state.fp8_meta),
         jax.tree_util.tree_leaves_with_path(restored.fp8_meta),

@@ -263,8 +263,10 @@ _FIRST_HALF = "2x2x2_mesh or zero_stages or context_parallel or share_of_params 
 @pytest.mark.parametrize("selection", [_FIRST_HALF, f"not ({_FIRST_HALF})"], ids=["first_half", "second_half"])
 def test_meshes_equal_one_device_on_8_simulated_cpu_devices(selection):
     """Runs tests/train/test_sharding_devices.py in a process with 8 simulated CPU devices (XLA reads the
-    flag when its CPU backend starts, so it cannot be set in this process)."""
-    done = _run_device_tests("-m", "not slow", "-k", selection)
+    flag when its CPU backend starts, so it cannot be set in this process). -n 0: each half in one process (not the
+    suite's -n auto, 2 more workers on the suite's 2 cores), so its tests share _one_device's references and start
+    JAX once; the suite's two workers run the two halves side by side."""
+    done = _run_device_tests("-n", "0", "-m", "not slow", "-k", selection)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
 

@@ -547,8 +547,9 @@ def test_moe_expert_parallel_shards_the_experts_their_gradients_and_adam_state()
 NEXT_AMAX_RTOL = 1e-3
 
 
-def _delayed_steps(config, devices=None, state=None, steps: int = 1):
-    """model.fp8=delayed: the states after each of `steps` train steps (from `state`, or the init) on fixed batches."""
+def _delayed_steps(config, devices=None, state=None, keys: tuple[int, ...] = (1,)):
+    """model.fp8=delayed: the states after each train step (from `state`, or the init), one a batch of PRNGKey(key)
+    for each of `keys`."""
     placement = sharding.placement(config, devices)
     step, states = placement.step(), []
     fresh = placement.init_state()
@@ -556,8 +557,8 @@ def _delayed_steps(config, devices=None, state=None, steps: int = 1):
         state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(fresh), jax.tree_util.tree_leaves(state))
         state = jax.device_put(state, None if placement.layout is None else placement.layout.state)
     state = fresh if state is None else state
-    for i in range(steps):
-        batch = train.make_batch(jax.random.PRNGKey(i + 1), config.data.batch_size, config.data.seq_len,
+    for key in keys:
+        batch = train.make_batch(jax.random.PRNGKey(key), config.data.batch_size, config.data.seq_len,
                                  config.model.vocab_size)  # fmt: skip
         state, _ = step(state, placement.init_metrics(), placement.place_batch(batch))
         states.append(jax.device_get(state))
@@ -573,9 +574,9 @@ def test_delayed_fp8_on_a_mesh_equals_one_device(mesh, minibatches):
     (The very first step quantizes at Flax's initial scale 1, where most gradients are e5m2 subnormals and a sum's
     order flips many roundings: compared from the init, the params differ by ~3x FP8_RTOL on 1x8x1.)"""
     changes = {"model.fp8": "delayed", "train.num_minibatches": minibatches}
-    warm = _delayed_steps(_config((1, 1, 1), **changes))[-1]
-    one = _delayed_steps(_config((1, 1, 1), **changes), state=warm, steps=2)
-    many = _delayed_steps(_config(mesh, **changes), jax.devices()[: int(np.prod(mesh))], state=warm, steps=2)
+    # One device's step compiled once: the warm-up step, then the two compared steps on the batches the mesh takes.
+    warm, *one = _delayed_steps(_config((1, 1, 1), **changes), keys=(1, 1, 2))
+    many = _delayed_steps(_config(mesh, **changes), jax.devices()[: int(np.prod(mesh))], state=warm, keys=(1, 2))
     for a, b in zip(many, one, strict=True):
         for x, y in zip(jax.tree_util.tree_leaves(a.fp8_meta), jax.tree_util.tree_leaves(b.fp8_meta), strict=True):
             np.testing.assert_allclose(x, y, rtol=NEXT_AMAX_RTOL, atol=0)
