@@ -517,3 +517,14 @@ def test_docs_adam_state_per_gpu_for_the_moe_presets_on_8_gpus():
     mixtral, qwen3 = (16 * params.param_count(load_config("bf16", p).model) / 8 / 1e9
                       for p in ("mixtral-8x7b", "qwen3-30b-a3b"))  # fmt: skip
     assert f"{mixtral:.0f} GB a GPU for Mixtral and {qwen3:.0f} GB for Qwen3" in text
+
+
+def test_docs_olmoe_full_fine_tuning_and_expert_figures():
+    """docs/models.md's OLMoE-1B-7B figures from the preset's exact counts: float32 weights and gradients, 8 bytes a
+    parameter, 55 GB; its routed experts, 16 layers x 64 x 3 x 2048 x 1024 = 6.44e9 (by hand), 6.4B."""
+    text = " ".join((Path(__file__).parents[2] / "docs" / "models.md").read_text().split())
+    model = load_config("bf16", "olmoe-1b-7b").model
+    experts = 16 * 64 * 3 * 2048 * 1024
+    assert params.inactive_expert_params(model) + 16 * 8 * 3 * 2048 * 1024 == experts  # E - k of them, + the k
+    assert f"6.9B float32 weights and gradients alone are {8 * params.param_count(model) / 1e9:.0f} GB" in text
+    assert f"the {experts / 1e9:.1f}B expert parameters" in text
