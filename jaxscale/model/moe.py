@@ -56,6 +56,7 @@ the experts' weights over the expert axis where it needs them (no token exchange
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -137,6 +138,29 @@ def expert_ragged_dot(x: jax.Array, w: jax.Array | nf4.Nf4Kernel, sizes: jax.Arr
     return jax.lax.ragged_dot(x, w, sizes)
 
 
+def expert_swiglu(x: jax.Array, w: dict, up: Callable, down: Callable) -> jax.Array:
+    """The routed experts' SwiGLU on their tokens, down(silu(x gate) * (x up)), under EXPERT_SCOPE (the experts'
+    matmuls, found by name in the compiled program: jaxscale.measure.expert_flops) and with the MLP's checkpoint
+    names (mlp_gate, mlp_up, mlp_hidden, mlp_down) that the remat policies read.
+
+    Args:
+      x: the tokens as the dispatch lays them out.
+      w: `Experts`' "gate", "up" and "down".
+      up, down: (activations, stacked weight) -> product: the dispatch's matmul into the experts' width and back.
+    """
+    with jax.named_scope(EXPERT_SCOPE):
+        gate = checkpoint_name(up(x, w["gate"]), "mlp_gate")
+        lifted = checkpoint_name(up(x, w["up"]), "mlp_up")
+        hidden = checkpoint_name(nn.silu(gate) * lifted, "mlp_hidden")
+        return checkpoint_name(down(hidden, w["down"]), "mlp_down")
+
+
+# The einsums of the dispatches whose experts see every token ([B, T, H] -> [B, T, E, F] -> [B, T, E, H]) and their
+# [B, E, C, H] slots (capacity, scatter), for expert_swiglu.
+_EVERY_TOKEN = (functools.partial(expert_einsum, "bth,ehf->btef"), functools.partial(expert_einsum, "btef,efh->bteh"))
+_ON_SLOTS = (functools.partial(expert_einsum, "bech,ehf->becf"), functools.partial(expert_einsum, "becf,efh->bech"))
+
+
 def dense_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     """Every expert on every token, their outputs summed with the routing weights (zero outside a token's top k).
 
@@ -149,11 +173,7 @@ def dense_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict
       [B, T, H].
     """
     num_experts = w["gate"].shape[0]
-    with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
-        gate = checkpoint_name(expert_einsum("bth,ehf->btef", h, w["gate"]), "mlp_gate")  # [B, T, E, F]
-        up = checkpoint_name(expert_einsum("bth,ehf->btef", h, w["up"]), "mlp_up")
-        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-        out = checkpoint_name(expert_einsum("btef,efh->bteh", hidden, w["down"]), "mlp_down")  # [B, T, E, H]
+    out = expert_swiglu(h, w, *_EVERY_TOKEN)  # [B, T, E, H]
     combine = (jax.nn.one_hot(experts, num_experts, dtype=weights.dtype) * weights[..., None]).sum(axis=-2)
     return jnp.einsum("bteh,bte->bth", out, combine.astype(h.dtype))  # [B, T, H]
 
@@ -178,11 +198,7 @@ def capacity_dispatch(
     dispatch = slot.sum(axis=2)  # [B, T, E, C]: a token's k experts are distinct
     combine = (slot * weights.astype(h.dtype)[..., None, None]).sum(axis=2)  # [B, T, E, C]
     x = exchange(jnp.einsum("btec,bth->bech", dispatch, h), BY_ROW, BY_EXPERT)  # [B, E, C, H]
-    with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
-        gate = checkpoint_name(expert_einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
-        up = checkpoint_name(expert_einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
-        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-        out = checkpoint_name(expert_einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
+    out = expert_swiglu(x, w, *_ON_SLOTS)  # [B, E, C, H]
     out = exchange(out, BY_EXPERT, BY_ROW)
     dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
     return jnp.einsum("btec,bech->bth", combine, out), dropped
@@ -236,11 +252,7 @@ def scatter_dispatch(
     buffer = constrain(buffer, BY_ROW[:3])  # each row's slots where its tokens are (else the partitioner may split
     # the slot axis and all-reduce the scatter; its transpose, the gather's gradient, likewise)
     x = exchange(buffer[:, :spill].reshape(batch, num_experts, slots, hidden_size), BY_ROW, BY_EXPERT)
-    with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
-        gate = checkpoint_name(expert_einsum("bech,ehf->becf", x, w["gate"]), "mlp_gate")
-        up = checkpoint_name(expert_einsum("bech,ehf->becf", x, w["up"]), "mlp_up")
-        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-        out = checkpoint_name(expert_einsum("becf,efh->bech", hidden, w["down"]), "mlp_down")  # [B, E, C, H]
+    out = expert_swiglu(x, w, *_ON_SLOTS)  # [B, E, C, H]
     out = exchange(out, BY_EXPERT, BY_ROW).reshape(batch, spill, hidden_size)
     out = jnp.concatenate([out, jnp.zeros((batch, 1, hidden_size), out.dtype)], axis=1)  # the spill row: zeros
     out = constrain(out, BY_ROW[:3])
@@ -272,11 +284,8 @@ def ragged_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dic
     order = jnp.argsort(flat, stable=True)  # the copies grouped by expert
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)  # [E] rows per expert
     x = h.reshape(-1, hidden_size)[order // k]  # [N k, H] sorted copies
-    with jax.named_scope(EXPERT_SCOPE):  # the experts' matmuls, found by name in the compiled program
-        gate = checkpoint_name(expert_ragged_dot(x, w["gate"], sizes), "mlp_gate")  # [N k, F]
-        up = checkpoint_name(expert_ragged_dot(x, w["up"], sizes), "mlp_up")
-        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")
-        out = checkpoint_name(expert_ragged_dot(hidden, w["down"], sizes), "mlp_down")  # [N k, H]
+    by_group = functools.partial(expert_ragged_dot, sizes=sizes)  # each expert's contiguous rows
+    out = expert_swiglu(x, w, by_group, by_group)  # [N k, H]
     out = out[jnp.argsort(order)].reshape(batch, seq, k, hidden_size)  # back to (token, choice) order
     return jnp.einsum("btkh,btk->bth", out, weights.astype(h.dtype))
 
