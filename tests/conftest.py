@@ -251,3 +251,25 @@ def bf16_shapes_in_gradient_step(config) -> set[tuple[int, ...]]:
 
     walk(jaxpr.jaxpr)
     return shapes
+
+
+def nf4_dequantized_states(state):
+    """From a QLoRA state: (its twin whose frozen NF4 weights are dequantized to bfloat16, the state itself), both
+    with every lora_b set to the same random values (adapters after some training), for the NF4 tests that compare
+    a 4-bit base with the bf16 base it dequantizes to."""
+    import jax
+    import jax.numpy as jnp
+    from flax import traverse_util
+
+    from jaxscale.model import nf4
+
+    def is_nf4(x) -> bool:
+        return isinstance(x, nf4.Nf4Weight)
+
+    frozen = jax.tree_util.tree_map(lambda w: nf4.dequantize(w, jnp.bfloat16) if is_nf4(w) else w, state.frozen,
+                                    is_leaf=is_nf4)  # fmt: skip
+    flat = traverse_util.flatten_dict(state.params, sep="/")
+    keys = iter(jax.random.split(jax.random.PRNGKey(3), len(flat)))
+    flat = {k: 0.05 * jax.random.normal(next(keys), v.shape) if k.endswith("lora_b") else v for k, v in flat.items()}
+    params = traverse_util.unflatten_dict(flat, sep="/")
+    return state.replace(params=params, frozen=frozen), state.replace(params=params)

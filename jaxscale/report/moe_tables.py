@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import pathlib
 
-from jaxscale.report.models_tables import markdown
+from jaxscale.report.models_tables import GIB, NONE, markdown
 from jaxscale.sweep.results import read_rows
-
-GIB = 2**30
-NONE = "–"
 
 
 def _optimizer(row: dict) -> str:

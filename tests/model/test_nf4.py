@@ -14,8 +14,14 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, bf16_shapes_in_gradient_step, np_blockwise_quantize, slow_except, train_losses
-from flax import traverse_util
+from conftest import (
+    assert_trees_close,
+    bf16_shapes_in_gradient_step,
+    nf4_dequantized_states,
+    np_blockwise_quantize,
+    slow_except,
+    train_losses,
+)
 
 from jaxscale import train
 from jaxscale.config import ConfigError, base_config, validate
@@ -131,13 +137,7 @@ def _dequantized_twin(config, state):
     """The bf16-frozen config and a state of it whose frozen kernels are the NF4 state's, dequantized to bfloat16,
     and whose adapters are the NF4 state's with every lora_b set to random values (adapters after some training)."""
     twin = _config(config.model.family, config.model.scan_layers, "bfloat16", tuple(config.model.remat))
-    frozen = jax.tree_util.tree_map(lambda w: nf4.dequantize(w, jnp.bfloat16) if isinstance(w, nf4.Nf4Weight) else w,
-                                    state.frozen, is_leaf=lambda x: isinstance(x, nf4.Nf4Weight))  # fmt: skip
-    flat = traverse_util.flatten_dict(state.params, sep="/")
-    keys = iter(jax.random.split(jax.random.PRNGKey(3), len(flat)))
-    flat = {k: 0.05 * jax.random.normal(next(keys), v.shape) if k.endswith("lora_b") else v for k, v in flat.items()}
-    params = traverse_util.unflatten_dict(flat, sep="/")
-    return twin, state.replace(params=params, frozen=frozen), state.replace(params=params)
+    return (twin, *nf4_dequantized_states(state))
 
 
 @pytest.mark.parametrize(

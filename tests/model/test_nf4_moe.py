@@ -11,7 +11,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, bf16_shapes_in_gradient_step, slow_except
+from conftest import assert_trees_close, bf16_shapes_in_gradient_step, nf4_dequantized_states, slow_except
 from flax import traverse_util
 
 from jaxscale import train
@@ -93,13 +93,7 @@ def _dequantized_twin(config, state):
     """The bf16-frozen config and a state of it whose frozen weights are the NF4 state's dequantized to bfloat16, and
     whose adapters are the NF4 state's with every lora_b random (adapters after some training)."""
     twin = _config("bfloat16", config.model.scan_layers, moe_dispatch=config.model.moe_dispatch)
-    frozen = jax.tree_util.tree_map(lambda w: nf4.dequantize(w, jnp.bfloat16) if _is_nf4(w) else w, state.frozen,
-                                    is_leaf=_is_nf4)  # fmt: skip
-    flat = traverse_util.flatten_dict(state.params, sep="/")
-    keys = iter(jax.random.split(jax.random.PRNGKey(3), len(flat)))
-    flat = {k: 0.05 * jax.random.normal(next(keys), v.shape) if k.endswith("lora_b") else v for k, v in flat.items()}
-    params = traverse_util.unflatten_dict(flat, sep="/")
-    return twin, state.replace(params=params, frozen=frozen), state.replace(params=params)
+    return (twin, *nf4_dequantized_states(state))
 
 
 @pytest.mark.parametrize(

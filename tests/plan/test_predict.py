@@ -406,43 +406,47 @@ def test_host_bytes_cross_the_targets_pcie_link_and_an_async_transfer_hides_behi
     assert predict.predict([transfer, fusion], predict.cpu_roofline())["predicted_host_link_s"] is None  # a CPU: none
 
 
-@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+def _tiny_moe_collectives(devices: int, overrides: dict) -> list[kernels.Kernel]:
+    """The collective kernels of tiny-moe's step (bf16_remat, one minibatch, `overrides`) compiled for `devices`
+    deviceless H100s."""
+    from jaxscale.config import validate
+    from jaxscale.config.overrides import apply_overrides
+    from jaxscale.plan import target_compile
+
+    config = load_config("bf16_remat", "tiny-moe")
+    apply_overrides(config, {"train.num_minibatches": 1, **overrides}, "bf16_remat")
+    validate(config)
+    result = target_compile.compile_for_target(config, targets.target_config_text(H100), devices=devices)
+    return [k for k in kernels.from_dicts(result["kernels"]) if k.collective]
+
+
+@needs_extra
 def test_expert_parallel_all_to_alls_are_priced_on_nvswitch_by_their_token_buffers():
     """tiny-moe's scatter dispatch on 2 deviceless H100s with the experts split over mesh.expert 2 (one minibatch of 8
     sequences, 4 rows a device, MLP remat): 6 all-to-alls a MoE layer (the tokens to their experts and back, the two
     again in the MLP's recomputation, and the two transposed in the backward pass), each of one device's [4 rows, 4
     experts, C, 64] bf16 token slots, C = ceil(1.25 x 32 x 2 / 4) = 20: 4 x 4 x 20 x 64 x 2 = 40,960 bytes (hand count);
     each crosses NVSwitch at (2 - 1) / 2 of its bytes over 450 GB/s (NCCL's all-to-all bus factor): 45.51 ns."""
-    from jaxscale.plan import target_compile
-
-    config = load_config("bf16_remat", "tiny-moe")
-    for key, value in {"mesh.expert": 2, "model.moe_dispatch": "scatter", "train.num_minibatches": 1}.items():
-        config[key.split(".")[0]][key.split(".")[1]] = value
-    result = target_compile.compile_for_target(config, targets.target_config_text(H100), devices=2)
-    exchanges = [k for k in kernels.from_dicts(result["kernels"]) if k.collective and k.collective[0] == "all-to-all"]
-    assert sum(k.times for k in exchanges) == 6 * config.model.num_layers
+    found = _tiny_moe_collectives(2, {"mesh.expert": 2, "model.moe_dispatch": "scatter"})
+    exchanges = [k for k in found if k.collective[0] == "all-to-all"]
+    assert sum(k.times for k in exchanges) == 6 * 2  # tiny-moe's 2 layers
     assert {k.collective[1:] for k in exchanges} == {(2, 40_960)}
     roof = predict.gpu_roofline(H100)
     assert predict.kernel_seconds(exchanges[0], roof)[0] == pytest.approx(0.5 * 40_960 / 450e9, rel=1e-9)
 
 
-@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+@needs_extra
 def test_the_scatter_dispatch_under_fsdp_compiles_the_capacity_dispatchs_collectives():
     """tiny-moe on 8 deviceless H100s with FSDP 8 (no expert axis): the scatter dispatch's program has the capacity
     dispatch's collectives, kind for kind and byte for byte. Without its buffer kept by rows (moe.scatter_dispatch's
     constraints) the partitioner split the slots and added 8 all-to-alls and 2 all-reduces (160 KiB a step here;
     6 GiB of all-to-all a step at Mixtral 8x7B's size)."""
-    from jaxscale.plan import target_compile
 
     def collectives(dispatch: str) -> dict[str, tuple[int, int]]:
-        config = load_config("bf16_remat", "tiny-moe")
-        config.model.moe_dispatch, config.mesh.fsdp, config.train.num_minibatches = dispatch, 8, 1
-        result = target_compile.compile_for_target(config, targets.target_config_text(H100), devices=8)
         found: dict[str, tuple[int, int]] = {}
-        for k in kernels.from_dicts(result["kernels"]):
-            if k.collective:
-                count, size = found.get(k.collective[0], (0, 0))
-                found[k.collective[0]] = (count + k.times, size + k.times * k.collective[2])
+        for k in _tiny_moe_collectives(8, {"model.moe_dispatch": dispatch, "mesh.fsdp": 8}):
+            count, size = found.get(k.collective[0], (0, 0))
+            found[k.collective[0]] = (count + k.times, size + k.times * k.collective[2])
         return found
 
     assert collectives("scatter") == collectives("capacity")
