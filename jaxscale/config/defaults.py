@@ -62,6 +62,7 @@ DATA_SOURCES = ("synthetic", "text")
 QK_NORMS = ("none", "head", "full")  # model.qk_norm
 MOE_ROUTINGS = ("topk_softmax", "softmax_topk", "softmax_topk_norm")  # model.moe_routing (jaxscale.model.moe)
 MOE_DISPATCHES = ("ragged", "capacity", "scatter", "dense")  # model.moe_dispatch (jaxscale.model.moe)
+MOE_BALANCE_SCOPES = ("minibatch", "device", "sequence")  # model.moe_balance_scope (jaxscale.model.moe)
 
 
 def all_presets() -> dict[str, dict[str, dict[str, object]]]:
@@ -118,9 +119,14 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.moe_hidden_size = 0  # each expert's SwiGLU width (moe_intermediate_size); 0: the dense MLP's width
     c.model.num_shared_experts = 0  # experts every token also goes through (one SwiGLU n x moe_hidden_size wide)
     c.model.moe_routing = "topk_softmax"  # topk_softmax (Mixtral), softmax_topk (OLMoE), softmax_topk_norm (Qwen3)
-    c.model.moe_dispatch = "ragged"  # ragged (lax.ragged_dot, dropless), capacity (one-hot), scatter (indexed), dense
+    # scatter (capacity's slots by index; the fastest plan that fits in docs/models.md), capacity (GShard's one-hot
+    # einsums), ragged (lax.ragged_dot, dropless; on GPUs XLA expands it over every expert), dense (every expert)
+    c.model.moe_dispatch = "scatter"
     c.model.moe_capacity_factor = 1.25  # capacity: slots per expert = ceil(factor x seq_len x k / num_experts)
     c.model.moe_aux_loss_weight = 0.01  # weight of the load-balancing loss num_experts x sum_e f_e x P_e (Switch)
+    # where f and P are counted: minibatch (every device's rows together: any mesh equals one device), device
+    # (each device's rows, Megatron-Core's aux_loss), sequence (each sequence, DeepSeek's); jaxscale.model.moe
+    c.model.moe_balance_scope = "minibatch"
     c.model.moe_z_loss_weight = 0.0  # weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE)
     c.model.first_dense_layers = 0  # the first N blocks keep the dense MLP (DeepSeek); needs scan_layers=False
     c.model.max_seq_len = 512  # rows of the learned positional embedding

@@ -51,9 +51,10 @@ class ModelConfig:
     moe_hidden_size: int = 0
     num_shared_experts: int = 0
     moe_routing: str = "topk_softmax"
-    moe_dispatch: str = "ragged"
+    moe_dispatch: str = "scatter"
     moe_capacity_factor: float = 1.25
     moe_aux_loss_weight: float = 0.01
+    moe_balance_scope: str = "minibatch"
     moe_z_loss_weight: float = 0.0
     first_dense_layers: int = 0
     lora_rank: int = 0
@@ -206,11 +207,13 @@ def accumulates_locally(config: ml_collections.ConfigDict) -> bool:
     gradients, and ZeRO-3, torchtitan's FSDP2 default). Only where several minibatches split over devices. The
     one rule the layout (jaxscale.train.sharding.local_accumulation) and the analytic memory model read. Under
     expert parallelism (mesh.expert > 1) "auto" is "minibatch": a group of a device's own rows would need every
-    expert ("step" is refused there, jaxscale.config.validation)."""
+    expert; so it is with the ragged dispatch, whose jax.lax.ragged_dot jax.vmap cannot batch ("step" is refused
+    for both, jaxscale.config.validation)."""
     mesh, stage = mesh_shape(config), zero_stage(config)
     mode = config.mesh.reduce_gradients
     if mode == "auto":
-        once = mesh.context == 1 and mesh.expert == 1 and (stage == 1 or mesh.fsdp == 1)
+        ragged = bool(config.model.num_experts) and config.model.moe_dispatch == "ragged"
+        once = mesh.context == 1 and mesh.expert == 1 and not ragged and (stage == 1 or mesh.fsdp == 1)
         mode = "step" if once else "minibatch"
     return config.train.num_minibatches > 1 and mesh.batch_split > 1 and mode == "step"
 

@@ -16,6 +16,7 @@ from jaxscale.config.defaults import (
     FAMILIES,
     FP8_MODES,
     FROZEN_DTYPES,
+    MOE_BALANCE_SCOPES,
     MOE_DISPATCHES,
     MOE_ROUTINGS,
     OPTIMIZERS,
@@ -268,6 +269,7 @@ def _validate_moe(config: ml_collections.ConfigDict) -> None:
            f"{m.experts_per_token}: allowed 1 to model.num_experts={m.num_experts}")  # fmt: skip
     _one_of(m.moe_routing, MOE_ROUTINGS, "model.moe_routing")
     _one_of(m.moe_dispatch, MOE_DISPATCHES, "model.moe_dispatch")
+    _one_of(m.moe_balance_scope, MOE_BALANCE_SCOPES, "model.moe_balance_scope")
     _check(m.moe_capacity_factor > 0, "model.moe_capacity_factor", f"must be > 0, got {m.moe_capacity_factor}")
     for field in ("moe_aux_loss_weight", "moe_z_loss_weight"):
         _check(m[field] >= 0, f"model.{field}", f"must be >= 0, got {m[field]}")
@@ -336,6 +338,11 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
     _check(config.mesh.reduce_gradients != "step" or expert == 1, "mesh.reduce_gradients",
            f"step is not built for expert parallelism (mesh.expert={expert}: a device's group of rows would need "
            "every expert); use minibatch or auto")  # fmt: skip
+    ragged = bool(m.num_experts) and m.moe_dispatch == "ragged"
+    _check(config.mesh.reduce_gradients != "step" or not ragged, "mesh.reduce_gradients",
+           "step takes each device's gradient under jax.vmap, which cannot batch the ragged dispatch's "
+           "jax.lax.ragged_dot (JAX raises NotImplementedError); use minibatch or auto, or model.moe_dispatch "
+           "scatter, capacity or dense")  # fmt: skip
     _check(isinstance(config.mesh.sequence_parallel, bool), "mesh.sequence_parallel",
            f"must be True or False, got {config.mesh.sequence_parallel!r}")  # fmt: skip
     _check(not config.mesh.sequence_parallel or tensor > 1, "mesh.sequence_parallel",

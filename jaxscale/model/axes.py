@@ -10,7 +10,10 @@ the param tree and its values are those of an unannotated model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator
 
 import flax.linen as nn
 import jax
@@ -53,3 +56,37 @@ def mesh_axis_size(name: str) -> int:
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """A logical sharding constraint on an activation; a no-op unless a mesh's rules are active."""
     return nn.with_logical_constraint(x, names)
+
+
+# The vmap axis name under which the train step takes each batch-splitting device's rows as its own group
+# (jaxscale.train.step's per-device accumulation), while it traces; None elsewhere.
+_DEVICE_GROUPS: contextvars.ContextVar[str | None] = contextvars.ContextVar("device_groups", default=None)
+
+
+@contextlib.contextmanager
+def device_groups(axis_name: str) -> Iterator[None]:
+    """Inside: the model is traced per device group, batched by `jax.vmap(..., axis_name=axis_name)` (each device's
+    rows of a minibatch one group), so a statistic of every row of the minibatch is a mean over that axis
+    (`mean_over_device_groups`)."""
+    token = _DEVICE_GROUPS.set(axis_name)
+    try:
+        yield
+    finally:
+        _DEVICE_GROUPS.reset(token)
+
+
+def mean_over_device_groups(x: jax.Array) -> jax.Array:
+    """`x` averaged over the device groups in context (`device_groups`: a pmean, an all-reduce over the devices that
+    split the batch); `x` itself outside them, where the program already sees every row."""
+    axis = _DEVICE_GROUPS.get()
+    return x if axis is None else jax.lax.pmean(x, axis)
+
+
+def batch_devices() -> int:
+    """Devices the logical "batch" axis is split over by the rules and mesh in context: 1 without them, and inside
+    the step's device groups (whose rules split nothing by batch: the group axis is split instead)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return 1
+    entry = nn.logical_to_mesh_axes(("batch",))[0]
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(mesh_axis_size(name) for name in names)

@@ -31,7 +31,16 @@ The auxiliary losses are sown into the "aux_loss" collection, already weighted, 
 that their sum is the mean over layers; the train step adds every leaf to the loss (jaxscale.train.step):
 - load balancing (Switch, eq. 4; HF's load_balancing_loss_func): E x sum_e f_e x P_e, f_e the fraction of tokens
   whose top k includes e (summing to k, as HF counts it) and P_e the mean router probability of e; weight
-  model.moe_aux_loss_weight.
+  model.moe_aux_loss_weight. The product is not linear in the tokens, so where f and P are counted changes the
+  function (model.moe_balance_scope): "minibatch" (the default) over every row of the minibatch, on every device
+  together: one device and any mesh compute the same loss and gradients (under the step's per-device accumulation
+  each device's f is averaged over the devices, a pmean of E floats a layer: jaxscale.model.axes.device_groups);
+  "device" over each batch-splitting device's rows, the products averaged, as Megatron-Core's default `aux_loss` (a
+  data-parallel rank's micro-batch) and HF's per-rank forward compute it, so the function depends on the mesh;
+  "sequence" over each sequence, as DeepSeek-V2/V3 and Megatron-Core's `seq_aux_loss` do. Across the minibatches of
+  an accumulated step the statistics are each minibatch's (Megatron-Core's `global_aux_loss` keeps a running
+  average over them instead: whole-step statistics would need every minibatch's routing before the first backward
+  pass).
 - router z-loss (Zoph et al. 2022, "ST-MoE", arXiv 2202.08906, eq. 5): the mean of logsumexp(logits)^2; weight
   model.moe_z_loss_weight.
 
@@ -66,7 +75,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale.config.spec import ModelConfig, capacity
 from jaxscale.measure.expert_flops import EXPERT_SCOPE
 from jaxscale.model import nf4, precision
-from jaxscale.model.axes import constrain, mesh_axis_size, partitioned
+from jaxscale.model.axes import batch_devices, constrain, mean_over_device_groups, mesh_axis_size, partitioned
 from jaxscale.model.llama import Llama, LlamaAttention, rms_norm, swiglu
 from jaxscale.model.stack import SOWN_COLLECTIONS, ResidualBlock, branch_output, whole_sequence
 
@@ -102,20 +111,36 @@ def route(logits: jax.Array, k: int, routing: str) -> tuple[jax.Array, jax.Array
     return top, experts
 
 
-def load_balancing_loss(logits: jax.Array, experts: jax.Array) -> jax.Array:
-    """E x sum_e f_e x P_e over all tokens: f_e the fraction of tokens routed to e (a token counts once for each of
-    its k experts, so f sums to k and a uniform router scores k), P_e the mean softmax probability of e. f is a
-    count (no gradient); the router learns through P (Switch Transformers, eq. 4).
+def load_balancing_loss(
+    logits: jax.Array, experts: jax.Array, groups: int = 1, every_device: bool = False
+) -> jax.Array:
+    """E x sum_e f_e x P_e: f_e the fraction of tokens routed to e (a token counts once for each of its k experts,
+    so f sums to k and a uniform router scores k), P_e the mean softmax probability of e, each over a group of rows,
+    the products averaged over the groups. f is a count (no gradient); the router learns through P (Switch
+    Transformers, eq. 4).
 
     Args:
-      logits: [..., E] float32 router logits.
-      experts: [..., k] the experts each token was routed to.
+      logits: [B, ..., E] float32 router logits.
+      experts: [B, ..., k] the experts each token was routed to.
+      groups: how many equal groups of the B rows the statistics are taken over (1: all of them together).
+      every_device: f averaged over the step's device groups (jaxscale.model.axes.mean_over_device_groups), so that
+        under per-device accumulation it is the minibatch's; P stays the group's own (it is linear in the tokens:
+        the devices' losses then average to the minibatch's).
     """
     num_experts = logits.shape[-1]
-    probs = jax.nn.softmax(logits, axis=-1).reshape(-1, num_experts).mean(axis=0)  # [E]
-    routed = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=-2)  # [..., E]
-    fraction = routed.reshape(-1, num_experts).mean(axis=0)  # [E]
-    return num_experts * jnp.sum(fraction * probs)
+    probs = jax.nn.softmax(logits, axis=-1).reshape(groups, -1, num_experts).mean(axis=1)  # [G, E]
+    routed = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=-2)  # [B, ..., E]
+    fraction = jax.lax.stop_gradient(routed.reshape(groups, -1, num_experts).mean(axis=1))  # [G, E]
+    if every_device:
+        fraction = mean_over_device_groups(fraction)
+    return num_experts * jnp.mean(jnp.sum(fraction * probs, axis=-1))
+
+
+def balance_groups(scope: str, rows: int) -> int:
+    """The groups of a minibatch's `rows` whose statistics the load-balancing loss takes apart, by
+    model.moe_balance_scope: 1 (minibatch), the devices the rows are split over in context (device), each row
+    (sequence)."""
+    return {"minibatch": 1, "device": batch_devices(), "sequence": rows}[scope]
 
 
 def z_loss(logits: jax.Array) -> jax.Array:
@@ -358,7 +383,8 @@ class MoE(nn.Module):
         """The weighted load-balancing and z losses of this layer, each / the MoE layers (their mean over layers)."""
         cfg = self.config
         if cfg.moe_aux_loss_weight:
-            loss = load_balancing_loss(logits, experts)
+            groups = balance_groups(cfg.moe_balance_scope, logits.shape[0])
+            loss = load_balancing_loss(logits, experts, groups, every_device=cfg.moe_balance_scope == "minibatch")
             self.sow(AUX_LOSS, "load_balance", cfg.moe_aux_loss_weight * loss / cfg.moe_layers)
         if cfg.moe_z_loss_weight:
             self.sow(AUX_LOSS, "router_z", cfg.moe_z_loss_weight * z_loss(logits) / cfg.moe_layers)

@@ -20,6 +20,7 @@ from jaxscale import model as models
 from jaxscale.config import finetune, step_model
 from jaxscale.data.batch import Batch as Batch  # the batch type is the data package's; re-exported
 from jaxscale.data.batch import make_batch as make_batch  # as train.Batch and train.make_batch
+from jaxscale.model import axes as model_axes
 from jaxscale.model import fp8, nf4
 from jaxscale.train import offload, quantized_state
 
@@ -348,15 +349,21 @@ class LocalAccumulation:
     carry: Any
 
 
+GROUP_AXIS = "device_groups"  # the vmap axis of LocalAccumulation's groups (a statistic over them: model.axes)
+
+
 def _per_group(grad_fn: Callable, local: LocalAccumulation) -> Callable:
-    """`grad_fn` taken per group of rows of its minibatch: gradients and metrics with a leading [count] axis."""
+    """`grad_fn` taken per group of rows of its minibatch: gradients and metrics with a leading [count] axis. The
+    groups' vmap axis is named (GROUP_AXIS, in jaxscale.model.axes.device_groups while it traces), so that a
+    statistic of the whole minibatch (a mixture of experts' load balance) can be averaged over the groups."""
 
     def grouped(params, minibatch, minibatch_rng):
         # [B, T] -> [count, B / count, T]: group g holds the rows of the g-th batch-splitting device.
         groups = jax.tree_util.tree_map(lambda x: x.reshape(local.count, -1, *x.shape[1:]), minibatch)
         keys = jax.vmap(lambda g: jax.random.fold_in(minibatch_rng, g))(jnp.arange(local.count))
-        with nn.logical_axis_rules(local.rules):
-            grads, metrics = jax.vmap(grad_fn, in_axes=(None, 0, 0), spmd_axis_name=local.axes)(params, groups, keys)
+        per_group = jax.vmap(grad_fn, in_axes=(None, 0, 0), axis_name=GROUP_AXIS, spmd_axis_name=local.axes)
+        with nn.logical_axis_rules(local.rules), model_axes.device_groups(GROUP_AXIS):
+            grads, metrics = per_group(params, groups, keys)
         return _on_params(functools.partial(jax.lax.with_sharding_constraint, shardings=local.carry), grads), metrics
 
     return grouped

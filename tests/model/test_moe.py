@@ -96,6 +96,32 @@ def test_load_balancing_and_z_loss_against_numpy():
     assert float(collapsed_loss) == pytest.approx(4.0, rel=1e-3)
 
 
+def _np_balance(logits: np.ndarray, experts: np.ndarray) -> float:
+    """HF's load_balancing_loss_func over the tokens of `logits` [..., E] with `experts` [..., k], in NumPy."""
+    num_experts, k = logits.shape[-1], experts.shape[-1]
+    mask = np.zeros((experts.size // k, num_experts))
+    for n, chosen in enumerate(experts.reshape(-1, k)):
+        mask[n, chosen] = 1
+    return num_experts * np.sum(mask.mean(0) * _np_softmax(logits).reshape(-1, num_experts).mean(0))
+
+
+@pytest.mark.parametrize("groups", [2, 3, 6])
+def test_the_balance_loss_per_group_is_the_mean_of_each_groups_own(groups):
+    """model.moe_balance_scope device / sequence: the rows split into `groups` equal groups, each group's f and P its
+    own (NumPy, as above), the products averaged; not the whole batch's product (the two differ here by > 1%)."""
+    logits = np.asarray(jax.random.normal(jax.random.PRNGKey(4), (6, 10, 4)), np.float64) * 2
+    _, experts = moe.route(jnp.asarray(logits, jnp.float32), 2, "topk_softmax")
+    experts = np.asarray(experts)
+    per = 6 // groups
+    expected = np.mean([_np_balance(logits[g * per : (g + 1) * per], experts[g * per : (g + 1) * per])
+                        for g in range(groups)])  # fmt: skip
+    got = moe.load_balancing_loss(jnp.asarray(logits, jnp.float32), jnp.asarray(experts), groups)
+    np.testing.assert_allclose(float(got), expected, rtol=1e-5)
+    assert abs(expected - _np_balance(logits, experts)) > 0.01 * expected
+    assert moe.balance_groups("sequence", 6) == 6 and moe.balance_groups("minibatch", 6) == 1
+    assert moe.balance_groups("device", 6) == 1  # no mesh in context: one device holds every row
+
+
 # --- the layer against a NumPy reference, the dispatches against each other -----------------------------------
 
 

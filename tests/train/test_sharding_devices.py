@@ -493,6 +493,60 @@ def test_moe_expert_parallel_with_scan_remat_and_zero1_equals_one_device():
     )
 
 
+# The load-balancing loss under per-device accumulation (data parallelism and ZeRO-1 reduce once a step): 4
+# minibatches of 8 rows on 8 devices, one row a device a minibatch; the preset's dispatch (the default), a
+# load-balance weight of 0.1 so that its gradient is a tenth of the router's (MOE's z-loss on too), no drops.
+BALANCE = {**MOE, "data.batch_size": 32, "train.num_minibatches": 4, "model.moe_aux_loss_weight": 0.1}
+
+
+def _balance_config(mesh, **changes):
+    return _config(mesh, "tiny-moe", **{**BALANCE, **changes})
+
+
+@pytest.mark.parametrize(
+    "mesh, changes",
+    [
+        ((8, 1, 1), {}),  # data parallelism
+        ((1, 8, 1), {"mesh.zero_stage": 1}),  # ZeRO-1
+        pytest.param((8, 1, 1), {"model.moe_dispatch": "ragged"}, marks=pytest.mark.slow),  # reduced every minibatch
+        pytest.param((8, 1, 1), {"model.moe_balance_scope": "sequence"}, marks=pytest.mark.slow),
+    ],
+)
+def test_moe_balance_loss_reduced_once_a_step_equals_one_device(mesh, changes):
+    """Each device accumulates its own rows' gradients and the step reduces them once (LocalAccumulation), and the
+    balance loss's f is every device's rows' (model.moe_balance_scope minibatch: a pmean over the device groups), so
+    loss, gradients and the stepped parameters equal one device's at the float32 tolerance. With f of each device's
+    own row (main at 52030f3, the scatter dispatch) 8,185 of a leaf's 8,192 gradients were beyond it (up to 0.027
+    off), and the then default ragged dispatch raised NotImplementedError under the per-device jax.vmap; it now
+    reduces every minibatch instead (auto) and is the same function too."""
+    from jaxscale.config import accumulates_locally
+
+    config = _balance_config(mesh, **changes)
+    assert accumulates_locally(config) is (changes.get("model.moe_dispatch") != "ragged")
+    assert config.model.moe_dispatch == changes.get("model.moe_dispatch", "scatter")  # the preset's default
+    one = _one_device("tiny-moe", tuple(sorted({**BALANCE, **changes}.items())), True)
+    many = _everything(config, jax.devices()[:8], True)
+    _assert_close(many[1], one[1])
+    _assert_close(many[2], one[2])
+    assert float(many[1][1]["tokens"]) == 32 * 32
+
+
+def test_moe_device_balance_scope_is_each_devices_rows_whichever_the_reduction():
+    """model.moe_balance_scope device takes f and P over each batch-splitting device's rows, Megatron-Core's default:
+    the per-device accumulation (each vmap group its own statistics) and the reduction every minibatch (the
+    partitioner's program, the rows regrouped by device in the model) compute the same gradients, and they differ
+    from one device's (which holds every row) by far more than the float32 tolerance."""
+    device = {"model.moe_balance_scope": "device"}
+    local = _everything(_balance_config((8, 1, 1), **device), jax.devices()[:8], False)
+    every = _everything(_balance_config((8, 1, 1), **device, **{"mesh.reduce_gradients": "minibatch"}),
+                        jax.devices()[:8], False)  # fmt: skip
+    assert local[3].layout.local is not None and every[3].layout.local is None
+    _assert_close(local[1], every[1])
+    one = _one_device("tiny-moe", tuple(sorted({**BALANCE, **device}.items())), False)
+    router = lambda grads: np.asarray(grads[0]["transformer"]["block_0"]["mlp"]["router"]["kernel"])  # noqa: E731
+    assert np.abs(router(local[1]) - router(one[1])).max() > 0.01 * np.abs(router(one[1])).max()
+
+
 def _all_to_alls(config) -> int:
     """all-to-all instructions in the compiled train step of `config` on its mesh (XLA's HLO text)."""
     placement = sharding.placement(config, jax.devices()[: sharding.mesh_shape(config).devices])
