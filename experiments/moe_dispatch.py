@@ -1,5 +1,6 @@
-"""Which MoE dispatch is fastest on one GPU: dense (every expert on every token), capacity (GShard's one-hot einsums)
-and ragged (dropless: tokens sorted by expert, jax.lax.ragged_dot), the same model and batch.
+"""Which MoE dispatch is fastest on one GPU: dense (every expert on every token), capacity (GShard's one-hot einsums),
+scatter (capacity's slots by index, the lab's default) and ragged (dropless: tokens sorted by expert,
+jax.lax.ragged_dot), the same model and batch.
 
     python -m jaxscale.sweep --config experiments/moe_dispatch.py:olmoe-1b-7b --on_this_device   # on a GPU
     python -m jaxscale.sweep --config experiments/moe_dispatch.py:tiny-moe                      # this CPU
@@ -27,9 +28,11 @@ def get_config(preset=None):
 
 
 def get_variants(config):
-    """The three dispatches; capacity at factor 2 (drops counted in the row's metrics where any)."""
+    """The four dispatches; capacity and scatter at factor 2 (the same slots; drops counted in the row's metrics where
+    any). scatter was added after the H200 measured the other three: its H200 row is a plan until a GPU runs it."""
     return [
         {"name": "ragged", "model.moe_dispatch": "ragged"},
         {"name": "capacity", "model.moe_dispatch": "capacity", "model.moe_capacity_factor": 2.0},
         {"name": "dense", "model.moe_dispatch": "dense"},
+        {"name": "scatter", "model.moe_dispatch": "scatter", "model.moe_capacity_factor": 2.0},
     ]

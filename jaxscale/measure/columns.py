@@ -78,6 +78,31 @@ def _above_peak(row: dict) -> str:
     return "  utilization above 100%: this step ran faster than the peak it is divided by; that peak is wrong"
 
 
+_DISPATCH_WORDS = {
+    "scatter": "capacity's slots by index",
+    "capacity": "GShard's one-hot einsums",
+    "ragged": "dropless jax.lax.ragged_dot, which XLA expands over every expert on a GPU",
+    "dense": "every expert on every token",
+}
+_SCOPE_WORDS = {"minibatch": "each minibatch's rows on every device", "device": "each device's rows",
+                "sequence": "each sequence"}  # fmt: skip
+
+
+def moe_line(row: dict) -> str | None:
+    """A mixture of experts' dispatch and where its load-balancing statistics are taken (jaxscale.model.moe), from
+    the row's config; None for a dense model."""
+    if not row.get("config.model.num_experts"):
+        return None
+    dispatch = row["config.model.moe_dispatch"]
+    text = f"  mixture of experts: {dispatch} dispatch ({_DISPATCH_WORDS[dispatch]}"
+    if dispatch in ("scatter", "capacity"):
+        text += f"; capacity factor {row['config.model.moe_capacity_factor']:g}, choices past it dropped"
+    text += ")"
+    if row.get("config.model.moe_aux_loss_weight"):
+        text += f"; load balance over {_SCOPE_WORDS[row['config.model.moe_balance_scope']]}"
+    return text
+
+
 def summary_lines(row: dict) -> list[str]:
     """Human-readable lines for jaxscale.run's summary: FLOPs, MFU, analytic memory, trace shares."""
     lines = []
@@ -97,6 +122,7 @@ def summary_lines(row: dict) -> list[str]:
             f"  analytic peak {_fmt(row.get('analytic_peak_bytes'), 2**30, '.3f')} GiB; compiled/analytic "
             f"{_fmt(row.get('compiled_to_analytic_peak_ratio'), 1, '.2f')}"
         )
+    lines += [line for line in [moe_line(row)] if line]
     if row.get("compiled_to_analytic_expert_flops_ratio") is not None:
         lines.append(
             f"  experts' matmuls: compiled {_flop(row['compiled_expert_matmul_flops_per_step'])} (remat "

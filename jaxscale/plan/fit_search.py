@@ -230,8 +230,10 @@ def local_planner(config: ml_collections.ConfigDict) -> dict[str, Any]:
     warning = gpu_plan.parse_remat_warning(stderr[0])  # a local GPU's compiler warns as a target's does
     row.update(warning or dict.fromkeys(gpu_plan.REMAT_COLUMNS))
     row["compiled_backend"] = jax.default_backend()
-    row["plan_fits"] = warning is None
-    row["plan_fits_reason"] = None if warning is None else gpu_plan.remat_warning_reason(warning)
+    # judged as a target's plan is (gpu_plan.plan_row): the warning's estimate counts host-memory state as the device's
+    judged = gpu_plan.device_warning(warning, row.get("compiled_host_argument_bytes") or 0)
+    row["plan_fits"] = judged is None
+    row["plan_fits_reason"] = None if judged is None else gpu_plan.remat_warning_reason(judged)
     return row
 
 

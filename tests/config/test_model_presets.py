@@ -64,3 +64,25 @@ def test_a_model_preset_takes_the_technique_from_the_file_and_the_batch_from_ove
     assert "tokens/step 16,384" in result.stdout  # 2 x 8192
     config = load_config("bf16_remat_block", "llama3.1-8b")
     assert config.model.family == "llama" and config.model.remat == ("Block",) and config.model.scan_layers
+
+
+# The lab's committed MoE answers, deviceless plans (docs/models.md): one H200 with OLMoE's layer, and Mixtral 8x7B
+# and Qwen3-30B-A3B on 8 H100s, each over every dispatch (and layout).
+MOE_ANSWERS = ("moe_dispatch_olmoe-1b-7b_plan_h200", "moe_layouts_mixtral-8x7b_plan_h100_x8",
+               "moe_layouts_qwen3-30b-a3b_plan_h100_x8")  # fmt: skip
+
+
+@pytest.mark.parametrize("answer", MOE_ANSWERS)
+def test_the_moe_presets_default_dispatch_is_the_fastest_plan_that_fits_in_the_labs_answers(answer):
+    """A user who names an MoE preset gets the dispatch of the fastest fitting plan in each committed answer (the
+    lowest predicted step among the rows whose plan fits), and not the ragged dispatch, which fits in none."""
+    import json
+
+    from conftest import REPO
+
+    rows = [json.loads(line) for line in (REPO / "experiments" / "results" / answer / "results.jsonl").open()]
+    fitting = [row for row in rows if row["plan_fits"]]
+    fastest = min(fitting, key=lambda row: row["predicted_step_s"])
+    for preset in ("mixtral-8x7b", "olmoe-1b-7b", "qwen3-30b-a3b"):
+        assert load_config("bf16_remat", preset).model.moe_dispatch == fastest["config.model.moe_dispatch"]
+    assert not any(row["plan_fits"] for row in rows if row["config.model.moe_dispatch"] == "ragged")

@@ -20,3 +20,20 @@ def test_a_utilization_above_100_percent_says_the_peak_is_stale():
 
 def test_a_utilization_under_100_percent_adds_nothing():
     assert columns.summary_lines(_row(0.42, 0.55)) == ["  MFU 42.0%  HFU 55.0%  (peak: measured: a jitted matmul)"]
+
+
+def test_a_mixture_of_experts_says_its_dispatch_and_where_its_balance_is_counted():
+    """The summary names the dispatch a preset gave (scatter by default), its capacity factor where tokens can drop,
+    and the load balance's scope; a dense model has no such line, nor a model without the balance loss its scope."""
+    row = {"config.model.num_experts": 4, "config.model.moe_dispatch": "scatter",
+           "config.model.moe_capacity_factor": 1.25, "config.model.moe_aux_loss_weight": 0.01,
+           "config.model.moe_balance_scope": "minibatch"}  # fmt: skip
+    assert columns.moe_line(row) == (
+        "  mixture of experts: scatter dispatch (capacity's slots by index; capacity factor 1.25, choices past it "
+        "dropped); load balance over each minibatch's rows on every device"
+    )
+    ragged = {**row, "config.model.moe_dispatch": "ragged", "config.model.moe_aux_loss_weight": 0.0}
+    assert columns.moe_line(ragged) == ("  mixture of experts: ragged dispatch (dropless jax.lax.ragged_dot, which XLA "
+                                        "expands over every expert on a GPU)")  # fmt: skip
+    assert columns.moe_line({"config.model.num_experts": 0}) is None
+    assert columns.summary_lines({**row, "config.model.moe_balance_scope": "device"})[0].endswith("each device's rows")

@@ -265,6 +265,32 @@ def test_local_planner_row_and_analytic_prediction_on_tiny():
     assert fit_search.analytic_largest_minibatch(config, "block", 1000) == 0
 
 
+def test_local_planner_judges_xlas_remat_warning_without_the_host_state_as_the_target_path_does(monkeypatch):
+    """XLA's "Can't reduce memory use below ..." estimate counts arrays in host memory as the device's
+    (gpu_plan.device_warning, measured on H100 plans): on a local GPU with Adam's state offloaded, a warning whose
+    "reached" exceeds the limit by less than the host arguments is no verdict against the plan; by more it is. A
+    warning is injected in place of the compiler's stderr (this CPU's compiler never warns)."""
+    config = base_config("tiny", "fit")
+    config.optimizer.offload_state = True
+    host = fit_search.local_planner(config)["compiled_host_argument_bytes"]
+    assert host > 0  # Adam's moments, in pinned_host memory
+    limit = 10**6
+
+    def warned(reached):
+        warning = {"compiled_remat_limit_bytes": limit, "compiled_remat_reached_bytes": reached,
+                   "compiled_remat_original_bytes": reached}  # fmt: skip
+        monkeypatch.setattr(gpu_plan, "parse_remat_warning", lambda stderr: warning)
+
+    warned(limit + host - 1)
+    assert fit_search.local_planner(config)["plan_fits"] is True
+    warned(limit + host + 1)
+    row = fit_search.local_planner(config)
+    assert row["plan_fits"] is False and row["plan_fits_reason"].startswith("XLA could not rematerialize")
+    config.optimizer.offload_state = False  # nothing on the host: the warning stands as it is
+    warned(limit + 1)
+    assert fit_search.local_planner(config)["plan_fits"] is False
+
+
 @pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
 def test_in_process_target_plan_equals_the_child_process_plan():
     """The fit compiles in its own process (GEMM mode as a compile option); the plan is the child's, byte for byte."""
