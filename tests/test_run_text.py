@@ -107,6 +107,63 @@ def test_a_stopped_run_resumes_from_its_last_checkpoint_on_the_same_loss_curve(p
     np.testing.assert_allclose(resumed["validation_loss"], full["validation_loss"], rtol=1e-6)
 
 
+def _offloaded_text_args(pydoc_bytes: pathlib.Path, output: pathlib.Path) -> list[str]:
+    """A tiny text run with Adam's state and the parameters in host memory, checkpointed and validated every 4 of 40
+    steps, each batch held back 20 ms on the host (so that a kill lands between two checkpoints)."""
+    return ["--config", "configs/bf16.py:tiny", "--config.data.source=text", f"--config.data.path={pydoc_bytes}",
+            "--config.model.vocab_size=256", "--config.optimizer.offload_state=True",
+            "--config.train.offload_params=True", "--config.train.steps=40", "--config.train.warmup_steps=1",
+            "--config.train.checkpoint_every=4", "--config.train.eval_every=4", "--config.profile.steps=0",
+            "--config.data.host_delay_s=0.02", "--output_root", str(output), "--name", "offloaded",
+            "--quiet"]  # fmt: skip
+
+
+def test_an_offloaded_run_killed_by_sigkill_resumes_from_its_checkpoint_on_the_same_loss_curve(pydoc_bytes, tmp_path):
+    """optimizer.offload_state and train.offload_params keep the state in pinned_host memory; orbax saves it and reads
+    it back into host memory. A run killed by SIGKILL after a checkpoint (a process, as a user's would die) resumes
+    with the same command from that checkpoint, its state still on the host, and its losses and validation losses are
+    those of the same run left alone (in this process) from that step on, float for float."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO, run_cli
+
+    killed_root = tmp_path / "killed"
+    args = _offloaded_text_args(pydoc_bytes, killed_root)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    process = subprocess.Popen([sys.executable, "-m", "jaxscale.run", *args], cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    checkpoints, deadline = killed_root / "traces" / "offloaded" / "checkpoints", time.monotonic() + 240
+    while not any(path.name.isdigit() and int(path.name) >= 8 for path in checkpoints.glob("*")):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read().decode()[-2000:]
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)  # a checkpoint at step 8 or later is complete; the run is not
+    process.wait()
+    assert not (killed_root / "traces" / "offloaded" / "result.json").exists()
+    resumed = run_cli("jaxscale.run", *args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    row = json.loads((killed_root / "traces" / "offloaded" / "result.json").read_text())
+    assert row["status"] == "ok" and row["resumed_from_step"] >= 8 and row["checkpoint_steps"][-1] == 40
+
+    config = text_config("bf16", "tiny", pydoc_bytes, steps=40, warmup_steps=1, checkpoint_every=4, eval_every=4)
+    config.optimizer.offload_state, config.train.offload_params = True, True
+    config.profile.steps, config.data.host_delay_s = 0, 0.0
+    compiled, placement, _, _ = run.compile_step(config)
+    full = _execute(config, compiled, placement, tmp_path / "full")
+    start = row["resumed_from_step"]  # the state read back bit for bit, the same program: the same floats
+    np.testing.assert_array_equal(row["loss_all"], full["loss_all"][start:])
+    assert row["validation_steps"] == [s for s in full["validation_steps"] if s > start]
+    resumed_validation = full["validation_loss_all"][-len(row["validation_steps"]) :]
+    np.testing.assert_array_equal(row["validation_loss_all"], resumed_validation)
+    state = placement.init_state()
+    assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state))} == {
+        "pinned_host"
+    }
+
+
 def _bad_data(tmp_path: pathlib.Path, pydoc_bytes: pathlib.Path) -> list[tuple[list[str], str]]:
     corrupt = tmp_path / "corrupt"
     shutil.copytree(pydoc_bytes, corrupt)

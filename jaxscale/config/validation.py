@@ -194,17 +194,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def _validate_offload(config: ml_collections.ConfigDict) -> None:
-    """optimizer.offload_state and train.offload_params (jaxscale.train.offload): booleans, and not with what is
-    not built for state in host memory (checkpoints; the validation step, for offloaded parameters)."""
+    """optimizer.offload_state and train.offload_params (jaxscale.train.offload): booleans."""
     for field, value in (("optimizer.offload_state", config.optimizer.offload_state),
                          ("train.offload_params", config.train.offload_params)):  # fmt: skip
         _check(isinstance(value, bool), field, f"must be True or False, got {value!r}")
-        _check(not value or config.train.checkpoint_every == 0, field,
-               "host offload is not supported with train.checkpoint_every > 0 (saving and restoring state kept in "
-               "host memory is not built); set train.checkpoint_every=0")  # fmt: skip
-    _check(not config.train.offload_params or config.train.eval_every == 0, "train.offload_params",
-           "not supported with train.eval_every > 0 (the validation step does not bring host parameters to the "
-           "device); set train.eval_every=0")  # fmt: skip
 
 
 def _validate_lora(m: ml_collections.ConfigDict) -> None:

@@ -529,7 +529,9 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
         reduce-scattered: 2 × 4 × its parameters (analytic_fsdp_gather_bytes, in the activations; at ZeRO
         stage 2 its whole gradient only, 4 ×).
     Host offload (jaxscale.train.offload): the optimizer state (optimizer.offload_state) and the trained parameters'
-    4 bytes each (train.offload_params) are analytic_host_offload_bytes, in host memory and left out of the peak.
+    4 bytes each (train.offload_params) are analytic_host_offload_bytes, in host memory and left out of the peak (the
+    device never holds offloaded parameters whole: its kernels read them from host memory in place, as the compiled
+    plans show; their compute-dtype casts stay in the activations' kernel_casts).
     Fine-tuning (jaxscale.config.finetune): params are 4 bytes per trained parameter plus
     finetune.frozen_dtype's bytes per frozen one (frozen_bytes: under nf4 the projection kernels' 4-bit codes and
     constants, the rest bfloat16); gradients and optimizer state are the trained parameters'

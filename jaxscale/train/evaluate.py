@@ -10,17 +10,22 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxscale.model import fp8
+from jaxscale.train import offload
 from jaxscale.train.sharding import host_scalars
 from jaxscale.train.step import Batch, Metrics, make_loss_fn, make_model
 
 
 def make_eval_step(config: ml_collections.ConfigDict) -> Callable[..., Metrics]:
     """A jitted (params, batch, fp8_meta={}) -> {"loss_sum", "correct", "tokens"} of the model in eval mode (no
-    dropout); `fp8_meta`: the train state's delayed FP8 scaling state (model.fp8=delayed), read and not updated."""
+    dropout); `fp8_meta`: the train state's delayed FP8 scaling state (model.fp8=delayed), read and not updated.
+    With train.offload_params the parameters live in host memory: the step brings them to the device, as the train
+    step does (jaxscale.train.offload)."""
     model, loss_fn = make_model(config, train=False), make_loss_fn(config)
     key = jax.random.PRNGKey(0)  # unused without dropout; the loss takes one
+    on_host = "params" in offload.parts(config)
 
     def eval_step(params: Any, batch: Batch, fp8_meta: Any = None) -> Metrics:
+        params = offload.to_device(params) if on_host else params
         apply_fn = fp8.with_state(model.apply, fp8_meta) if fp8_meta else model.apply
         _, metrics = loss_fn(params, apply_fn, batch, key)
         return metrics

@@ -10,11 +10,17 @@ does this module:
   shardings). The update is wrapped (`offloaded_optimizer`): an optimization barrier ties the state to the
   gradients, so it is fetched only once they exist (never during the backward pass, where it would sit on the
   device beside the activations), moved to the device (`to_device`), updated, and moved back (`to_host`).
-- `train.offload_params`: the trained parameters live in `pinned_host`; the step brings the whole tree to the
-  device at its start and sends the updated one back (`offloaded_step`). The forward and backward passes need
-  every weight, so at this granularity the device holds them all during the step: it moves the parameters' bytes
-  out of the program's arguments into its temporaries and costs two transfers a step (the plan shows what it
-  saves: jaxscale.measure.host_memory). MaxText streams each scanned layer's weights instead; that is not built.
+- `train.offload_params`: the trained parameters live in `pinned_host`; the step marks them for the device at its
+  start and sends the updated ones back (`offloaded_step`). What XLA compiles of that for a GPU (the H100 plans,
+  tests/measure/test_host_memory.py by hand): no copy of the parameters to the device at all. Every kernel that
+  needs a weight reads it from host memory in place (a GPU kernel may read pinned host memory): the casts to the
+  compute dtype in each minibatch's forward pass (again in the backward pass for layers it recomputes, under remat
+  or nn.scan), a few small tensors in the backward pass's reductions, and the optimizer's update (with the state,
+  when that is offloaded too); the updated parameters go back to the host once (a device-to-host copy). So the
+  device holds no float32 copy of them, only the compute-dtype casts of the layers in flight (the analytic model
+  leaves their 4 bytes out of the device peak: jaxscale.measure.memory), and the host link carries them several
+  times a step (jaxscale.measure.kernels prices each read). MaxText streams each scanned layer's weights by
+  explicit copies instead; that is not built.
 
 The transfers inside the step are written with `jax.memory.Space` (not a sharding's memory kind) on purpose: a
 deviceless GPU target's compile-only devices have no memories (`addressable_memories()` is empty), and there a
