@@ -13,12 +13,9 @@ from ml_collections import config_flags
 
 from jaxscale import compile_cache
 from jaxscale.config import ConfigError, check_backend, load_config_file, validate
+from jaxscale.config.defaults import UsageError as UsageError  # defined below the command line: config raises it too
 
 EXIT_BAD_INPUT = 2
-
-
-class UsageError(Exception):
-    """Bad input from the command line; printed as one line, exit code 2."""
 
 
 HELP_FLAGS = ("-h", "--help", "-help", "--helpfull", "--helpshort")

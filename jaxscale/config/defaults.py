@@ -74,6 +74,11 @@ class ConfigError(ValueError):
     """A config field holds a value the lab cannot run; the message names the field and what is allowed."""
 
 
+class UsageError(Exception):
+    """Bad input from the command line or a file standing for it (a flag, a dotted override); printed as one line,
+    exit code 2 (jaxscale.cli, which re-exports it, prints it)."""
+
+
 def default_preset() -> str:
     """The preset used when none is given: the reference scale on an accelerator, `cpu` otherwise."""
     return "cpu" if jax.default_backend() == "cpu" else "seed"
@@ -119,14 +124,10 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.moe_hidden_size = 0  # each expert's SwiGLU width (moe_intermediate_size); 0: the dense MLP's width
     c.model.num_shared_experts = 0  # experts every token also goes through (one SwiGLU n x moe_hidden_size wide)
     c.model.moe_routing = "topk_softmax"  # topk_softmax (Mixtral), softmax_topk (OLMoE), softmax_topk_norm (Qwen3)
-    # scatter (capacity's slots by index; the fastest plan that fits in docs/models.md), capacity (GShard's one-hot
-    # einsums), ragged (lax.ragged_dot, dropless; on GPUs XLA expands it over every expert), dense (every expert)
-    c.model.moe_dispatch = "scatter"
+    c.model.moe_dispatch = "scatter"  # scatter (slots by index; fastest fitting plan), capacity, ragged, dense
     c.model.moe_capacity_factor = 1.25  # capacity: slots per expert = ceil(factor x seq_len x k / num_experts)
     c.model.moe_aux_loss_weight = 0.01  # weight of the load-balancing loss num_experts x sum_e f_e x P_e (Switch)
-    # where f and P are counted: minibatch (every device's rows together: any mesh equals one device), device
-    # (each device's rows, Megatron-Core's aux_loss), sequence (each sequence, DeepSeek's); jaxscale.model.moe
-    c.model.moe_balance_scope = "minibatch"
+    c.model.moe_balance_scope = "minibatch"  # load balance's f, P over: minibatch (all devices), device, sequence
     c.model.moe_z_loss_weight = 0.0  # weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE)
     c.model.first_dense_layers = 0  # the first N blocks keep the dense MLP (DeepSeek); needs scan_layers=False
     c.model.max_seq_len = 512  # rows of the learned positional embedding

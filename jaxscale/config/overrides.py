@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from jaxscale.cli import UsageError
+from jaxscale.config.defaults import UsageError
 
 __all__ = ["RESERVED_FIELDS", "apply_overrides", "cli_value"]
 
