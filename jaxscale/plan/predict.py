@@ -553,4 +553,15 @@ def summary_line(row: dict) -> str:
         )
     if row.get("predicted_over_measured") is not None:
         text += f"; predicted/measured {row['predicted_over_measured']:.2f}"
+        if where == "cpu":  # this machine's own rooflines, uncalibrated
+            text += CPU_UNCALIBRATED
     return text
+
+
+# Why an uncalibrated CPU prediction undershoots the measured step (docs/predict.md, "Check 2: this CPU"), said where
+# the ratio is printed so that a first run does not read as the lab doubting itself.
+CPU_UNCALIBRATED = (
+    " (uncalibrated on a CPU: a lower bound, since the model's small matmuls, its elementwise work and XLA:CPU's "
+    "per-op cost run below the measured rooflines it assumes; --calibrate RUN_DIR fits them to one measured run, "
+    "docs/predict.md)"
+)

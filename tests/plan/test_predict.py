@@ -283,6 +283,11 @@ def test_a_cpu_run_row_has_its_prediction_beside_its_measured_step(tmp_path):
     header = format_table([{**row, "variant": "v", "baseline": "v"}]).splitlines()[0]
     assert "predicted s" in header and "pred / meas" in header
     assert "predicted step (cpu)" in run.summary(row)
+    # README command 1's summary says why the uncalibrated CPU ratio is below 1, where it prints it (and a
+    # calibrated prediction, which answers it, does not)
+    line = next(line for line in run.summary(row).splitlines() if "predicted/measured" in line)
+    assert line.endswith(predict.CPU_UNCALIBRATED) and "lower bound" in line and "--calibrate RUN_DIR" in line
+    assert not predict.summary_line({**row, "prediction_calibrated_on": "x"}).endswith(predict.CPU_UNCALIBRATED)
 
 
 @needs_extra
