@@ -125,6 +125,13 @@ def nf4_stacked(path: str, config: ml_collections.ConfigDict) -> int:
     return int(config.model.scan_layers) + int(path.split("/")[-2] == EXPERTS)
 
 
+def nf4_stacked_names(path: str, config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The logical names of nf4_stacked's leading dims, which the layout splits the NF4 arrays by as it splits the
+    parameter's own (jaxscale.config.layout_rules): "layers" (nn.scan's, never split), then "expert" for a stacked
+    expert weight (split over mesh.expert: each device holds its own experts' codes)."""
+    return ("layers",) * int(config.model.scan_layers) + ("expert",) * int(path.split("/")[-2] == EXPERTS)
+
+
 def stored_dtype(config: ml_collections.ConfigDict) -> str:
     """The dtype the frozen parameters other than NF4 kernels are stored in: finetune.frozen_dtype, bfloat16 under
     nf4."""

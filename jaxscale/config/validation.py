@@ -292,9 +292,6 @@ def _validate_finetune(config: ml_collections.ConfigDict) -> None:
                "frozen_dtype=bfloat16")  # fmt: skip
         _check(m.fp8 == "none", "finetune.frozen_dtype", f"nf4 kernels are dequantized to model.dtype for their "
                f"matmul, which model.fp8={m.fp8} would run in FP8; use one of the two (model.fp8=none)")  # fmt: skip
-        _check(not m.num_experts or config.mesh.expert == 1, "mesh.expert", f"{config.mesh.expert} would split the "
-               "experts, whose NF4 codes (finetune.frozen_dtype=nf4) every device holds whole; with nf4 allowed: "
-               "1")  # fmt: skip
     _check(isinstance(f.head, bool), "finetune.head", f"must be True or False, got {f.head!r}")
     _non_negative_int(f.last_blocks, "finetune.last_blocks")
     if f.train == "adapters":  # as given: "auto" resolves to adapters only where there are some

@@ -436,13 +436,16 @@ def frozen_bytes(config: ml_collections.ConfigDict, held: int, trained: int) -> 
     """Bytes of the frozen parameters on one device that holds `held` parameters of which `trained` train:
     finetune.stored_dtype's bytes per frozen one; under finetune.frozen_dtype=nf4 the projection kernels and stacked
     expert weights (finetune.nf4_kernel; each layer and expert its own kernel, finetune.nf4_stacked) at
-    nf4_kernel_bytes instead, whole on every device (the codes are replicated)."""
+    nf4_kernel_bytes instead, whole on every device that holds the kernel (a stacked expert weight's experts split
+    over mesh.expert, jaxscale.model.nf4's names; nothing else splits the codes)."""
     if config.finetune.frozen_dtype != finetune.NF4:
         return _frozen_itemsize(config) * (held - trained)
     splits, mesh = zero_splits(config), mesh_shape(config)
     kernels = {k: v for k, v in params.param_table(config.model).items() if finetune.nf4_kernel(k, config)}
     quantized = _held(kernels, splits["params"], mesh.tensor, mesh.expert)
-    nf4 = sum(nf4_kernel_bytes(shape, finetune.nf4_stacked(k, config)) for k, (shape, _) in kernels.items())
+    nf4 = sum(nf4_kernel_bytes(shape, finetune.nf4_stacked(k, config))
+              // (mesh.expert if "expert" in finetune.nf4_stacked_names(k, config) else 1)
+              for k, (shape, _) in kernels.items())  # fmt: skip
     return _frozen_itemsize(config) * (held - trained - quantized) + nf4
 
 

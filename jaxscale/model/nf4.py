@@ -25,8 +25,11 @@ frozen kernel has no gradient. A mixture of experts' stacked weights [E, H, F] (
 too, each expert quantized apart as each layer is (a leading dim of the arrays: jaxscale.config.finetune.nf4_stacked);
 Experts returns their view as it is and each expert matmul (an einsum, ragged_dot) goes through `linear`, the same
 custom VJP as `dot_general`. nn.scan stacks the codes of every layer on a leading axis like any parameter
-(`remove_axis` / `add_axis` keep the box's static kernel shape in step); the codes are never split over a mesh
-(their blocks cut across the kernel's axes, which have no logical names here): every device holds them whole.
+(`remove_axis` / `add_axis` keep the box's static kernel shape in step). On a mesh the arrays' leading dims carry
+the logical names of the kernel's stacked dims (`names`: "layers" under nn.scan, "expert" for stacked experts), so
+the layout splits a mixture of experts' codes over mesh.expert as it splits its bf16 twin's experts: each device
+holds its own experts' codes. A kernel's own axes are not split (its blocks cut across them): every device that
+holds a kernel holds its codes whole.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class Nf4Weight(struct.PyTreeNode, nn.meta.AxisMetadata):
       absmax_scales: float32 [..., ceil(n / 64 / 256)]: each group of 256 blocks' largest |absmax - offset|.
       absmax_offset: float32 [...]: the mean of the kernel's block absmaxes.
       shape: the kernel's shape (with the leading [layers] while stacked), static.
+      names: the logical axis names of the leading stacked dims (as many as `stacked`; jaxscale.config.finetune
+        .nf4_stacked_names), which the layout splits every array's leading dims by; static.
     """
 
     codes: jax.Array
@@ -93,6 +98,7 @@ class Nf4Weight(struct.PyTreeNode, nn.meta.AxisMetadata):
     absmax_scales: jax.Array
     absmax_offset: jax.Array
     shape: tuple[int, ...] = struct.field(pytree_node=False)
+    names: tuple[str | None, ...] = struct.field(pytree_node=False, default=())
 
     @property
     def stacked(self) -> int:
@@ -101,11 +107,18 @@ class Nf4Weight(struct.PyTreeNode, nn.meta.AxisMetadata):
 
     @property
     def sharding(self) -> Any:
-        """Where the arrays lie (every one alike: replicated), so a float kernel loaded for this one goes there too."""
+        """Where the codes lie (every array alike: split by the stacked dims' `names`), so a float kernel loaded for
+        this one goes to the same devices."""
         return self.codes.sharding
 
     def unbox(self) -> Nf4Kernel:
         return Nf4Kernel(self)
+
+    def partition_specs(self) -> Nf4Weight:
+        """This weight with a PartitionSpec of logical names in place of each array: its leading stacked dims named
+        (`names`), the rest of each array unsplit."""
+        spec = jax.sharding.PartitionSpec(*self.names)
+        return self.replace(codes=spec, absmax_codes=spec, absmax_scales=spec, absmax_offset=spec)
 
     def replace_boxed(self, val: Any) -> Nf4Weight:
         raise TypeError("an NF4 kernel is frozen: nothing replaces its value")
@@ -114,12 +127,13 @@ class Nf4Weight(struct.PyTreeNode, nn.meta.AxisMetadata):
         """nn.scan's stacking of the layers (axis 0): the arrays carry it already, the static shape gains it."""
         if index != 0:
             raise ValueError(f"NF4 kernels stack on axis 0 only (nn.scan's variable_axes), got {index}")
-        return self.replace(shape=(self.absmax_offset.shape[0], *self.shape))
+        name = params.get(nn.PARTITION_NAME) if params else None
+        return self.replace(shape=(self.absmax_offset.shape[0], *self.shape), names=(name, *self.names))
 
     def remove_axis(self, index: int, params: dict[Any, Any]) -> Nf4Weight:
         if index != 0:
             raise ValueError(f"NF4 kernels stack on axis 0 only (nn.scan's variable_axes), got {index}")
-        return self.replace(shape=self.shape[1:])
+        return self.replace(shape=self.shape[1:], names=self.names[1:])
 
 
 class Nf4Kernel:
@@ -143,13 +157,16 @@ def _quantize_one(kernel: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, j
     return codes, absmax_codes, absmax_scales, offset
 
 
-def quantize(kernel: jax.Array, stacked: int = 0) -> Nf4Weight:
+def quantize(kernel: jax.Array, stacked: int = 0, names: tuple[str | None, ...] = ()) -> Nf4Weight:
     """`kernel` [*lead, ...] (float) as NF4 with double-quantized absmax, each of its `stacked` leading dims (nn.scan's
-    layers) quantized apart: the frozen base's form (module docstring)."""
+    layers, stacked experts) quantized apart: the frozen base's form (module docstring); `names`: those dims' logical
+    names (none: unnamed, every device holds the arrays whole)."""
+    if names and len(names) != stacked:
+        raise ValueError(f"{len(names)} names {names} for {stacked} stacked dims")
     fn = _quantize_one
     for _ in range(stacked):
         fn = jax.vmap(fn)
-    return Nf4Weight(*fn(kernel), shape=tuple(kernel.shape))
+    return Nf4Weight(*fn(kernel), shape=tuple(kernel.shape), names=tuple(names) or (None,) * stacked)
 
 
 def _dequantize_one(leaves: tuple[jax.Array, ...], shape: tuple[int, ...], dtype: Any) -> jax.Array:

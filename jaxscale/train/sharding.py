@@ -45,6 +45,7 @@ from jaxscale.config import (
 )
 from jaxscale.config.layout_rules import RULES, gradient_rules, rules  # the rules table: its one home
 from jaxscale.measure.params import removed_axis
+from jaxscale.model import nf4
 from jaxscale.train import offload
 from jaxscale.train.step import (
     Batch,
@@ -63,8 +64,18 @@ BATCH_AXES = ("batch", "seq")  # a token batch [batch, seq]: rows over data x fs
 
 
 def logical_specs(tree: Any) -> Any:
-    """PartitionSpecs of logical names for a tree holding Flax's LogicallyPartitioned boxes (P() elsewhere)."""
-    return nn.get_partition_spec(tree)
+    """PartitionSpecs of logical names for a tree holding Flax's LogicallyPartitioned boxes and NF4 kernels (their
+    arrays by the names of their stacked dims: jaxscale.model.nf4), P() elsewhere."""
+
+    def spec(x: Any) -> Any:
+        if isinstance(x, nf4.Nf4Weight):
+            return x.partition_specs()
+        if isinstance(x, nn.Partitioned):
+            return x.get_partition_spec()
+        return PartitionSpec() if hasattr(x, "shape") else None
+
+    boxed = lambda x: isinstance(x, (nn.Partitioned, nf4.Nf4Weight))  # noqa: E731
+    return jax.tree_util.tree_map(spec, tree, is_leaf=boxed)
 
 
 def _moment_spec(leaf_shape: tuple[int, ...], param_shape: tuple[int, ...], names: PartitionSpec) -> PartitionSpec:

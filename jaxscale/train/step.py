@@ -86,7 +86,8 @@ def frozen_leaf(path: str, value: Any, config: ml_collections.ConfigDict) -> Any
     finetune.frozen_dtype=nf4 (finetune.nf4_kernel) quantized to NF4 (jaxscale.model.nf4.quantize, each of nn.scan's
     stacked layers and each expert apart: finetune.nf4_stacked), anything else cast to finetune.stored_dtype."""
     if finetune.nf4_kernel(path, config):
-        return nf4.quantize(nn.meta.unbox(value), stacked=finetune.nf4_stacked(path, config))
+        names = finetune.nf4_stacked_names(path, config)
+        return nf4.quantize(nn.meta.unbox(value), stacked=len(names), names=names)
     dtype = jnp.dtype(finetune.stored_dtype(config))
     return jax.tree_util.tree_map(lambda x: x.astype(dtype), value)
 

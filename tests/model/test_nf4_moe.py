@@ -15,7 +15,7 @@ from conftest import assert_trees_close, bf16_shapes_in_gradient_step, nf4_dequa
 from flax import traverse_util
 
 from jaxscale import train
-from jaxscale.config import ConfigError, base_config, validate
+from jaxscale.config import base_config, validate
 from jaxscale.measure import memory
 from jaxscale.model import nf4
 from jaxscale.train import checkpoint
@@ -176,10 +176,21 @@ def test_compiled_arguments_drop_by_the_hand_counted_saving():
     assert abs(drop - saving) <= 256, drop
 
 
-def test_expert_parallelism_with_nf4_is_a_one_line_error():
-    config = _config("bfloat16")
-    config.mesh.expert, config.finetune.frozen_dtype = 2, "nf4"
-    with pytest.raises(ConfigError) as error:
-        validate(config)
-    assert str(error.value) == ("mesh.expert: 2 would split the experts, whose NF4 codes (finetune.frozen_dtype=nf4) "
-                                "every device holds whole; with nf4 allowed: 1")  # fmt: skip
+@pytest.mark.parametrize("scan", [False, True])
+def test_nf4_experts_carry_the_expert_name_the_layout_splits(scan):
+    """The stacked experts' NF4 arrays name their leading dims as their bf16 twin's ("layers" under nn.scan, then
+    "expert"), so mesh.expert splits each device's experts' codes (tests/train/test_sharding_devices.py -k nf4: equal
+    to one device on an expert mesh); a projection kernel's codes name only nn.scan's layers, replicated as before."""
+    from jax.sharding import PartitionSpec
+
+    from jaxscale.train import sharding, step
+
+    config = _config(scan=scan)
+    boxed = jax.eval_shape(step.make_init_fn(config, boxed=True))
+    specs = traverse_util.flatten_dict(sharding.logical_specs(boxed.frozen), sep="/",
+                                       is_leaf=lambda _, x: _is_nf4(x))  # fmt: skip
+    layers = ("layers",) if scan else ()
+    block = "transformer/blocks" if scan else "transformer/block_0"
+    gate, q = specs[f"{block}/mlp/experts/gate"], specs[f"{block}/attn/q/kernel"]
+    assert gate.codes == gate.absmax_offset == PartitionSpec(*layers, "expert")
+    assert q.codes == PartitionSpec(*layers)

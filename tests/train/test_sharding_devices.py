@@ -493,6 +493,24 @@ def test_moe_expert_parallel_with_scan_remat_and_zero1_equals_one_device():
     )
 
 
+def test_qlora_moe_with_nf4_experts_on_an_expert_mesh_equals_one_device():
+    """QLoRA of tiny-moe (LoRA rank 4 on attention over a base frozen in NF4: every projection kernel and expert
+    weight) on 2 data x 2 expert devices: the stacked experts' codes are split by expert as their bf16 twin's weights
+    are (each device holds its 2 experts'), and the loss and the adapters' gradients equal one device's."""
+    qlora = {"model.lora_rank": 4, "model.lora_targets": ("attention",), "finetune.frozen_dtype": "nf4"}
+    many = _assert_moe_same_function((2, 1, 1, 1, 2), "capacity", False, **qlora)
+    gate = many[3].layout.state.frozen["transformer"]["block_0"]["mlp"]["experts"]["gate"]
+    assert gate.codes.spec[0] == gate.absmax_codes.spec[0] == "expert"
+    assert gate.codes.shard_shape((4, 1024))[0] == 2  # [E, 64 x 32 / 2 bytes] of codes: two experts a device
+    config = _moe_config((2, 1, 1, 1, 2), **{**MOE, **qlora})
+    state = sharding.placement(config, jax.devices()[:4]).init_state()
+    held: dict[int, int] = {}  # every array's shards, scalars (a kernel's NF4 offset) included
+    for leaf in jax.tree_util.tree_leaves((state.params, state.frozen)):
+        for shard in leaf.addressable_shards:
+            held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+    assert set(held.values()) == {memory.analytic_memory(config)["analytic_params_bytes"]}
+
+
 # The load-balancing loss under per-device accumulation (data parallelism and ZeRO-1 reduce once a step): 4
 # minibatches of 8 rows on 8 devices, one row a device a minibatch; the preset's dispatch (the default), a
 # load-balance weight of 0.1 so that its gradient is a tenth of the router's (MOE's z-loss on too), no drops.
