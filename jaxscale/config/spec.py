@@ -32,6 +32,7 @@ class ModelConfig:
     max_seq_len: int = 512
     dropout_rate: float = 0.1
     dtype: str = "bfloat16"
+    param_dtype: str = "float32"
     softmax_dtype: str = "float32"
     reduce_dtype: str = "float32"
     causal: bool = True

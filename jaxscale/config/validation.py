@@ -11,6 +11,7 @@ from jaxscale.config import finetune, kernel_blocks, remat_policies
 from jaxscale.config.defaults import (
     ACCUMULATE_METHODS,
     ATTENTION_IMPLS,
+    BF16_ROUNDINGS,
     DATA_SOURCES,
     DTYPES,
     FAMILIES,
@@ -20,6 +21,7 @@ from jaxscale.config.defaults import (
     MOE_DISPATCHES,
     MOE_ROUTINGS,
     OPTIMIZERS,
+    PARAM_DTYPES,
     QK_NORMS,
     REDUCE_DTYPES,
     REMAT_POLICIES,
@@ -180,6 +182,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check(o.transition_steps > 0, "optimizer.transition_steps", f"must be > 0, got {o.transition_steps}")
     _check(o.grad_clip_norm >= 0, "optimizer.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
     _one_of(o.state_dtype, STATE_DTYPES, "optimizer.state_dtype")
+    _one_of(config.model.param_dtype, PARAM_DTYPES, "model.param_dtype")
+    _one_of(o.bf16_rounding, BF16_ROUNDINGS, "optimizer.bf16_rounding")
     _check(o.state_dtype != "int8" or o.name in ("adam", "adamw"), "optimizer.state_dtype",
            f"int8 (block-wise quantized Adam moments) needs optimizer.name adam or adamw, got {o.name}; "
            f"allowed with {o.name}: float32" + (", bfloat16" if o.name == "sgd" else ""))  # fmt: skip

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-ROUNDINGS = ("nearest", "stochastic", "kahan")
+from jaxscale.config.defaults import BF16_ROUNDINGS as ROUNDINGS
 
 
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
@@ -68,7 +68,8 @@ def apply_updates(params: Any, updates: Any, rounding: str, key: jax.Array, comp
                else (w + u).astype(w.dtype) for w, u, k in zip(leaves, steps, keys, strict=True)]  # fmt: skip
         return tree.unflatten(new), None
     if rounding == "nearest":
-        new = [(w.astype(jnp.float32) + u.astype(jnp.float32)).astype(w.dtype) for w, u in zip(leaves, steps)]
+        new = [(w.astype(jnp.float32) + u.astype(jnp.float32)).astype(w.dtype)
+               for w, u in zip(leaves, steps, strict=True)]  # fmt: skip
         return tree.unflatten(new), None
     raise ValueError(f"optimizer.bf16_rounding: unknown {rounding!r}; allowed: {', '.join(ROUNDINGS)}")
 

@@ -22,7 +22,7 @@ from jaxscale.data.batch import Batch as Batch  # the batch type is the data pac
 from jaxscale.data.batch import make_batch as make_batch  # as train.Batch and train.make_batch
 from jaxscale.model import axes as model_axes
 from jaxscale.model import fp8, nf4
-from jaxscale.train import offload, quantized_state
+from jaxscale.train import bf16_weights, offload, quantized_state
 
 Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 scalars, summed
 
@@ -37,6 +37,25 @@ class TrainState(train_state.TrainState):
     rng: jax.Array
     frozen: Any = flax.struct.field(default_factory=dict)
     fp8_meta: Any = flax.struct.field(default_factory=dict)
+    # model.param_dtype=bfloat16: optimizer.bf16_rounding (jaxscale.train.bf16_weights), "" for float32 weights; and
+    # Kahan's bf16 compensation buffers, like params ({} otherwise)
+    bf16_rounding: str = flax.struct.field(pytree_node=False, default="")
+    compensation: Any = flax.struct.field(default_factory=dict)
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """One optimizer step. Float32 weights: Flax's (optax's update, then params + updates). bf16 weights without a
+        master copy: the gradients in float32 into the optimizer (whose state was made for float32 params:
+        make_init_fn), and its float32 update added to the bf16 weights by `bf16_rounding`, the stochastic rounding's
+        bits drawn from this step's key."""
+        if not self.bf16_rounding:
+            return super().apply_gradients(grads=grads, **kwargs)
+        grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        key = jax.random.fold_in(self.rng, 0x5EED)  # the step's key, not the dropout stream it was split into
+        params, compensation = bf16_weights.apply_updates(self.params, updates, self.bf16_rounding, key,
+                                                          self.compensation or None)  # fmt: skip
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state,
+                            compensation={} if compensation is None else compensation, **kwargs)  # fmt: skip
 
 
 @flax.struct.dataclass
@@ -79,6 +98,13 @@ def split_params(params: Any, config: ml_collections.ConfigDict) -> tuple[Any, A
     train = {k: v for k, v in flat.items() if finetune.trainable(k, config)}
     frozen = {k: frozen_leaf(k, v, config) for k, v in flat.items() if k not in train}
     return traverse_util.unflatten_dict(train, sep="/"), traverse_util.unflatten_dict(frozen, sep="/")
+
+
+def stored_params(params: Any, config: ml_collections.ConfigDict) -> Any:
+    """The trained parameters as the state stores them: float32, or bfloat16 under model.param_dtype=bfloat16 (the
+    weights with no master copy; their boxes, where boxed, kept)."""
+    dtype = jnp.dtype(config.model.param_dtype)
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 def frozen_leaf(path: str, value: Any, config: ml_collections.ConfigDict) -> Any:
@@ -174,8 +200,14 @@ def make_init_fn(config: ml_collections.ConfigDict, boxed: bool = False) -> Call
         tokens = jnp.zeros((1, config.data.seq_len), jnp.int32)
         variables = init_model.init(init_rng, tokens)
         params, frozen = split_params(variables["params"], config)
+        # the optimizer's state made for the float32 params (its moments float32 whatever model.param_dtype)
         state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng, frozen=frozen,
                                   fp8_meta=variables.get(fp8.OVERWRITE, {}))  # fmt: skip
+        if config.model.param_dtype == "bfloat16":  # no float32 master copy: jaxscale.train.bf16_weights
+            rounding = config.optimizer.bf16_rounding
+            weights = stored_params(params, config)
+            compensation = bf16_weights.init_compensation(weights) if rounding == "kahan" else {}
+            state = state.replace(params=weights, bf16_rounding=rounding, compensation=compensation)
         return state if boxed else nf4.unbox(state)  # an NF4 kernel stays one (its own unbox is its use)
 
     return init_fn
