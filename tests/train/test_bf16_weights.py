@@ -164,8 +164,11 @@ def test_a_step_keeps_bf16_weights_float32_moments_and_a_checkpoint_restores_the
     before = jax.device_get(state.params)
     state, _ = step(state, placement.init_metrics(), batch)
     after = jax.device_get(state.params)
-    assert any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(jax.tree_util.tree_leaves(after),
-                                                                        jax.tree_util.tree_leaves(before)))  # fmt: skip
+    moved = [
+        np.any(np.asarray(a) != np.asarray(b))
+        for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before), strict=True)
+    ]
+    assert any(moved)
     checkpoints = Checkpoints(tmp_path, config)
     checkpoints.save(1, state, {})
     checkpoints.close()
