@@ -1,4 +1,5 @@
-"""The package's floors: a module imports from its own floor or below, never above (see README, Layout)."""
+"""The package's floors: a module imports from its own floor or below, never above, and no modules import each other,
+directly or round a cycle (see README, Layout)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,93 @@ def test_imports_point_down_only():
             if floor(imported) > floor(name):
                 upward.append(f"{name} (floor {floor(name)}) imports {imported} (floor {floor(imported)})")
     assert not upward, "\n".join(upward)
+
+
+def import_graph(files: list[pathlib.Path]) -> dict[str, set[str]]:
+    """module -> the jaxscale modules it imports (imported_modules: every import in the file, those under
+    `if TYPE_CHECKING:` and inside functions too), for the modules of `files`."""
+    return {module_name(path): set(imported_modules(path)) for path in files}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of `graph` with more than one module, or one that imports itself (Tarjan's
+    algorithm, iterative): each a set of modules that import each other, directly or round a cycle.
+
+    Args:
+      graph: module -> the modules it imports (those not in the graph are left out).
+
+    Returns:
+      Each cycle's modules, sorted; the cycles sorted.
+    """
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]  # the depth-first path: a module and its imports left to visit
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            module, imports = work[-1]
+            for imported in imports:
+                if imported not in graph:
+                    continue
+                if imported not in index:
+                    index[imported] = low[imported] = len(index)
+                    stack.append(imported)
+                    work.append((imported, iter(sorted(graph[imported]))))
+                    break
+                if imported in stack:
+                    low[module] = min(low[module], index[imported])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[module])
+                if low[module] == index[module]:
+                    component = stack[stack.index(module) :]
+                    del stack[stack.index(module) :]
+                    if len(component) > 1 or module in graph[module]:
+                        cycles.append(sorted(component))
+    return sorted(cycles)
+
+
+def test_no_modules_import_each_other():
+    # A cycle is one concern split over two rooms (jaxscale.measure.memory and moe_memory imported each other, one
+    # way under TYPE_CHECKING): each concern in one module, its imports pointing down. The package's __init__ files
+    # count too: `from jaxscale.config import X` imports jaxscale/config/__init__.py and what it imports.
+    cycles = import_cycles(import_graph(sorted(PACKAGE.rglob("*.py"))))
+    assert not cycles, "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_cycle_check_catches_modules_that_import_each_other(tmp_path):
+    # The check itself can fail: memory and moe_memory as they were (one import only for type hints), three modules
+    # round a cycle, and one importing itself are flagged; a module that imports a cycle's without being imported
+    # back is not.
+    type_hints = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from jaxscale.measure.memory import Dims\n"
+    sources = {
+        "memory": "from jaxscale.measure import moe_memory\n",
+        "moe_memory": type_hints,
+        "a": "import jaxscale.measure.b\n",
+        "b": "import jaxscale.measure.c\n",
+        "c": "import jaxscale.measure.a\nfrom jaxscale.measure import memory\n",
+        "itself": "import jaxscale.measure.itself\n",
+    }
+    graph = {}
+    for name, source in sources.items():
+        (tmp_path / f"{name}.py").write_text(source)
+        graph[f"jaxscale.measure.{name}"] = set(imported_modules(tmp_path / f"{name}.py"))
+    assert graph["jaxscale.measure.moe_memory"] == {"jaxscale.measure.memory"}  # counted under TYPE_CHECKING too
+    assert import_cycles(graph) == [
+        ["jaxscale.measure.a", "jaxscale.measure.b", "jaxscale.measure.c"],
+        ["jaxscale.measure.itself"],
+        ["jaxscale.measure.memory", "jaxscale.measure.moe_memory"],
+    ]
+    del graph["jaxscale.measure.itself"]
+    graph["jaxscale.measure.moe_memory"] = set()  # the cut this package made: the sizes in a module of their own
+    graph["jaxscale.measure.b"] = set()
+    assert import_cycles(graph) == []
 
 
 def test_every_module_has_a_floor_and_a_docstring():

@@ -1,10 +1,10 @@
 """The one table that maps the model's logical axis names onto the mesh axes, and a config's layout of it.
 
 The model names every parameter's axes and constrains its activations by logical names (jaxscale.model.axes);
-`RULES` is the only place that says which mesh axis splits which name, and `rules(config)` the only place that
-says what mesh.zero_stage and mesh.sequence_parallel change in it. The layout (jaxscale.train.sharding) applies
-it; the analytic parameter and memory models (jaxscale.measure.params, .memory) read the same table to count what
-one device holds. It lives on the config floor so that all of them may import it.
+`RULES` is the only place that says which mesh axis splits which name, and `table` (a config's: `rules(config)`) the
+only place that says what mesh.zero_stage and mesh.sequence_parallel change in it. The layout
+(jaxscale.train.sharding) applies it; the analytic parameter and memory models (jaxscale.measure.params, .memory)
+read the same table to count what one device holds. It lives on the config floor so that all of them may import it.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 def rules(config: ml_collections.ConfigDict | None = None, *, params: bool = False) -> tuple:
     """The logical-to-mesh table of `config`'s layout: RULES with what mesh.zero_stage and
-    mesh.sequence_parallel change.
+    mesh.sequence_parallel change (`table`).
 
     Args:
       config: the run config (None: RULES).
@@ -55,18 +55,46 @@ def rules(config: ml_collections.ConfigDict | None = None, *, params: bool = Fal
     """
     if config is None:
         return RULES
+    return table(zero_stage(config), sequence_parallel(config), params=params)
+
+
+def table(stage: int, sequence_split: bool, *, params: bool = False) -> tuple:
+    """RULES with what a ZeRO stage and sequence parallelism change: `rules`' table from the two facts it depends
+    on (a jaxscale.config.spec.RunSpec's zero_stage and sequence_parallel).
+
+    Args:
+      stage: mesh.zero_stage.
+      sequence_split: Megatron sequence parallelism is on (jaxscale.config.spec.sequence_parallel).
+      params: the parameters' table (below stage 3 their "embed" stays whole on the fsdp axis).
+
+    Returns:
+      The logical-to-mesh table.
+    """
     changes = {}
-    if params and zero_stage(config) < 3:
+    if params and stage < 3:
         changes["embed"] = None
-    if sequence_parallel(config):  # Korthikanti et al. 2022: norms, dropout and residuals split over tensor
+    if sequence_split:  # Korthikanti et al. 2022: norms, dropout and residuals split over tensor
         changes["stream_seq"] = ("context", "tensor")
     return tuple((name, changes.get(name, axes)) for name, axes in RULES)
 
 
 def gradient_rules(config: ml_collections.ConfigDict) -> tuple:
+    """The table the step's reduced gradients are laid out with (`gradient_table` of the config's layout)."""
+    return gradient_table(zero_stage(config), sequence_parallel(config))
+
+
+def gradient_table(stage: int, sequence_split: bool) -> tuple:
     """The table the step's reduced gradients are laid out with: the optimizer state's at ZeRO stage 2 (split,
-    reduce-scattered), the parameters' otherwise. Read by the layout and the analytic memory model."""
-    return rules(config) if zero_stage(config) == 2 else rules(config, params=True)
+    reduce-scattered), the parameters' otherwise. Read by the layout and the analytic memory model.
+
+    Args:
+      stage: mesh.zero_stage.
+      sequence_split: Megatron sequence parallelism is on.
+
+    Returns:
+      The logical-to-mesh table.
+    """
+    return table(stage, sequence_split, params=stage != 2)
 
 
 def mesh_axes(name: str, table: tuple = RULES) -> tuple[str, ...]:

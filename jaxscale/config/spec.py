@@ -1,8 +1,10 @@
-"""Typed views of a run config: the model's hyper-parameters and the device mesh, with every derived size.
+"""Typed views of a run config: the model, the device mesh and the whole run (RunSpec), with every derived size.
 
 A `ConfigDict` holds what the user set; what follows from it (query and K/V heads, the MLP width, the mesh's
 device count, the devices a batch is split over, sequences per device) is derived here and nowhere else, so
-validation, the model, the analytic memory model and the planners read the same numbers.
+validation, the model, the analytic memory model and the planners read the same numbers. `RunSpec` gathers what
+the analytic models read of a run (the model, the mesh and its layout facts, the batch, the optimizer, what trains)
+in one frozen view, built once from the config and passed down instead of the config.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import math
 from typing import NamedTuple
 
 import ml_collections
+
+from jaxscale.config.finetune import FinetuneSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +105,32 @@ class ModelConfig:
         """Blocks whose feed-forward is the mixture of experts: all but the first_dense_layers (0 when dense)."""
         return self.num_layers - self.first_dense_layers if self.num_experts else 0
 
+    @property
+    def projection_sizes(self) -> dict[str, tuple[int, int]]:
+        """Each projection of the family (jaxscale.config.finetune.PROJECTIONS' names): (input width, output width)
+        of its matmul (a kernel [in..., out...])."""
+        h, f, heads = self.hidden_size, self.mlp_width, self.num_heads * self.head_dim
+        if self.family == "gpt":
+            return {"qkv": (h, 3 * heads), "out": (heads, h), "up": (h, f), "down": (f, h)}
+        return {"q": (h, heads), "k": (h, self.kv_width), "v": (h, self.kv_width), "out": (heads, h),
+                "gate": (h, f), "up": (h, f), "down": (f, h)}  # fmt: skip
+
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict) -> ModelConfig:
         """Reads every field from a config's `model` group (a missing field is a KeyError)."""
         return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def of(cls, model: ModelConfig | ml_collections.ConfigDict) -> ModelConfig:
+        """`model` itself when it is a ModelConfig already (a RunSpec's), else read from the `model` group.
+
+        Args:
+          model: a ModelConfig, or a config's `model` group.
+
+        Returns:
+          The typed view.
+        """
+        return model if isinstance(model, ModelConfig) else cls.from_config(model)
 
 
 class MeshShape(NamedTuple):
@@ -204,12 +230,12 @@ def zero_stage(config: ml_collections.ConfigDict) -> int:
 def accumulates_locally(config: ml_collections.ConfigDict) -> bool:
     """Whether the step accumulates gradients on each device over its minibatches and reduces them once a step
     (mesh.reduce_gradients "step"; "auto" chooses it where the gradients are whole anyway: data parallelism and
-    ZeRO-1, without context parallelism), rather than reducing every minibatch's ("minibatch"; "auto" for ZeRO-2, whose point is split
-    gradients, and ZeRO-3, torchtitan's FSDP2 default). Only where several minibatches split over devices. The
-    one rule the layout (jaxscale.train.sharding.local_accumulation) and the analytic memory model read. Under
-    expert parallelism (mesh.expert > 1) "auto" is "minibatch": a group of a device's own rows would need every
-    expert; so it is with the ragged dispatch, whose jax.lax.ragged_dot jax.vmap cannot batch ("step" is refused
-    for both, jaxscale.config.validation)."""
+    ZeRO-1, without context parallelism), rather than reducing every minibatch's ("minibatch"; "auto" for ZeRO-2,
+    whose point is split gradients, and ZeRO-3, torchtitan's FSDP2 default). Only where several minibatches split
+    over devices. The one rule the layout (jaxscale.train.sharding.local_accumulation) and the analytic memory
+    model read. Under expert parallelism (mesh.expert > 1) "auto" is "minibatch": a group of a device's own rows
+    would need every expert; so it is with the ragged dispatch, whose jax.lax.ragged_dot jax.vmap cannot batch
+    ("step" is refused for both, jaxscale.config.validation)."""
     mesh, stage = mesh_shape(config), zero_stage(config)
     mode = config.mesh.reduce_gradients
     if mode == "auto":
@@ -251,3 +277,73 @@ def tokens_per_step(config: ml_collections.ConfigDict) -> int:
 def minibatch_per_device(config: ml_collections.ConfigDict) -> int:
     """Sequences one device holds per minibatch: data.batch_size / train.num_minibatches / (data x fsdp x expert)."""
     return config.data.batch_size // config.train.num_minibatches // mesh_shape(config).batch_split
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One typed view of a run: everything the analytic models (jaxscale.measure.memory, its activation sizes and
+    its parameter tables) read of a config, derived once by the rules above and in jaxscale.config.finetune.
+
+    Built once per estimate (`from_config`) and passed down, so no helper below asks the ConfigDict again. The
+    layout tables (jaxscale.config.layout_rules.table) follow from zero_stage and sequence_parallel."""
+
+    model: ModelConfig
+    mesh: MeshShape
+    zero_stage: int  # mesh.zero_stage (zero_stage)
+    seq_len: int  # data.seq_len
+    batch_size: int  # data.batch_size: sequences per optimizer step, every minibatch and device together
+    num_minibatches: int  # train.num_minibatches
+    accumulate: str  # train.accumulate: scan | loop
+    loss_chunk_len: int  # train.loss_chunk_len (0: the whole sequence)
+    minibatch_per_device: int  # sequences one device holds per minibatch (minibatch_per_device)
+    sequence_parallel: bool  # the residual stream split along its sequence too (sequence_parallel)
+    accumulates_locally: bool  # gradients accumulated on each device, reduced once a step (accumulates_locally)
+    optimizer: str  # optimizer.name
+    state_dtype: str  # optimizer.state_dtype: float32 | bfloat16 | int8
+    offload_state: bool  # optimizer.offload_state
+    offload_params: bool  # train.offload_params
+    tokens_per_step: int  # tokens one optimizer step trains on (tokens_per_step)
+    finetune: FinetuneSpec  # what trains, what the backward pass goes through, how the frozen rest is stored
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> RunSpec:
+        """Reads a run config once (a missing field is an error): every derived field by its rule above.
+
+        Args:
+          config: the run config (the groups model, mesh, data, train, optimizer and finetune).
+
+        Returns:
+          The run's view.
+        """
+        return cls(
+            model=ModelConfig.from_config(config.model),
+            mesh=mesh_shape(config),
+            zero_stage=zero_stage(config),
+            seq_len=config.data.seq_len,
+            batch_size=config.data.batch_size,
+            num_minibatches=config.train.num_minibatches,
+            accumulate=config.train.accumulate,
+            loss_chunk_len=config.train.loss_chunk_len,
+            minibatch_per_device=minibatch_per_device(config),
+            sequence_parallel=sequence_parallel(config),
+            accumulates_locally=accumulates_locally(config),
+            optimizer=config.optimizer.name,
+            state_dtype=config.optimizer.state_dtype,
+            offload_state=config.optimizer.offload_state,
+            offload_params=config.train.offload_params,
+            tokens_per_step=tokens_per_step(config),
+            finetune=FinetuneSpec.from_config(config),
+        )
+
+    @classmethod
+    def of(cls, config: RunSpec | ml_collections.ConfigDict) -> RunSpec:
+        """`config` itself when it is a RunSpec already (a caller that built the view passes it down), else
+        from_config: for public entry points that take either.
+
+        Args:
+          config: a RunSpec, or the run config.
+
+        Returns:
+          The run's view.
+        """
+        return config if isinstance(config, RunSpec) else cls.from_config(config)

@@ -162,8 +162,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
             remat_policies.per_activation(m.remat_policy)
         except KeyError:
             raise ConfigError(
-                f"model.remat_policy: {m.remat_policy!r}: per_activation: takes activation=place pairs, each activation "
-                f"once; activations: {', '.join(remat_policies.ACTIVATIONS)}; places: "
+                f"model.remat_policy: {m.remat_policy!r}: per_activation: takes activation=place pairs, each "
+                f"activation once; activations: {', '.join(remat_policies.ACTIVATIONS)}; places: "
                 f"{', '.join(remat_policies.PLACES)}"
             ) from None
     else:
@@ -218,7 +218,7 @@ def _validate_lora(m: ml_collections.ConfigDict) -> None:
     except KeyError as unknown:
         raise ConfigError(f"model.lora_targets: unknown {unknown.args[0]!r} for model.family={m.family}; "
                           f"allowed: {allowed}") from None  # fmt: skip
-    sizes = finetune.projection_sizes(ModelConfig.from_config(m))
+    sizes = ModelConfig.from_config(m).projection_sizes
     narrowest = min(chosen, key=lambda name: min(sizes[name]))
     width = min(sizes[narrowest])
     shape = " x ".join(map(str, sizes[narrowest]))

@@ -12,6 +12,7 @@ import pathlib
 import jax
 import ml_collections
 
+from jaxscale.config.spec import RunSpec
 from jaxscale.measure import collectives, expert_flops, flops, memory, traces
 
 
@@ -26,10 +27,11 @@ def after_compile(config: ml_collections.ConfigDict, compiled: jax.stages.Compil
     if compiled is not None:
         text = compiled.as_text()
         compiled_columns = {**flops.compiled_columns(compiled, text), **collectives.collective_columns(text)}
+    run = RunSpec.from_config(config)  # the analytic models' view of the config, read once for both
     return {
-        **flops.analytic_columns(config),
+        **flops.analytic_columns(run),
         **compiled_columns,
-        **memory.analytic_columns(config, row.get("compiled_peak_bytes")),
+        **memory.analytic_columns(run, row.get("compiled_peak_bytes")),
         **expert_flops.row_columns(config, text, row),
     }
 
@@ -73,8 +75,10 @@ def _above_peak(row: dict) -> str:
     wrong; a CPU's is a measurement (jaxscale.measure.peaks), cached, and one taken while the machine was loaded
     stays low until a faster one replaces it."""
     if row.get("backend") == "cpu":
-        return ("  utilization above 100%: this step ran faster than the cached roofline, which was measured while "
-                "the machine was busier; `python -m jaxscale.bench` measures it again and keeps the faster")  # fmt: skip
+        return (
+            "  utilization above 100%: this step ran faster than the cached roofline, which was measured while "
+            "the machine was busier; `python -m jaxscale.bench` measures it again and keeps the faster"
+        )
     return "  utilization above 100%: this step ran faster than the peak it is divided by; that peak is wrong"
 
 

@@ -1,7 +1,8 @@
 """FLOPs of a train step: analytic model and hardware FLOPs, XLA's count (loop-aware), and MFU.
 
 Sources, as named in the result row:
-- analytic_*: formulas below, from the config alone.
+- analytic_*: formulas below, from the config alone (its typed view, jaxscale.config.spec.RunSpec, read once:
+  each public function takes a RunSpec or a config and passes the view down).
 - compiled_*: the optimized HLO of the compiled step (XLA's cost analysis, and matmul FLOPs counted
   with each while-loop body multiplied by its trip count, see jaxscale.hlo).
 - mfu, hfu: analytic FLOPs / measured median step time / peak FLOP/s (jaxscale.peaks).
@@ -15,7 +16,7 @@ import jax
 import ml_collections
 
 from jaxscale.config import finetune, remat_policies
-from jaxscale.config.spec import ModelConfig, tokens_per_step
+from jaxscale.config.spec import ModelConfig, RunSpec
 from jaxscale.measure import hlo, params, peaks
 
 
@@ -62,39 +63,40 @@ def _partly_kept(kept: frozenset[str], tensors: tuple[str, ...], whole: str, par
     raise ValueError(f"no FLOP count for keeping {sorted(set(tensors) - set(missing))} of {tensors}")
 
 
-def param_count(model: ml_collections.ConfigDict) -> int:
+def param_count(model: ModelConfig | ml_collections.ConfigDict) -> int:
     """Exact parameter count of the config's model family, from the config alone (see params.param_count)."""
     return params.param_count(model)
 
 
-def non_embedding_params(model: ml_collections.ConfigDict) -> int:
+def non_embedding_params(model: ModelConfig | ml_collections.ConfigDict) -> int:
     """N of the 6N rule: every parameter that takes part in a token's matmuls (all but gather-only embeddings; a
     tied token embedding is the output head's matrix too, so it stays in N; of a mixture of experts' routed
     experts only the k a token goes to: params.active_param_count)."""
     return params.active_param_count(model)
 
 
-def six_n_flops_per_step(config: ml_collections.ConfigDict) -> float:
+def six_n_flops_per_step(config: RunSpec | ml_collections.ConfigDict) -> float:
     """The 6N rule: 2N forward + 4N backward FLOPs per token (Kaplan et al. 2020), times tokens per step."""
-    tokens = tokens_per_step(config)
-    return float(6 * non_embedding_params(config.model) * tokens)
+    run = RunSpec.of(config)
+    return float(6 * non_embedding_params(run.model) * run.tokens_per_step)
 
 
-def backward_params(config: ml_collections.ConfigDict) -> tuple[int, int]:
+def backward_params(config: RunSpec | ml_collections.ConfigDict) -> tuple[int, int]:
     """(N_through, N_trained): of N (non_embedding_params), the parameters whose matmuls the backward pass
     differentiates with respect to their input (every block the gradient goes through, and the head), and
     those differentiated with respect to themselves (the trained ones, jaxscale.config.finetune). Both are N
     when every parameter trains."""
-    m = config.model
+    run = RunSpec.of(config)
+    m, rules = run.model, run.finetune
     gathers = {"pos_emb"} | (set() if m.tie_embeddings else {"embed/embedding"})
     share = _active_share(m)
     table = {k: share(k, math.prod(shape)) for k, (shape, _) in params.param_table(m).items() if k not in gathers}
-    trained = sum(n for k, n in table.items() if finetune.trainable(k, config))
-    through = sum(n for k, n in table.items() if finetune.in_backward(k, config))
+    trained = sum(n for k, n in table.items() if rules.trainable(k))
+    through = sum(n for k, n in table.items() if rules.in_backward(k))
     return through, trained
 
 
-def _active_share(model: ml_collections.ConfigDict):
+def _active_share(model: ModelConfig):
     """(path, size) -> the part of a parameter one token multiplies by: k / E of a routed expert's stacked weights
     (jaxscale.model.moe's "mlp/experts/..."), the whole of every other."""
     k, e = model.experts_per_token, model.num_experts
@@ -105,7 +107,7 @@ def _active_share(model: ml_collections.ConfigDict):
     return share
 
 
-def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False) -> float:
+def model_flops_per_step(config: RunSpec | ml_collections.ConfigDict, causal: bool = False) -> float:
     """Model FLOPs of one optimizer step (forward + backward), the PaLM / nanoGPT formula.
 
     flops_per_token = 6·N + 12·L·H·Q·T, where N counts the parameters that take part in a token's matmuls (all but
@@ -118,17 +120,17 @@ def model_flops_per_step(config: ml_collections.ConfigDict, causal: bool = False
     input gradients (every layer the backward pass goes through) and 2·N_trained for the weight gradients
     (`backward_params`); the attention's backward 8·L_through·H·Q·T. With everything trained this is 6·N + 12·L·H·Q·T.
     """
-    m = config.model
-    per_layer = 4 * ModelConfig.from_config(m).q_width * config.data.seq_len  # QK^T and AV: 2·(H·Q)·T each per token
-    attention = per_layer * (m.num_layers + 2 * finetune.backward_blocks(config))  # backward: twice the forward
+    run = RunSpec.of(config)
+    m = run.model
+    per_layer = 4 * m.q_width * run.seq_len  # QK^T and AV: 2·(H·Q)·T each per token
+    attention = per_layer * (m.num_layers + 2 * run.finetune.backward_blocks)  # backward: twice the forward
     if causal:
         attention /= 2
-    tokens = tokens_per_step(config)
-    through, trained = backward_params(config)
-    return float(tokens * (2 * non_embedding_params(m) + 2 * through + 2 * trained + attention))
+    through, trained = backward_params(run)
+    return float(run.tokens_per_step * (2 * non_embedding_params(m) + 2 * through + 2 * trained + attention))
 
 
-def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[str, float]:
+def forward_matmul_flops_per_token(config: RunSpec | ml_collections.ConfigDict) -> dict[str, float]:
     """Forward matmul FLOPs per token of one layer, by matmul (2 FLOPs per multiply-add), and of the head.
 
     H hidden, F MLP width, K the K/V width (K/V heads x head_dim; H without grouped-query attention), Q the
@@ -144,13 +146,13 @@ def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[st
     mean over the layers (their sum over all layers is exact). The dispatch's own work (one-hot einsums, sorts)
     and the experts the dense dispatch runs beyond the k are not model FLOPs and are not counted.
     """
-    m, t = config.model, config.data.seq_len
-    sizes = ModelConfig.from_config(m)
-    h, f, kv, q = sizes.hidden_size, sizes.mlp_width, sizes.kv_width, sizes.q_width
+    run = RunSpec.of(config)
+    m, t = run.model, run.seq_len
+    h, f, kv, q = m.hidden_size, m.mlp_width, m.kv_width, m.q_width
     attention = 2 * t * q * (0.5 if m.attention == "cudnn" and m.causal else 1.0)
     llama = m.family == "llama"
-    moe_layers, fe = sizes.moe_layers, sizes.expert_width
-    moe_width = fe * sizes.experts_per_token + fe * sizes.num_shared_experts  # per token, through the experts
+    moe_layers, fe = m.moe_layers, m.expert_width
+    moe_width = fe * m.experts_per_token + fe * m.num_shared_experts  # per token, through the experts
     mean_width = ((m.num_layers - moe_layers) * f + moe_layers * moe_width) / m.num_layers
     return {
         "qkv": 2 * h * (q + 2 * kv),
@@ -159,7 +161,7 @@ def forward_matmul_flops_per_token(config: ml_collections.ConfigDict) -> dict[st
         "out": 2 * q * h,
         "up": 2 * h * mean_width * (2 if llama else 1),
         "down": 2 * mean_width * h,
-        "router": 2 * h * sizes.num_experts * moe_layers / m.num_layers,
+        "router": 2 * h * m.num_experts * moe_layers / m.num_layers,
         "head": 2 * h * m.vocab_size,
     }
 
@@ -171,14 +173,14 @@ _OUTPUT_OF = {"qkv": ("qkv",), "q": ("qkv",), "k": ("qkv", "k"), "v": ("qkv",), 
               "gate": ("up", "gate_only"), "up": ("up", "up_only"), "down": ()}  # fmt: skip
 
 
-def _adapter_recompute(config: ml_collections.ConfigDict, target: str, names: tuple[str, ...]) -> float:
+def _adapter_recompute(run: RunSpec, target: str, names: tuple[str, ...]) -> float:
     """Forward FLOPs per token and layer of the LoRA adapters remat recomputes in `target`: each adapter's x @ A
     (its B's gradient reads it) unless the policy saves dots, and its (x A) @ B where the projection's output is
     recomputed (`names`)."""
-    m = config.model
+    m = run.model
     if not m.lora_rank:
         return 0.0
-    sizes = finetune.projection_sizes(ModelConfig.from_config(m))
+    sizes = m.projection_sizes
     unit = (*_UNIT_PROJECTIONS["Attn"], *_UNIT_PROJECTIONS["MLP"]) if target == "Block" else _UNIT_PROJECTIONS[target]
     total = 0.0
     for name in finetune.lora_projections(m.family, tuple(m.lora_targets)):
@@ -191,7 +193,7 @@ def _adapter_recompute(config: ml_collections.ConfigDict, target: str, names: tu
     return total
 
 
-def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
+def recompute_flops_per_step(config: RunSpec | ml_collections.ConfigDict) -> float:
     """Forward matmul FLOPs that remat recomputes in the backward pass (see RECOMPUTED).
 
     Nested remat (Block together with MLP or Attn) counts the Block's recomputation plus the inner
@@ -205,39 +207,40 @@ def recompute_flops_per_step(config: ml_collections.ConfigDict) -> float:
     The chunked loss (train.loss_chunk_len > 0) runs each chunk's output head under jax.checkpoint, so the backward
     pass recomputes its logits: the head's forward matmul once more, 2·H·V per token (`chunked_loss_recompute`).
     """
-    m = config.model
-    per_token = forward_matmul_flops_per_token(config)
-    sizes = ModelConfig.from_config(m)
-    per_token.update(k=2 * sizes.hidden_size * sizes.kv_width, up_only=per_token["up"] / 2)  # llama: up of gate+up
+    run = RunSpec.of(config)
+    m = run.model
+    per_token = forward_matmul_flops_per_token(run)
+    per_token.update(k=2 * m.hidden_size * m.kv_width, up_only=per_token["up"] / 2)  # llama: up of gate+up
     per_token.update(gate_only=per_token["up_only"])  # llama's gate alone: the same 2·H·F as its up
     policy = recomputed(m.remat_policy, m.family)
     out_adapted = m.lora_rank > 0 and "out" in finetune.lora_projections(m.family, tuple(m.lora_targets))
     total = 0.0
-    for layer in range(m.num_layers - finetune.backward_blocks(config), m.num_layers):
+    for layer in range(m.num_layers - run.finetune.backward_blocks, m.num_layers):
         block = "transformer/blocks" if m.scan_layers else f"transformer/block_{layer}"
-        trained = finetune.trainable(f"{block}/attn/out/kernel", config)
+        trained = run.finetune.trainable(f"{block}/attn/out/kernel")
         for target in m.remat:
             names = tuple(n for n in policy[target] if n != "values" or trained or out_adapted)
-            total += sum(per_token[name] for name in names) + _adapter_recompute(config, target, names)
-    return float(tokens_per_step(config) * total) + chunked_loss_recompute(config)
+            total += sum(per_token[name] for name in names) + _adapter_recompute(run, target, names)
+    return float(run.tokens_per_step * total) + chunked_loss_recompute(run)
 
 
-def chunked_loss_recompute(config: ml_collections.ConfigDict) -> float:
+def chunked_loss_recompute(config: RunSpec | ml_collections.ConfigDict) -> float:
     """FLOPs of the output head the chunked loss recomputes in the backward pass (0 without train.loss_chunk_len).
 
     Args:
-      config: the run's config.
+      config: the run's config, or its typed view.
 
     Returns:
       tokens per step x the head's forward matmul per token (2·H·V): every chunk's logits once more.
     """
-    if not config.train.loss_chunk_len:
+    run = RunSpec.of(config)
+    if not run.loss_chunk_len:
         return 0.0
-    head = forward_matmul_flops_per_token(config)["head"]
-    return float(tokens_per_step(config) * head)
+    head = forward_matmul_flops_per_token(run)["head"]
+    return float(run.tokens_per_step * head)
 
 
-def hardware_flops_per_step(config: ml_collections.ConfigDict) -> float:
+def hardware_flops_per_step(config: RunSpec | ml_collections.ConfigDict) -> float:
     """Matmul FLOPs the hardware executes: 3 × forward matmuls (forward, input and weight gradients)
     plus the forward matmuls remat recomputes. Biases and LayerNorms are not matmuls and not counted.
 
@@ -247,29 +250,29 @@ def hardware_flops_per_step(config: ml_collections.ConfigDict) -> float:
     input gradient always, its weight gradient when finetune.head; remat recomputes as recompute_flops_per_step
     says (the chunked loss's head included). With everything trained this is 3 × forward + recompute.
     """
-    m, f = config.model, config.finetune
-    per_token = forward_matmul_flops_per_token(config)
+    run = RunSpec.of(config)
+    m, f = run.model, run.finetune
+    per_token = forward_matmul_flops_per_token(run)
     kernels = sum(per_token[k] for k in ("qkv", "out", "up", "down", "router"))
     attention, adapters = per_token["logits"] + per_token["values"], 2 * params.adapter_params(m)
-    layers, through = m.num_layers, finetune.backward_blocks(config)
-    mode = finetune.train_mode(config)  # finetune.train with "auto" resolved
+    layers, through, mode = m.num_layers, f.backward_blocks, f.mode  # mode: finetune.train with "auto" resolved
     trained_kernel_layers = {"all": layers, "adapters": 0, "last_blocks": f.last_blocks}[mode]
     head_trained = mode == "all" or f.head
     forward = layers * (kernels + attention + adapters) + per_token["head"]
     backward_input = through * (kernels + 2 * attention + adapters) + per_token["head"]
     weights = trained_kernel_layers * kernels + layers * adapters + (per_token["head"] if head_trained else 0)
-    tokens = tokens_per_step(config)
-    return float(tokens * (forward + backward_input + weights) + recompute_flops_per_step(config))
+    return float(run.tokens_per_step * (forward + backward_input + weights) + recompute_flops_per_step(run))
 
 
-def analytic_columns(config: ml_collections.ConfigDict) -> dict[str, float]:
-    """The analytic FLOP columns of a result row (per optimizer step)."""
+def analytic_columns(config: RunSpec | ml_collections.ConfigDict) -> dict[str, float]:
+    """The analytic FLOP columns of a result row (per optimizer step), the config read once (RunSpec.of)."""
+    run = RunSpec.of(config)
     return {
-        "analytic_6n_flops_per_step": six_n_flops_per_step(config),
-        "analytic_model_flops_per_step": model_flops_per_step(config),
-        "analytic_model_flops_causal_per_step": model_flops_per_step(config, causal=True),
-        "analytic_recompute_flops_per_step": recompute_flops_per_step(config),
-        "analytic_hardware_flops_per_step": hardware_flops_per_step(config),
+        "analytic_6n_flops_per_step": six_n_flops_per_step(run),
+        "analytic_model_flops_per_step": model_flops_per_step(run),
+        "analytic_model_flops_causal_per_step": model_flops_per_step(run, causal=True),
+        "analytic_recompute_flops_per_step": recompute_flops_per_step(run),
+        "analytic_hardware_flops_per_step": hardware_flops_per_step(run),
     }
 
 

@@ -2,6 +2,11 @@
 
 On a device mesh every figure is per device: XLA's plan of a sharded program is one device's, and the
 analytic model divides each tensor by the mesh axes that split it (`sharded_param_count`, `Dims.t`).
+
+The analytic estimate reads the config once: `analytic_memory(config)` builds the run's typed view
+(jaxscale.config.spec.RunSpec; a caller that built it passes it instead) and every helper below it takes that
+view; the activation sizes are jaxscale.measure.activation_dims' (Dims, MoEDims), a mixture of experts' routed
+terms jaxscale.measure.moe_memory's.
 """
 
 from __future__ import annotations
@@ -20,14 +25,9 @@ import ml_collections
 from jaxscale.config import finetune, layout_rules, remat_policies
 from jaxscale.config.defaults import INT8_BLOCK_SIZE, INT8_MIN_SIZE
 from jaxscale.config.quantization import ABSMAX_BLOCK_SIZE, NF4_BLOCK_SIZE
-from jaxscale.config.spec import (
-    ModelConfig,
-    accumulates_locally,
-    mesh_shape,
-    minibatch_per_device,
-    sequence_parallel,
-)
+from jaxscale.config.spec import ModelConfig, RunSpec
 from jaxscale.measure import host_memory, moe_memory, params
+from jaxscale.measure.activation_dims import Dims
 
 
 def compiled_memory(compiled: jax.stages.Compiled, hlo_text: str | None = None) -> dict[str, int | str | None]:
@@ -103,60 +103,6 @@ def host_allocator(maps: str | None = None) -> str | None:
 
 _FLOAT32 = 4  # params, gradients, optimizer state and LayerNorm statistics are float32
 _BOOL = 1  # a dropout keep-mask element
-
-
-@dataclasses.dataclass(frozen=True)
-class Dims:
-    """Sizes that activation memory depends on, for one minibatch on one device: Korthikanti et al.'s s, b, h,
-    a and t."""
-
-    b: int  # sequences per minibatch on one device (the minibatch split over mesh.data x mesh.fsdp x mesh.expert)
-    s: int  # sequence length
-    h: int  # hidden size
-    a: int  # attention heads (query heads)
-    k: int  # width of the keys and of the values: K/V heads x head_dim (h without grouped-query attention)
-    f: int  # MLP hidden width
-    v: int  # vocabulary
-    p: int  # bytes per activation element (compute dtype)
-    q: int  # bytes per attention-logit element (softmax dtype)
-    mask: int  # bytes per dropout-mask element: 1, or 0 without dropout
-    kernel_casts: bool  # compute dtype differs from the float32 params, so matmuls read cast copies
-    attention: str  # reference | xla | cudnn | chunked | flash
-    family: str  # gpt | llama
-    t: int = 1  # tensor-parallel degree (mesh.tensor): heads, K/V heads, MLP width and vocabulary split t ways
-    sp: int = 1  # ways the residual stream's positions are split (t under sequence parallelism, else 1)
-    c: int = 0  # positions per chunk of the output head and loss (train.loss_chunk_len); 0: the whole sequence
-    moe: moe_memory.MoEDims | None = None  # a mixture of experts' sizes: its layers' MLP is moe_mlp_residuals
-
-    @property
-    def fused_attention(self) -> bool:
-        """A kernel that keeps no T x T matrix (cuDNN's, the Pallas flash kernel, the chunked custom VJP): it
-        keeps q, k, v, its output and a float32 log-sum-exp per row for the backward pass."""
-        return self.attention in ("cudnn", "chunked", "flash")
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> Dims:
-        m, p = config.model, jnp.dtype(config.model.dtype).itemsize
-        sizes, mesh = ModelConfig.from_config(m), mesh_shape(config)
-        return cls(
-            b=minibatch_per_device(config),
-            s=config.data.seq_len // mesh.context,  # context parallelism: each device holds s / context positions
-            h=m.hidden_size,
-            a=sizes.num_heads,
-            k=sizes.kv_width,
-            f=sizes.mlp_width,
-            v=m.vocab_size,
-            p=p,
-            q=jnp.dtype(m.softmax_dtype).itemsize,
-            mask=_BOOL if m.dropout_rate > 0 else 0,
-            kernel_casts=p != _FLOAT32,
-            attention=m.attention,
-            family=m.family,
-            t=mesh.tensor,
-            sp=mesh.tensor if sequence_parallel(config) else 1,
-            c=config.train.loss_chunk_len,
-            moe=moe_memory.MoEDims.from_config(config),
-        )
 
 
 def _split(terms: dict[str, int], names: set[str], d: Dims) -> dict[str, int]:
@@ -366,7 +312,9 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
     return layer, max((fused[unit] for unit in remat), default=0) + moe_memory.all_to_all_bytes(d)
 
 
-def sharded_param_count(model: ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1, expert: int = 1) -> int:
+def sharded_param_count(
+    model: ModelConfig | ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1, expert: int = 1
+) -> int:
     """Parameters one device holds when FSDP splits every embed axis fsdp ways, tensor parallelism
     splits heads, K/V heads, MLP width and vocabulary tensor ways and expert parallelism a mixture of experts'
     expert axis (stacked experts, router columns) expert ways (the layout of jaxscale.config.layout_rules.RULES;
@@ -388,38 +336,37 @@ def _held(table: dict[str, tuple[tuple[int, ...], tuple]], fsdp: int, tensor: in
     return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor, expert)) for shape, names in table.values())
 
 
-def trained_table(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """params.param_table restricted to the parameters that train (jaxscale.config.finetune.trainable)."""
-    return {k: v for k, v in params.param_table(config.model).items() if finetune.trainable(k, config)}
+def trained_table(run: RunSpec) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """params.param_table restricted to the parameters that train (jaxscale.config.finetune.FinetuneSpec.trainable)."""
+    return {k: v for k, v in params.param_table(run.model).items() if run.finetune.trainable(k)}
 
 
-def zero_splits(config: ml_collections.ConfigDict) -> dict[str, int]:
-    """How many ways the fsdp axis splits the parameters, the gradients and the optimizer state at the config's
+def zero_splits(run: RunSpec) -> dict[str, int]:
+    """How many ways the fsdp axis splits the parameters, the gradients and the optimizer state at the run's
     mesh.zero_stage (ZeRO, Rajbhandari et al. 2020): stage 1 the state only, 2 the state and the (accumulated)
-    gradients, 3 all three. The ways are those of the layout's tables (jaxscale.config.layout_rules.rules: the
+    gradients, 3 all three. The ways are those of the layout's tables (jaxscale.config.layout_rules.table: the
     parameters', and the default one for the optimizer state and, at stage 2, the gradients)."""
-    mesh = mesh_shape(config)
+    mesh, stage, split = run.mesh, run.zero_stage, run.sequence_parallel
 
     def ways(table: tuple) -> int:  # how many devices split a parameter's embed axis (the model state's)
         return math.prod(getattr(mesh, axis) for axis in layout_rules.mesh_axes("embed", table))
 
     return {
-        "params": ways(layout_rules.rules(config, params=True)),
-        "grads": ways(layout_rules.gradient_rules(config)),
-        "optimizer": ways(layout_rules.rules(config)),
+        "params": ways(layout_rules.table(stage, split, params=True)),
+        "grads": ways(layout_rules.gradient_table(stage, split)),
+        "optimizer": ways(layout_rules.table(stage, split)),
     }
 
 
-def trained_param_count(config: ml_collections.ConfigDict, fsdp: int | None = None) -> int:
+def trained_param_count(run: RunSpec, fsdp: int | None = None) -> int:
     """Parameters that train, held by one device (sharded like every parameter, see sharded_param_count),
     split `fsdp` ways on the fsdp axis (default: as the layout splits the parameters, zero_splits)."""
-    fsdp = zero_splits(config)["params"] if fsdp is None else fsdp
-    mesh = mesh_shape(config)
-    return _held(trained_table(config), fsdp, mesh.tensor, mesh.expert)
+    fsdp = zero_splits(run)["params"] if fsdp is None else fsdp
+    return _held(trained_table(run), fsdp, run.mesh.tensor, run.mesh.expert)
 
 
-def _frozen_itemsize(config: ml_collections.ConfigDict) -> int:
-    return jnp.dtype(finetune.stored_dtype(config)).itemsize
+def _frozen_itemsize(run: RunSpec) -> int:
+    return jnp.dtype(run.finetune.stored_dtype).itemsize
 
 
 def nf4_kernel_bytes(shape: tuple[int, ...], stacked: int = 0) -> int:
@@ -432,40 +379,40 @@ def nf4_kernel_bytes(shape: tuple[int, ...], stacked: int = 0) -> int:
     return layers * (blocks * NF4_BLOCK_SIZE // 2 + blocks + _FLOAT32 * -(-blocks // ABSMAX_BLOCK_SIZE) + _FLOAT32)
 
 
-def frozen_bytes(config: ml_collections.ConfigDict, held: int, trained: int) -> int:
+def frozen_bytes(run: RunSpec, held: int, trained: int) -> int:
     """Bytes of the frozen parameters on one device that holds `held` parameters of which `trained` train:
-    finetune.stored_dtype's bytes per frozen one; under finetune.frozen_dtype=nf4 the projection kernels and stacked
-    expert weights (finetune.nf4_kernel; each layer and expert its own kernel, finetune.nf4_stacked) at
-    nf4_kernel_bytes instead, whole on every device that holds the kernel (a stacked expert weight's experts split
+    FinetuneSpec.stored_dtype's bytes per frozen one; under finetune.frozen_dtype=nf4 the projection kernels and
+    stacked expert weights (FinetuneSpec.nf4_kernel; each layer and expert its own kernel, FinetuneSpec.nf4_stacked)
+    at nf4_kernel_bytes instead, whole on every device that holds the kernel (a stacked expert weight's experts split
     over mesh.expert, jaxscale.model.nf4's names; nothing else splits the codes)."""
-    if config.finetune.frozen_dtype != finetune.NF4:
-        return _frozen_itemsize(config) * (held - trained)
-    splits, mesh = zero_splits(config), mesh_shape(config)
-    kernels = {k: v for k, v in params.param_table(config.model).items() if finetune.nf4_kernel(k, config)}
-    quantized = _held(kernels, splits["params"], mesh.tensor, mesh.expert)
-    nf4 = sum(nf4_kernel_bytes(shape, finetune.nf4_stacked(k, config))
-              // (mesh.expert if "expert" in finetune.nf4_stacked_names(k, config) else 1)
+    rules = run.finetune
+    if rules.frozen_dtype != finetune.NF4:
+        return _frozen_itemsize(run) * (held - trained)
+    kernels = {k: v for k, v in params.param_table(run.model).items() if rules.nf4_kernel(k)}
+    quantized = _held(kernels, zero_splits(run)["params"], run.mesh.tensor, run.mesh.expert)
+    nf4 = sum(nf4_kernel_bytes(shape, rules.nf4_stacked(k))
+              // (run.mesh.expert if "expert" in rules.nf4_stacked_names(k) else 1)
               for k, (shape, _) in kernels.items())  # fmt: skip
-    return _frozen_itemsize(config) * (held - trained - quantized) + nf4
+    return _frozen_itemsize(run) * (held - trained - quantized) + nf4
 
 
-def optimizer_state_bytes(config: ml_collections.ConfigDict) -> int:
+def optimizer_state_bytes(run: RunSpec) -> int:
     """Bytes of the optimizer's state on one device, for the parameters that train (T = trained_param_count):
     Adam/AdamW a first moment of `optimizer.state_dtype` and a float32 second moment, (2 or 4) · T + 4 · T; SGD
     its momentum, (2 or 4) · T; Adam/AdamW at state_dtype int8 _int8_adam_state_bytes (about 2 · (1 + 4/2048) · T,
     unsplit); Adafactor 4 × (its factored second moments, params.adafactor_state_elements:
     n/d1 + n/d2 per matrix whose two largest dims are >= 128, n for every other parameter, each split like the
     parameter axes it keeps)."""
-    fsdp, mesh = zero_splits(config)["optimizer"], mesh_shape(config)
-    if config.optimizer.state_dtype == "int8":
-        return _int8_adam_state_bytes(config, fsdp, mesh.tensor, mesh.expert)
-    if config.optimizer.name == "adafactor":
-        table = trained_table(config)
+    fsdp, mesh = zero_splits(run)["optimizer"], run.mesh
+    if run.state_dtype == "int8":
+        return _int8_adam_state_bytes(run, fsdp, mesh.tensor, mesh.expert)
+    if run.optimizer == "adafactor":
+        table = trained_table(run)
         shapes, names = {k: s for k, (s, _) in table.items()}, {k: n for k, (_, n) in table.items()}
         return _FLOAT32 * params.adafactor_state_elements(shapes, names, fsdp, mesh.tensor, mesh.expert)
-    first = jnp.dtype(config.optimizer.state_dtype).itemsize
-    per_param = {"adam": first + _FLOAT32, "adamw": first + _FLOAT32, "sgd": first}[config.optimizer.name]
-    return per_param * trained_param_count(config, fsdp)
+    first = jnp.dtype(run.state_dtype).itemsize
+    per_param = {"adam": first + _FLOAT32, "adamw": first + _FLOAT32, "sgd": first}[run.optimizer]
+    return per_param * trained_param_count(run, fsdp)
 
 
 def int8_moment_bytes(elements: int, block_size: int = INT8_BLOCK_SIZE) -> int:
@@ -474,13 +421,13 @@ def int8_moment_bytes(elements: int, block_size: int = INT8_BLOCK_SIZE) -> int:
     return elements + _FLOAT32 * -(-elements // block_size)
 
 
-def _int8_adam_state_bytes(config: ml_collections.ConfigDict, fsdp: int, tensor: int, expert: int = 1) -> int:
+def _int8_adam_state_bytes(run: RunSpec, fsdp: int, tensor: int, expert: int = 1) -> int:
     """Adam's two moments at optimizer.state_dtype=int8 on one device: per trained parameter of at least
     INT8_MIN_SIZE elements 2 · int8_moment_bytes (2 x (1 + 4/2048) bytes per element), whole on every device (the
     layout replicates the flat codes and absmax, see jaxscale.train.quantized_state); per smaller one two float32
     moments split like the parameter, 2 · 4 bytes per element it holds."""
     total = 0
-    for shape, names in trained_table(config).values():
+    for shape, names in trained_table(run).values():
         elements = math.prod(shape)
         if elements >= INT8_MIN_SIZE:
             total += 2 * int8_moment_bytes(elements)
@@ -489,24 +436,24 @@ def _int8_adam_state_bytes(config: ml_collections.ConfigDict, fsdp: int, tensor:
     return total
 
 
-def _gathered_layer_bytes(config: ml_collections.ConfigDict, gradient_only: bool = False) -> int:
+def _gathered_layer_bytes(run: RunSpec, gradient_only: bool = False) -> int:
     """Under FSDP, one block's parameters gathered whole (/ tensor, and a mixture of experts' experts / expert: the
     gather is over fsdp) with their full gradients before the reduce-scatter: 4 + 4 bytes per trained parameter,
     the frozen dtype's bytes per frozen one (no gradient); `gradient_only` (ZeRO-2, whose weights are whole
     already): 4 bytes per trained parameter. The top block is the one counted (with finetune.train=last_blocks it
     trains)."""
-    m, mesh = config.model, mesh_shape(config)
+    m, mesh, rules = run.model, run.mesh, run.finetune
     block = "transformer/blocks" if m.scan_layers else f"transformer/block_{m.num_layers - 1}"
     total = 0
     for key, (shape, names) in params.layer_param_table(m).items():
-        trains = finetune.trainable(f"{block}/{key}", config)
-        gathered = not (gradient_only or finetune.nf4_kernel(f"{block}/{key}", config))  # NF4: whole already
-        per = (1 if gradient_only else 2) * _FLOAT32 if trains else _frozen_itemsize(config) if gathered else 0
+        trains = rules.trainable(f"{block}/{key}")
+        gathered = not (gradient_only or rules.nf4_kernel(f"{block}/{key}"))  # NF4: whole already
+        per = (1 if gradient_only else 2) * _FLOAT32 if trains else _frozen_itemsize(run) if gathered else 0
         total += per * math.prod(params.shard_shape(shape, names, 1, mesh.tensor, mesh.expert))
     return total
 
 
-def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
+def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, int]:
     """Analytic peak memory of one train step on one device, in bytes, broken down for the result row.
 
     Peak = params + gradients + optimizer state + activations, at the start of the (last minibatch's)
@@ -541,54 +488,58 @@ def analytic_memory(config: ml_collections.ConfigDict) -> dict[str, int]:
     only; with finetune.train=last_blocks only the blocks the backward pass goes through keep activations
     (finetune.backward_blocks). Otherwise the activations are full training's: an upper bound, as a frozen
     projection's input is kept only where something below it still needs it.
+
+    `config`: the run config, read once into its typed view (jaxscale.config.spec.RunSpec.of), which every helper
+    below takes; or that view, where the caller built it.
     """
-    m, t = config.model, config.train
-    splits, mesh = zero_splits(config), mesh_shape(config)
-    d, n = Dims.from_config(config), sharded_param_count(m, splits["params"], mesh.tensor, mesh.expert)
-    trained = trained_param_count(config)
+    run = RunSpec.of(config)
+    m, splits, mesh = run.model, zero_splits(run), run.mesh
+    d, n = Dims.from_spec(run), sharded_param_count(m, splits["params"], mesh.tensor, mesh.expert)
+    trained = trained_param_count(run)
     layer, working = layer_activation_bytes(d, tuple(m.remat), m.remat_policy, m.scan_layers)
     causal_mask = m.scan_layers and m.causal and m.attention == "reference"
     # Blocks below the backward pass's lowest (finetune.train=last_blocks) keep nothing for it. A mixture of experts'
     # first_dense_layers (the bottom blocks) keep a dense layer's activations.
-    blocks = finetune.backward_blocks(config)
-    dense_blocks = max(0, blocks - ModelConfig.from_config(m).moe_layers) if d.moe else 0
+    blocks = run.finetune.backward_blocks
+    dense_blocks = max(0, blocks - m.moe_layers) if d.moe else 0
     if dense_blocks:
         dense = layer_activation_bytes(dataclasses.replace(d, moe=None), tuple(m.remat), m.remat_policy, m.scan_layers)
         working = max(working, dense[1])
     per_minibatch = (blocks - dense_blocks) * layer + dense_blocks * (dense[0] if dense_blocks else 0)
     per_minibatch += sum(head_residuals(d, causal_mask).values())
-    live = t.num_minibatches if t.accumulate == "loop" else 1
+    live = run.num_minibatches if run.accumulate == "loop" else 1
     # Under FSDP one layer's weights are gathered whole with their whole gradient (_gathered_layer_bytes, 4 + 4
     # bytes a trained parameter); at ZeRO stage 2 the weights are whole already and only one layer's whole
     # gradient lives before its reduce-scatter (4 bytes). The minibatch's gradients and their accumulator are
     # split from stage 2 on (XLA reduce-scatters each layer's inside the backward loop, as the compiled plans
-    # show), whole at stage 1 (all-reduced). Accumulated on each device (config.accumulates_locally: data parallel
+    # show), whole at stage 1 (all-reduced). Accumulated on each device (RunSpec.accumulates_locally: data parallel
     # and ZeRO-1/2 with several minibatches) both are whole, reduced once after the last minibatch.
-    local = accumulates_locally(config)
-    gather = _gathered_layer_bytes(config) if splits["params"] > 1 else 0
+    local = run.accumulates_locally
+    gather = _gathered_layer_bytes(run) if splits["params"] > 1 else 0
     if splits["params"] == 1 < splits["grads"] and not local:
-        gather = _gathered_layer_bytes(config, gradient_only=True)
-    minibatch_grads = _FLOAT32 * trained_param_count(config, 1 if local else splits["grads"])
-    accumulator = minibatch_grads if t.num_minibatches > 1 else 0
+        gather = _gathered_layer_bytes(run, gradient_only=True)
+    minibatch_grads = _FLOAT32 * trained_param_count(run, 1 if local else splits["grads"])
+    accumulator = minibatch_grads if run.num_minibatches > 1 else 0
     row = {
-        "analytic_params_bytes": _FLOAT32 * trained + frozen_bytes(config, n, trained),
+        "analytic_params_bytes": _FLOAT32 * trained + frozen_bytes(run, n, trained),
         "analytic_grads_bytes": minibatch_grads + accumulator,
-        "analytic_optimizer_bytes": optimizer_state_bytes(config),
+        "analytic_optimizer_bytes": optimizer_state_bytes(run),
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,
         "analytic_fsdp_gather_bytes": gather,
     }
     # Host offload (jaxscale.train.offload): the offloaded parts live in host memory, out of the device's peak.
-    row["analytic_host_offload_bytes"] = (row["analytic_optimizer_bytes"] * config.optimizer.offload_state
-                                          + _FLOAT32 * trained * config.train.offload_params)  # fmt: skip
+    row["analytic_host_offload_bytes"] = (row["analytic_optimizer_bytes"] * run.offload_state
+                                          + _FLOAT32 * trained * run.offload_params)  # fmt: skip
     row["analytic_peak_bytes"] = sum(row[f"analytic_{k}_bytes"] for k in ("params", "grads", "optimizer", "activation"))
     row["analytic_peak_bytes"] -= row["analytic_host_offload_bytes"]
     return row
 
 
-def analytic_columns(config: ml_collections.ConfigDict, compiled_peak_bytes: int | None) -> dict[str, object]:
-    """The analytic breakdown, the names of its fitted terms (analytic_fitted_terms: FITTED_TERMS joined by
-    commas), and compiled_to_analytic_peak_ratio (compiled plan / analytic estimate)."""
+def analytic_columns(config: RunSpec | ml_collections.ConfigDict, compiled_peak_bytes: int | None) -> dict[str, object]:
+    """The analytic breakdown (analytic_memory of the config or its typed view), the names of its fitted terms
+    (analytic_fitted_terms: FITTED_TERMS joined by commas), and compiled_to_analytic_peak_ratio (compiled plan /
+    analytic estimate)."""
     row: dict[str, object] = dict(analytic_memory(config))
     row["analytic_fitted_terms"] = ",".join(FITTED_TERMS)
     peak = row["analytic_peak_bytes"]

@@ -26,51 +26,16 @@ copy of the router's input, the capacity dispatch's one-hot slots [b, s, k, E, C
 the masks inside its fusions), the dense dispatch's float32 one-hot [N, k, E], and the experts' compute-dtype weight
 copies 3·(E / expert)·H·F·p. Tensor parallelism splits the F-wide tensors (the experts' "mlp" axis) t ways; the
 shared experts and the RMSNorm are memory.llama_mlp_residuals' (a dense SwiGLU of num_shared_experts x F).
+
+The sizes are jaxscale.measure.activation_dims' (Dims, its MoEDims in d.moe); memory imports this module, not the
+other way round.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
-import ml_collections
-
-from jaxscale.config.spec import ModelConfig, capacity, mesh_shape
-
-if TYPE_CHECKING:
-    from jaxscale.measure.memory import Dims
+from jaxscale.measure.activation_dims import Dims
 
 _FLOAT32 = _INT32 = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEDims:
-    """The mixture of experts' sizes that its activations depend on (memory.Dims has the rest)."""
-
-    e: int  # routed experts
-    k: int  # experts per token
-    f: int  # one routed expert's SwiGLU width (model.moe_hidden_size, else the MLP width)
-    c: int  # capacity slots per expert per sequence (capacity dispatch)
-    shared: int  # the shared experts' SwiGLU width: num_shared_experts x f (0: none)
-    dispatch: str  # dense | capacity | scatter | ragged
-    ep: int = 1  # expert-parallel ways (mesh.expert): the experts each device holds are e / ep
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> MoEDims | None:
-        """The config's MoE sizes; None for a dense model (model.num_experts = 0)."""
-        sizes = ModelConfig.from_config(config.model)
-        if not sizes.num_experts:
-            return None
-        e, k = sizes.num_experts, sizes.experts_per_token
-        return cls(
-            e=e,
-            k=k,
-            f=sizes.expert_width,
-            c=capacity(config.data.seq_len, k, e, sizes.moe_capacity_factor),
-            shared=sizes.num_shared_experts * sizes.expert_width,
-            dispatch=sizes.moe_dispatch,
-            ep=mesh_shape(config).expert,
-        )
 
 
 def _expert_rows(d: Dims) -> int:

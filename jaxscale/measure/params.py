@@ -2,7 +2,8 @@
 
 Analytic (no model is built): `param_shapes` mirrors jaxscale.model's parameter tree (names and shapes; the
 test suite checks them leaf by leaf against the initialised model), so the FLOP and memory models can count
-per matrix.
+per matrix. The tables take the model's typed view (jaxscale.config.spec.ModelConfig, a RunSpec's `model`) or a
+config's `model` group, read once at the top.
 """
 
 from __future__ import annotations
@@ -19,13 +20,10 @@ TILE = 64  # tensor-core friendly multiple for matmul dimensions (bf16 MMA tiles
 ADAFACTOR_MIN_DIM_TO_FACTOR = 128  # optax.adafactor's default min_dim_size_to_factor
 
 
-def _layer_params(
-    model: ml_collections.ConfigDict, moe: bool = True
-) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+def _layer_params(model: ModelConfig, moe: bool = True) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """One block's parameters: path -> (shape, logical axis names), as the family's modules create them: a mixture
     of experts' block when model.num_experts > 0 (`moe=False`: its first dense layers' block)."""
-    sizes = ModelConfig.from_config(model)
-    h, hd, f, heads, kv_heads = sizes.hidden_size, sizes.head_dim, sizes.mlp_width, sizes.num_heads, sizes.kv_heads
+    h, hd, f, heads, kv_heads = model.hidden_size, model.head_dim, model.mlp_width, model.num_heads, model.kv_heads
     embed, mlp = ("embed",), ("mlp",)
     if model.family == "gpt":
         return _with_adapters(model, {
@@ -45,7 +43,7 @@ def _layer_params(
         **_qk_norms(model.qk_norm, heads, kv_heads, hd),
         "attn/out/kernel": ((heads, hd, h), ("heads", "head_dim", "embed")),
         "mlp/pre_norm/scale": ((h,), embed),
-        **(_moe_params(sizes) if moe and sizes.num_experts else _swiglu_params("mlp", h, f)),
+        **(_moe_params(model) if moe and model.num_experts else _swiglu_params("mlp", h, f)),
     })  # fmt: skip
 
 
@@ -81,7 +79,7 @@ def _moe_params(sizes: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[st
 
 
 def _with_adapters(
-    model: ml_collections.ConfigDict, layer: dict[str, tuple[tuple[int, ...], tuple]]
+    model: ModelConfig, layer: dict[str, tuple[tuple[int, ...], tuple]]
 ) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """One block's parameters with a LoRA adapter beside each targeted kernel (model.lora_rank > 0): `lora_a`
     [in..., r] and `lora_b` [r, out...], named like the kernel's dims, the rank axis unnamed (None). The out
@@ -98,13 +96,16 @@ def _with_adapters(
     return out
 
 
-def param_table(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+def param_table(
+    model: ModelConfig | ml_collections.ConfigDict,
+) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Every parameter's path ("transformer/block_0/attn/q/kernel") -> (shape, logical axis names), as the
     model creates it (jaxscale.model's names: vocab, embed, pos, heads, kv_heads, head_dim, qkv, mlp, layers).
 
     With scan_layers the layer parameters are stacked: "transformer/blocks/..." with a leading num_layers
     axis named "layers".
     """
+    model = ModelConfig.of(model)
     h, v = model.hidden_size, model.vocab_size
     table = {"embed/embedding": ((v, h), ("vocab", "embed"))}
     if model.family == "gpt":
@@ -127,14 +128,16 @@ def param_table(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, 
     return table
 
 
-def param_shapes(model: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
+def param_shapes(model: ModelConfig | ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
     """Every parameter's path and shape, as the model creates it (param_table without the names)."""
     return {path: shape for path, (shape, _) in param_table(model).items()}
 
 
-def layer_param_table(model: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+def layer_param_table(
+    model: ModelConfig | ml_collections.ConfigDict,
+) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """One block's parameters (not stacked): path within the block -> (shape, logical axis names)."""
-    return _layer_params(model)
+    return _layer_params(ModelConfig.of(model))
 
 
 # Which mesh axes split each logical name of a parameter: the default layout's table
@@ -172,7 +175,7 @@ def shard_shape(
     return tuple(out)
 
 
-def param_count(model: ml_collections.ConfigDict) -> int:
+def param_count(model: ModelConfig | ml_collections.ConfigDict) -> int:
     """Exact parameter count, from the config alone (H hidden, F MLP width, K = K/V width, V vocab, S positions).
 
     gpt, per layer: two LayerNorms 2·2H, fused QKV H·3H + 3H, attention output H·H + H, MLP up H·F + F and
@@ -185,47 +188,48 @@ def param_count(model: ml_collections.ConfigDict) -> int:
     experts 3·H·(S·F_e) (F_e = model.moe_hidden_size, S = model.num_shared_experts); the first
     model.first_dense_layers keep 3·H·F. With LoRA, each layer adds `adapter_params`.
     """
-    sizes = ModelConfig.from_config(model)
-    h, f, v, kv, q = sizes.hidden_size, sizes.mlp_width, sizes.vocab_size, sizes.kv_width, sizes.q_width
+    model = ModelConfig.of(model)  # read once: adapter_params gets the typed view
+    h, f, v, kv, q = model.hidden_size, model.mlp_width, model.vocab_size, model.kv_width, model.q_width
     if model.family == "gpt":
         per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
         top = v * h + model.max_seq_len * h + 2 * h + (0 if model.tie_embeddings else h * v + v)
         return model.num_layers * (per_layer + adapter_params(model)) + top
-    qk_norms = {"none": 0, "head": 2 * sizes.head_dim, "full": q + kv}[model.qk_norm]
+    qk_norms = {"none": 0, "head": 2 * model.head_dim, "full": q + kv}[model.qk_norm]
     attention = 2 * h + h * q + 2 * h * kv + q * h + qk_norms + adapter_params(model)
-    routed = 3 * h * sizes.expert_width * sizes.num_experts
-    moe = h * sizes.num_experts + routed + 3 * h * sizes.num_shared_experts * sizes.expert_width
+    routed = 3 * h * model.expert_width * model.num_experts
+    moe = h * model.num_experts + routed + 3 * h * model.num_shared_experts * model.expert_width
     top = v * h + h + (0 if model.tie_embeddings else h * v)
-    dense_layers = model.num_layers - sizes.moe_layers
-    return model.num_layers * attention + dense_layers * 3 * h * f + sizes.moe_layers * moe + top
+    dense_layers = model.num_layers - model.moe_layers
+    return model.num_layers * attention + dense_layers * 3 * h * f + model.moe_layers * moe + top
 
 
-def inactive_expert_params(model: ml_collections.ConfigDict) -> int:
+def inactive_expert_params(model: ModelConfig | ml_collections.ConfigDict) -> int:
     """Parameters of the routed experts a token does not go through: (E - k) experts of 3·H·F_e in each MoE layer
     (0 for a dense model). param_count minus these, minus embedding_only_params, is the active parameter count
     (`active_param_count`)."""
-    sizes = ModelConfig.from_config(model)
-    per_expert = 3 * sizes.hidden_size * sizes.expert_width
-    return sizes.moe_layers * (sizes.num_experts - sizes.experts_per_token) * per_expert
+    model = ModelConfig.of(model)
+    per_expert = 3 * model.hidden_size * model.expert_width
+    return model.moe_layers * (model.num_experts - model.experts_per_token) * per_expert
 
 
-def active_param_count(model: ml_collections.ConfigDict) -> int:
+def active_param_count(model: ModelConfig | ml_collections.ConfigDict) -> int:
     """The parameters one token's forward pass multiplies by (the 6N rule's N): every parameter but the gather-only
     embeddings and the routed experts it is not sent to (k of E per MoE layer; the router, attention, norms, shared
     experts and head all count). A dense model's is its non-embedding count."""
+    model = ModelConfig.of(model)
     return param_count(model) - embedding_only_params(model) - inactive_expert_params(model)
 
 
-def adapter_params(model: ml_collections.ConfigDict) -> int:
+def adapter_params(model: ModelConfig | ml_collections.ConfigDict) -> int:
     """LoRA parameters of one block: r · (in + out) per targeted projection of in x out (its A and B)."""
     if not model.lora_rank:
         return 0
-    sizes = finetune.projection_sizes(ModelConfig.from_config(model))
+    sizes = ModelConfig.of(model).projection_sizes
     chosen = finetune.lora_projections(model.family, tuple(model.lora_targets))
     return sum(model.lora_rank * (sizes[name][0] + sizes[name][1]) for name in chosen)
 
 
-def embedding_only_params(model: ml_collections.ConfigDict) -> int:
+def embedding_only_params(model: ModelConfig | ml_collections.ConfigDict) -> int:
     """Parameters used only by gathers, not by matmuls: the positional table (gpt) and, untied, the token embedding.
 
     Tied, the token embedding is also the output head's matrix, so it takes part in a matmul and counts in N.

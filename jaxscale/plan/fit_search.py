@@ -28,7 +28,7 @@ import ml_collections
 
 from jaxscale.config import flatten, mesh_shape, remat_policies, validate
 from jaxscale.config.overrides import apply_overrides
-from jaxscale.config.spec import tokens_per_step
+from jaxscale.config.spec import RunSpec, tokens_per_step
 from jaxscale.measure import flops, memory
 from jaxscale.plan import gpu_plan
 from jaxscale.train import abstract_inputs, make_train_step, offload, param_columns, sharding
@@ -428,7 +428,8 @@ def fit_row(config: ml_collections.ConfigDict, choice: str, search: Search, sett
     planned = with_minibatch(config, choice, chosen.minibatch)
     row: dict[str, Any] = {"status": "ok", "error": None, **flatten(planned), **chosen.row}
     row["tokens_per_step"] = tokens_per_step(planned)
-    row.update(flops.analytic_columns(planned), **memory.analytic_columns(planned, chosen.peak_bytes))
+    run = RunSpec.from_config(planned)  # the analytic models' view, read once for both
+    row.update(flops.analytic_columns(run), **memory.analytic_columns(run, chosen.peak_bytes))
     if search.largest is None:
         row["status"] = "error" if chosen.failed else "oom"
         row["error"] = (

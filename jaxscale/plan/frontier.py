@@ -35,6 +35,7 @@ import ml_collections
 
 from jaxscale.cli import UsageError
 from jaxscale.config import remat_policies
+from jaxscale.config.spec import RunSpec
 from jaxscale.measure import flops, memory
 from jaxscale.plan import fit_recommend, fit_search
 
@@ -96,8 +97,8 @@ def activation_costs(config: ml_collections.ConfigDict) -> dict[str, tuple[int, 
     names = activations(config.model.family)
 
     def analytic(places: dict[str, str]) -> tuple[int, float]:
-        planned = fit_search.with_minibatch(config, policy_name(places), 1)
-        return memory.analytic_memory(planned)["analytic_peak_bytes"], flops.recompute_flops_per_step(planned)
+        run = RunSpec.from_config(fit_search.with_minibatch(config, policy_name(places), 1))
+        return memory.analytic_memory(run)["analytic_peak_bytes"], flops.recompute_flops_per_step(run)
 
     nothing_bytes, nothing_flops = analytic(dict.fromkeys(names, "remat"))
     costs = {}

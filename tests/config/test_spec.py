@@ -1,11 +1,14 @@
-"""The typed views of a config: derived sizes against published model cards and hand counts of meshes."""
+"""The typed views of a config: derived sizes against published model cards, hand counts of meshes, and the run's
+one view (RunSpec) that the analytic models read."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import load_config
 
-from jaxscale.config import ConfigError, MeshShape, ModelConfig, mesh_shape, minibatch_per_device, validate
+from jaxscale.config import ConfigError, MeshShape, ModelConfig, finetune, mesh_shape, minibatch_per_device, validate
+from jaxscale.config.spec import RunSpec
+from jaxscale.measure import memory, params
 
 
 def test_llama3_1_8b_sizes_are_the_published_ones():
@@ -60,3 +63,65 @@ def test_validation_reads_the_same_derived_sizes():
         ConfigError, match=r"^model.num_kv_heads: 3 does not divide the 4 query heads.*allowed: 1, 2, 4$"
     ):
         validate(config)
+
+
+def _config(name: str, preset: str, **changes):
+    config = load_config(name, preset)
+    for field, value in changes.items():
+        group, key = field.split("__")
+        config[group][key] = value
+    validate(config)
+    return config
+
+
+def test_the_run_view_of_a_mesh_zero_2_and_the_top_block_by_hand():
+    # The tiny Llama (2 blocks, hidden 64 in 4 heads of 16, 2 K/V heads: K/V width 32, MLP 192, vocabulary 128),
+    # batch 8 of 32 tokens in 2 minibatches, on data 2 x fsdp 2 x tensor 2 at ZeRO-2 with sequence parallelism,
+    # accumulating on each device; the top block and the (untied) head train.
+    config = _config("bf16", "tiny-llama", model__scan_layers=False, model__tie_embeddings=False, mesh__data=2,
+                     mesh__fsdp=2, mesh__tensor=2, mesh__zero_stage=2, mesh__sequence_parallel=True,
+                     mesh__reduce_gradients="step", finetune__train="last_blocks", finetune__last_blocks=1,
+                     finetune__head=True, optimizer__state_dtype="bfloat16", optimizer__offload_state=True)  # fmt: skip
+    run = RunSpec.from_config(config)
+    assert run.model == ModelConfig.from_config(config.model) and run.mesh == MeshShape(2, 2, 2)
+    assert (run.zero_stage, run.seq_len, run.batch_size, run.num_minibatches, run.accumulate) == (2, 32, 8, 2, "scan")
+    assert run.minibatch_per_device == 8 // 2 // (2 * 2) == 1  # tensor-parallel devices share their sequences
+    assert run.tokens_per_step == 8 * 32
+    assert run.sequence_parallel and run.accumulates_locally and run.loss_chunk_len == 0
+    assert (run.optimizer, run.state_dtype, run.offload_state, run.offload_params) == ("adam", "bfloat16", True, False)
+    rules = run.finetune
+    assert (rules.mode, rules.backward_blocks, rules.stored_dtype) == ("last_blocks", 1, "bfloat16")
+    trained = {k for k in params.param_table(run.model) if rules.trainable(k)}
+    top_block = {f"transformer/block_1/{k}" for k in params.layer_param_table(run.model)}
+    assert trained == top_block | {"output/kernel", "post_norm/scale"}
+    # ZeRO-2: the parameters whole on fsdp, the gradients and the optimizer state split 2 ways.
+    assert memory.zero_splits(run) == {"params": 1, "grads": 2, "optimizer": 2}
+    # What one device holds of the trained ones, tensor split 2 ways: the norms 2 x 64 whole, q and out 64 x 64 / 2,
+    # k and v 64 x 32 / 2, gate, up and down 64 x 192 / 2; the head 64 x 128 / 2 and its norm 64.
+    assert memory.trained_param_count(run) == 2 * 64 + 2 * 2048 + 2 * 1024 + 3 * 6144 + 4096 + 64 == 28864
+    assert memory.analytic_memory(run) == memory.analytic_memory(config)  # the config read once, the same figures
+    assert RunSpec.of(run) is run
+    config.model.tie_embeddings = True  # a tied head trains the token embedding: the gradient reaches the bottom
+    assert RunSpec.from_config(config).finetune.backward_blocks == 2
+
+
+def test_the_run_view_of_qlora_under_fsdp_by_hand():
+    # LoRA on the attention of the scanned tiny Llama, the base in NF4, ZeRO-3 over fsdp 2 ("auto" reduces every
+    # minibatch there, so nothing accumulates on each device).
+    config = _config("bf16_remat", "tiny-llama", mesh__fsdp=2, model__lora_rank=4, finetune__frozen_dtype="nf4")
+    run = RunSpec.from_config(config)
+    rules = run.finetune
+    assert (rules.mode, rules.backward_blocks, rules.stored_dtype) == ("adapters", 2, "bfloat16")
+    assert not run.accumulates_locally and not run.sequence_parallel and run.minibatch_per_device == 8 // 2 // 2
+    assert memory.zero_splits(run) == {"params": 2, "grads": 2, "optimizer": 2}
+    table = params.param_table(run.model)
+    adapters = {f"transformer/blocks/attn/{p}/lora_{ab}" for p in ("q", "k", "v", "out") for ab in "ab"}
+    assert {k for k in table if rules.trainable(k)} == adapters
+    nf4 = {k for k in table if rules.nf4_kernel(k)}  # every projection's kernel, each layer quantized apart
+    projections = ("attn/q", "attn/k", "attn/v", "attn/out", "mlp/gate", "mlp/up", "mlp/down")
+    assert nf4 == {f"transformer/blocks/{k}/kernel" for k in projections}
+    assert {rules.nf4_stacked(k) for k in nf4} == {1}
+    # The config-taking rules, which the train step asks, are the view's.
+    for path in table:
+        assert finetune.trainable(path, config) == rules.trainable(path)
+        assert finetune.nf4_kernel(path, config) == rules.nf4_kernel(path)

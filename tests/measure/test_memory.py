@@ -17,6 +17,7 @@ from conftest import REPO, load_config
 
 from jaxscale import run
 from jaxscale.measure import flops, memory, params
+from jaxscale.measure.activation_dims import Dims
 from jaxscale.plan import gpu_plan
 from jaxscale.report import docs_tables
 
@@ -225,12 +226,12 @@ def test_llama_1b_estimate_against_the_a5000_plan(name, tmp_path):
     assert row["compiled_to_analytic_peak_ratio"] == pytest.approx(1.0, rel=0.08)
 
 
-def _tiny_dims(family: str, attention: str = "reference") -> memory.Dims:
+def _tiny_dims(family: str, attention: str = "reference") -> Dims:
     """b=2 sequences of s=4 tokens, h=8 (2 heads), f=32, bf16 activations: s·b·h = 64 elements, s·b·f = 256;
     gpt's K/V width 8, llama's 4 (s·b·k = 32)."""
     k = 8 if family == "gpt" else 4
-    return memory.Dims(b=2, s=4, h=8, a=2, k=k, f=32, v=16, p=2, q=4, mask=0, kernel_casts=False,
-                       attention=attention, family=family)  # fmt: skip
+    return Dims(b=2, s=4, h=8, a=2, k=k, f=32, v=16, p=2, q=4, mask=0, kernel_casts=False, attention=attention,
+                family=family)  # fmt: skip
 
 
 # Bytes each named policy keeps per layer (Attn, MLP, Block), counted by hand from the tensors it saves:

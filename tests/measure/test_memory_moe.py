@@ -12,7 +12,9 @@ from conftest import REPO, load_config
 
 from jaxscale import run
 from jaxscale.config.defaults import load_config_file
+from jaxscale.config.spec import capacity
 from jaxscale.measure import memory, moe_memory
+from jaxscale.measure.activation_dims import Dims, MoEDims
 from jaxscale.plan import gpu_plan
 
 GIB = 2**30
@@ -23,14 +25,14 @@ def test_capacity_by_hand():
     ceil(f·T·k / E) and at least 1, by hand: 2·2048·8/64 = 512; 1.25·64·2/8 = 20; 4/64 rounds up to 1;
     0.5·100·3/7 = 21.4 rounds up to 22."""
     cases = {(2048, 8, 64, 2.0): 512, (64, 2, 8, 1.25): 20, (4, 1, 64, 1.0): 1, (100, 3, 7, 0.5): 22}
-    assert {case: moe_memory.capacity(*case) for case in cases} == cases
+    assert {case: capacity(*case) for case in cases} == cases
 
 
-def _dims(dispatch: str, **moe_changes) -> memory.Dims:
+def _dims(dispatch: str, **moe_changes) -> Dims:
     """b=2 sequences of s=4 tokens (N = 8), h=8, bf16 (p=2), E=4 experts, k=2 a token, F=6, C=3 slots."""
-    experts = dataclasses.replace(moe_memory.MoEDims(e=4, k=2, f=6, c=3, shared=0, dispatch=dispatch), **moe_changes)
-    return memory.Dims(b=2, s=4, h=8, a=2, k=4, f=32, v=16, p=2, q=4, mask=0, kernel_casts=False,
-                       attention="reference", family="llama", moe=experts)  # fmt: skip
+    experts = dataclasses.replace(MoEDims(e=4, k=2, f=6, c=3, shared=0, dispatch=dispatch), **moe_changes)
+    return Dims(b=2, s=4, h=8, a=2, k=4, f=32, v=16, p=2, q=4, mask=0, kernel_casts=False, attention="reference",
+                family="llama", moe=experts)  # fmt: skip
 
 
 # Bytes one MoE layer keeps, unrolled, by hand at the dims above. Every dispatch: the RMSNorm's input and output

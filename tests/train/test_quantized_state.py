@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 from jaxscale import train
 from jaxscale.config import ConfigError, validate
+from jaxscale.config.spec import RunSpec
 from jaxscale.measure import memory
 from jaxscale.train import quantized_state as q
 from jaxscale.train import sharding
@@ -210,7 +211,7 @@ def test_tiny_models_state_bytes_by_hand_are_the_memory_models():
     validate(config)
     by_hand = 2 * (114688 + 4 * 56) + 2 * 4 * 3968
     adam = jax.eval_shape(train.make_init_fn(config)).opt_state[0]
-    assert _nbytes(adam.mu) + _nbytes(adam.nu) == by_hand == memory.optimizer_state_bytes(config)
+    assert _nbytes(adam.mu) + _nbytes(adam.nu) == by_hand == memory.optimizer_state_bytes(RunSpec.from_config(config))
     assert memory.analytic_memory(config)["analytic_optimizer_bytes"] == by_hand
 
 
@@ -277,7 +278,7 @@ def test_fsdp_int8_state_is_replicated_and_trains_as_one_device():
     for leaf in jax.tree_util.tree_leaves((moments.mu, moments.nu)):
         for shard in leaf.addressable_shards:
             held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
-    assert held == {device.id: memory.optimizer_state_bytes(config) for device in jax.devices()}
+    assert held == {device.id: memory.optimizer_state_bytes(RunSpec.from_config(config)) for device in jax.devices()}
 
 
 def test_layout_replicates_the_codes_and_lays_small_moments_out_like_their_parameters():
