@@ -302,6 +302,7 @@ class RunSpec:
     state_dtype: str  # optimizer.state_dtype: float32 | bfloat16 | int8
     offload_state: bool  # optimizer.offload_state
     offload_params: bool  # train.offload_params
+    bf16_rounding: str  # optimizer.bf16_rounding where model.param_dtype is bfloat16, "" for float32 weights
     tokens_per_step: int  # tokens one optimizer step trains on (tokens_per_step)
     finetune: FinetuneSpec  # what trains, what the backward pass goes through, how the frozen rest is stored
 
@@ -331,6 +332,7 @@ class RunSpec:
             state_dtype=config.optimizer.state_dtype,
             offload_state=config.optimizer.offload_state,
             offload_params=config.train.offload_params,
+            bf16_rounding=config.optimizer.bf16_rounding if config.model.param_dtype == "bfloat16" else "",
             tokens_per_step=tokens_per_step(config),
             finetune=FinetuneSpec.from_config(config),
         )

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 
 from jaxscale.config.spec import RunSpec, capacity
 
-_FLOAT32 = 4  # the parameters' dtype: a compute dtype of another width reads cast copies of the kernels
 _BOOL = 1  # a dropout keep-mask element
 
 
@@ -69,7 +68,7 @@ class Dims:
     p: int  # bytes per activation element (compute dtype)
     q: int  # bytes per attention-logit element (softmax dtype)
     mask: int  # bytes per dropout-mask element: 1, or 0 without dropout
-    kernel_casts: bool  # compute dtype differs from the float32 params, so matmuls read cast copies
+    kernel_casts: bool  # compute dtype differs from the weights' (model.param_dtype): matmuls read cast copies
     attention: str  # reference | xla | cudnn | chunked | flash
     family: str  # gpt | llama
     t: int = 1  # tensor-parallel degree (mesh.tensor): heads, K/V heads, MLP width and vocabulary split t ways
@@ -106,7 +105,7 @@ class Dims:
             p=p,
             q=jnp.dtype(m.softmax_dtype).itemsize,
             mask=_BOOL if m.dropout_rate > 0 else 0,
-            kernel_casts=p != _FLOAT32,
+            kernel_casts=jnp.dtype(m.dtype) != jnp.dtype(m.param_dtype),
             attention=m.attention,
             family=m.family,
             t=mesh.tensor,

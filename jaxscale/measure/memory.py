@@ -448,9 +448,16 @@ def _gathered_layer_bytes(run: RunSpec, gradient_only: bool = False) -> int:
     for key, (shape, names) in params.layer_param_table(m).items():
         trains = rules.trainable(f"{block}/{key}")
         gathered = not (gradient_only or rules.nf4_kernel(f"{block}/{key}"))  # NF4: whole already
-        per = (1 if gradient_only else 2) * _FLOAT32 if trains else _frozen_itemsize(run) if gathered else 0
+        weight = _weight_itemsize(run)
+        per = (1 if gradient_only else 2) * weight if trains else _frozen_itemsize(run) if gathered else 0
         total += per * math.prod(params.shard_shape(shape, names, 1, mesh.tensor, mesh.expert))
     return total
+
+
+def _weight_itemsize(run: RunSpec) -> int:
+    """Bytes of a trained weight and of its gradient (the backward pass gives it in the weight's dtype): 4 for
+    float32 weights, 2 for bf16 ones without a master copy (model.param_dtype, jaxscale.train.bf16_weights)."""
+    return jnp.dtype(run.model.param_dtype).itemsize
 
 
 def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, int]:
@@ -458,7 +465,9 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
 
     Peak = params + gradients + optimizer state + activations, at the start of the (last minibatch's)
     backward pass, when every layer's saved activations are alive:
-      params: 4·N (float32), N the parameters this device holds (sharded_param_count: all of them on one
+      params: 4·N (float32; 2·N for bf16 weights without a master copy, model.param_dtype, whose gradients are bf16
+        too and whose Kahan buffers, optimizer.bf16_rounding=kahan, count 2·N with the optimizer state), N the
+        parameters this device holds (sharded_param_count: all of them on one
         device or under pure data parallelism; ZeRO-3 / FSDP divides by mesh.fsdp x mesh.context,
         Rajbhandari et al. 2020; tensor parallelism divides the split matrices by mesh.tensor, Shoeybi et
         al. 2019; expert parallelism a mixture of experts' experts and router by mesh.expert, Lepikhin et al.
@@ -518,19 +527,21 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
     gather = _gathered_layer_bytes(run) if splits["params"] > 1 else 0
     if splits["params"] == 1 < splits["grads"] and not local:
         gather = _gathered_layer_bytes(run, gradient_only=True)
-    minibatch_grads = _FLOAT32 * trained_param_count(run, 1 if local else splits["grads"])
+    weight = _weight_itemsize(run)
+    minibatch_grads = weight * trained_param_count(run, 1 if local else splits["grads"])
     accumulator = minibatch_grads if run.num_minibatches > 1 else 0
     row = {
-        "analytic_params_bytes": _FLOAT32 * trained + frozen_bytes(run, n, trained),
+        "analytic_params_bytes": weight * trained + frozen_bytes(run, n, trained),
         "analytic_grads_bytes": minibatch_grads + accumulator,
-        "analytic_optimizer_bytes": optimizer_state_bytes(run),
+        # optimizer state, and Kahan's bf16 compensation per trained weight (optimizer.bf16_rounding=kahan)
+        "analytic_optimizer_bytes": optimizer_state_bytes(run) + weight * trained * (run.bf16_rounding == "kahan"),
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,
         "analytic_fsdp_gather_bytes": gather,
     }
     # Host offload (jaxscale.train.offload): the offloaded parts live in host memory, out of the device's peak.
     row["analytic_host_offload_bytes"] = (row["analytic_optimizer_bytes"] * run.offload_state
-                                          + _FLOAT32 * trained * run.offload_params)  # fmt: skip
+                                          + weight * trained * run.offload_params)  # fmt: skip
     row["analytic_peak_bytes"] = sum(row[f"analytic_{k}_bytes"] for k in ("params", "grads", "optimizer", "activation"))
     row["analytic_peak_bytes"] -= row["analytic_host_offload_bytes"]
     return row

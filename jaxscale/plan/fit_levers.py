@@ -62,6 +62,10 @@ LEVERS: tuple[Lever, ...] = (
     Lever("chunked_loss", "a little compute: the output head and the loss in chunks, no [B, T, V] logits",
           {"train.loss_chunk_len": LEVER_CHUNK_LEN}, f"--config.train.loss_chunk_len={LEVER_CHUNK_LEN}",
           applies=lambda c, f: not c.train.loss_chunk_len and c.data.seq_len % LEVER_CHUNK_LEN == 0),
+    Lever("bf16_weights", "bf16 weights with no float32 master copy, updated by stochastic rounding (2 bytes a trained "
+          "parameter less, and 2 less for its gradient; jaxscale/train/bf16_weights.py)",
+          {"model.param_dtype": "bfloat16", "optimizer.bf16_rounding": "stochastic"},
+          "--config.model.param_dtype=bfloat16", applies=lambda c, f: c.model.param_dtype == "float32"),
     Lever("bf16_state", "Adam's first moment in bf16 (2 bytes a parameter less)", {"optimizer.state_dtype": "bfloat16"},
           "--config.optimizer.state_dtype=bfloat16", optimizer=True,
           applies=lambda c, f: c.optimizer.state_dtype == "float32" and c.optimizer.name != "adafactor"),
@@ -74,7 +78,7 @@ LEVERS: tuple[Lever, ...] = (
           applies=lambda c, f: c.optimizer.name != "adafactor"),
     Lever("offload_state", "host-link time: the optimizer state in host memory, brought over for the update "
           "(jaxscale/train/offload.py)", {"optimizer.offload_state": True}, "--config.optimizer.offload_state=True",
-          applies=lambda c, f: not c.optimizer.offload_state and not c.train.checkpoint_every),
+          applies=lambda c, f: not c.optimizer.offload_state),
     Lever("lora_all", "a different method: LoRA on every projection, the base frozen in bf16", {},
           "--finetune lora_all", applies=lambda c, f: c.finetune.train != "adapters", finetune="lora_all"),
     Lever("qlora_all", "a different method: QLoRA, LoRA on every projection over a 4-bit NF4 base", {},

@@ -67,6 +67,17 @@ FINETUNE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
         {"finetune.train": "all", "optimizer.state_dtype": "int8"},
     ),
     "full_adafactor": ("full, Adafactor", {"finetune.train": "all", "optimizer.name": "adafactor"}),
+    # bf16 weights with no float32 master copy, updated by stochastic rounding (jaxscale.train.bf16_weights):
+    # torchtune's and fms-fsdp's default weights; with the 8-bit state as torchtune's single-GPU recipe keeps it
+    "full_bf16_weights": (
+        "full, Adam, bf16 weights (stochastic rounding)",
+        {"finetune.train": "all", "model.param_dtype": "bfloat16", "optimizer.bf16_rounding": "stochastic"},
+    ),
+    "full_bf16_weights_int8_state": (
+        "full, Adam, bf16 weights, 8-bit state",
+        {"finetune.train": "all", "model.param_dtype": "bfloat16", "optimizer.bf16_rounding": "stochastic",
+         "optimizer.state_dtype": "int8"},
+    ),  # fmt: skip
     # Host offload (jaxscale.train.offload, MaxText's optimizer_ / parameter_memory_host_offload): the state, and the
     # trained parameters too, in pinned host memory; the plan's device peak leaves them out, the prediction prices
     # what crosses the target's PCIe link.

@@ -60,11 +60,12 @@ def test_levers_used_together_keep_one_optimizer_lever_and_make_a_valid_config()
     config = load_config("bf16_remat", "tiny")
     active = [lever for lever in fit_levers.LEVERS if lever.applies(config, 0.75)]
     combined = fit_levers.together(active)
-    assert [lever.name for lever in combined] == ["mem_fraction", "adafactor", "offload_state", "qlora_all"]  # seq 32
+    assert [lever.name for lever in combined] == ["mem_fraction", "bf16_weights", "adafactor", "offload_state",
+                                                  "qlora_all"]  # seq 32  # fmt: skip
     made = fit_levers.with_levers(config, combined)
     assert (made.optimizer.name, made.optimizer.state_dtype) == ("adafactor", "float32")
     assert made.finetune.train == "adapters" and made.model.lora_rank == fit_search.DEFAULT_LORA_RANK
-    assert made.finetune.frozen_dtype == "nf4" and made.optimizer.offload_state
+    assert made.finetune.frozen_dtype == "nf4" and made.optimizer.offload_state and made.model.param_dtype == "bfloat16"
     flags = " ".join(lever.flags for lever in combined)
     assert flags.count("--config.optimizer.state_dtype=") == 1 and flags.count("--finetune") == 1
 

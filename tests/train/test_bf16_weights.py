@@ -141,6 +141,7 @@ def test_a_step_keeps_bf16_weights_float32_moments_and_a_checkpoint_restores_the
     from conftest import load_config
 
     from jaxscale import train
+    from jaxscale.measure import memory
     from jaxscale.train import sharding
     from jaxscale.train.checkpoint import Checkpoints
 
@@ -159,6 +160,12 @@ def test_a_step_keeps_bf16_weights_float32_moments_and_a_checkpoint_restores_the
     kahan = changes.get("optimizer.bf16_rounding") == "kahan"
     assert [c.dtype for c in jax.tree_util.tree_leaves(state.compensation)] == ([jnp.dtype(jnp.bfloat16)] * len(weights)
                                                                                 if kahan else [])  # fmt: skip
+    # the analytic memory model counts the same bytes: 2 a trained weight, the frozen base, Adam's float32 moments and
+    # Kahan's buffers (the arrays' own sizes; the step counters, scalars, are not counted)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if x.ndim)  # noqa: E731
+    analytic = memory.analytic_memory(config)
+    assert analytic["analytic_params_bytes"] == nbytes(state.params) + nbytes(state.frozen)
+    assert analytic["analytic_optimizer_bytes"] == nbytes(state.opt_state) + nbytes(state.compensation)
     batch = placement.place_batch(train.make_batch(jax.random.PRNGKey(1), config.data.batch_size,
                                                    config.data.seq_len, config.model.vocab_size))  # fmt: skip
     before = jax.device_get(state.params)
