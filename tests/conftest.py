@@ -158,6 +158,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_LOCAL_PLANS: dict[str, dict] = {}  # config JSON -> fit_search.local_planner's row, for local_plans_once
+
+
+@pytest.fixture
+def local_plans_once(monkeypatch):
+    """fit_search.local_planner (the fit's CPU compile of a config's step) compiling each config once a test process:
+    the tests of tests/test_fit.py, tests/plan/test_fit_levers.py and test_fit_search.py ask for the same plans again
+    (the tiny model's Block remat at minibatch 1 is compiled by four of them), ~2 s a compile on 2 cores. Each caller
+    gets its own copy of the row; the rows are the compiler's, as they were."""
+    from jaxscale.plan import fit_search
+
+    compile_plan = fit_search.local_planner
+
+    def once(config):
+        key = config.to_json_best_effort(sort_keys=True)
+        if key not in _LOCAL_PLANS:
+            _LOCAL_PLANS[key] = compile_plan(config)
+        return dict(_LOCAL_PLANS[key])
+
+    monkeypatch.setattr(fit_search, "local_planner", once)
+
+
 def loss_and_grads(config, params, batch):
     """Deterministic (dropout off) loss and gradients of `config`'s model at `params`, jitted."""
     import jax
