@@ -146,16 +146,99 @@ def text_config(name: str, preset: str, data_path: pathlib.Path, **train_fields)
     return config
 
 
+# The suite's longest tests, run first: xdist hands each worker a run of consecutive tests, and a long test left to the
+# end of the collection keeps one worker busy while the others have run out of tests (the 8-device mesh test, ~60 s
+# under the suite's load, once ended the suite a minute after the other worker had finished).
+LONGEST_FIRST = ("tests/train/test_sharding.py::test_meshes_equal_one_device_on_8_simulated_cpu_devices",)
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests are skipped (not deleted) where JAX has no GPU backend."""
+    """LONGEST_FIRST's tests go to the front (the order is otherwise kept); GPU tests are skipped (not deleted)
+    where JAX has no GPU backend."""
     import jax
 
+    items.sort(key=lambda item: not item.nodeid.split("[")[0].endswith(LONGEST_FIRST))
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU backend")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# GPU-target plans (jaxscale.plan.target_compile.compile_for_target with a GEMM mode, in a test process or in the plan
+# child it waits for) keep their kernels' machine code in XLA's kernel cache, a file per target in this process's
+# private cache directory: a deviceless compile of the tiny model assembles its ~130 kernels with a ptxas process each
+# (a third of its time, measured by strace), and the tiny configs' plans share most kernels, so a later plan of the
+# same target is 2-3x faster. One file per target: XLA's cache does not tell targets apart, and a kernel compiled for
+# an H100 reused for an RTX 4090 skips the 4090's own shared-memory check (tests/model/test_attention.py caught it).
+# Checked on six plans (two targets, both GEMM modes, FSDP on 2 GPUs, flash attention, FP8), with the cache cold and
+# warm: every memory figure, collective, kernel and the whole compiled HLO text equal those without it; only the
+# assembling of machine code already assembled is skipped. Other processes (a sweep's runs) compile without it.
+_KERNEL_CACHE_DIR = pathlib.Path(os.environ["JAXSCALE_CACHE_DIR"]) / "xla_gpu_kernels"
+
+
+def _kernel_cache(target_config_text: str) -> dict[str, str | bool]:
+    """XLA's options for the kernel cache file of this target (see above)."""
+    import hashlib
+
+    _KERNEL_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    path = _KERNEL_CACHE_DIR / f"{hashlib.sha256(target_config_text.encode()).hexdigest()[:16]}.bin"
+    return {"xla_gpu_kernel_cache_file": str(path), "xla_gpu_enable_llvm_module_compilation_parallelism": True}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _target_plans_reuse_their_kernels():
+    """compile_for_target, and the plan child's, with the kernel cache of the target's own file, for the session."""
+    from jaxscale.plan import gpu_plan, target_compile
+
+    compile_for_target, gemm_options = target_compile.compile_for_target, target_compile.GEMM_OPTIONS
+    compile_in_subprocess = gpu_plan.compile_in_subprocess
+
+    def in_process(config, target_config_text, devices=1, gemm=None, hlo_path=None):
+        cache = _kernel_cache(target_config_text)
+        target_compile.GEMM_OPTIONS = {mode: {**options, **cache} for mode, options in gemm_options.items()}
+        try:
+            return compile_for_target(config, target_config_text, devices, gemm, hlo_path)
+        finally:
+            target_compile.GEMM_OPTIONS = gemm_options
+
+    def in_child(config, config_text, gemm, *args, **kwargs):
+        flags = os.environ["XLA_FLAGS"]  # the child's options (its environment; this process read its own at start)
+        cache = " ".join(f"--{name}={'true' if value is True else value}" for name, value in
+                         _kernel_cache(config_text).items())  # fmt: skip
+        os.environ["XLA_FLAGS"] = f"{flags} {cache}"
+        try:
+            return compile_in_subprocess(config, config_text, gemm, *args, **kwargs)
+        finally:
+            os.environ["XLA_FLAGS"] = flags
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(target_compile, "compile_for_target", in_process)
+        patch.setattr(gpu_plan, "compile_in_subprocess", in_child)
+        yield
+
+
+_LOCAL_PLANS: dict[str, dict] = {}  # config JSON -> fit_search.local_planner's row, for local_plans_once
+
+
+@pytest.fixture
+def local_plans_once(monkeypatch):
+    """fit_search.local_planner (the fit's CPU compile of a config's step) compiling each config once a test process:
+    the tests of tests/test_fit.py, tests/plan/test_fit_levers.py and test_fit_search.py ask for the same plans again
+    (the tiny model's Block remat at minibatch 1 is compiled by four of them), ~2 s a compile on 2 cores. Each caller
+    gets its own copy of the row; the rows are the compiler's, as they were."""
+    from jaxscale.plan import fit_search
+
+    compile_plan = fit_search.local_planner
+
+    def once(config):
+        key = config.to_json_best_effort(sort_keys=True)
+        if key not in _LOCAL_PLANS:
+            _LOCAL_PLANS[key] = compile_plan(config)
+        return dict(_LOCAL_PLANS[key])
+
+    monkeypatch.setattr(fit_search, "local_planner", once)
 
 
 def loss_and_grads(config, params, batch):

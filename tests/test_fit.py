@@ -17,6 +17,9 @@ from jaxscale.sweep.results import ResultsFile
 TINY = f"{CONFIGS}/bf16_remat.py:tiny"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 needs_extra = pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+# The local plans these tests search compile once a test process (conftest's local_plans_once): several tests ask
+# for the same minibatches of the same configs; each still searches, records and reuses its probes as it did.
+pytestmark = pytest.mark.usefixtures("local_plans_once")
 
 
 def _fit(tmp_path, *args: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -37,14 +38,22 @@ def _attention_dot_flops(module: hlo.Module) -> int:
     )
 
 
-def test_model_flops_terms_against_the_compiled_matmuls():
-    """6N + 12·L·H·Q·T per token, checked term by term against the dots of a compiled step (unrolled, no remat,
-    no dropout): the attention term is exactly the attention einsums' FLOPs (forward and backward), causal
-    halves it, and 6N is the projections' dots up to the biases and LayerNorms N counts (0.2% here)."""
+@functools.cache
+def _unrolled_step():
+    """(config, compiled step) of bf16_noscan (no scanned layers, minibatches in an unrolled loop) at hidden 512 without
+    dropout, which the two tests below read: compiled once a test process."""
     config = load_config("bf16_noscan")
     config.train.accumulate = "loop"
     config.model.update(hidden_size=512, head_dim=128, dropout_rate=0.0)  # matmuls dominate, as at scale
     compiled, *_ = run.compile_step(config)
+    return config, compiled
+
+
+def test_model_flops_terms_against_the_compiled_matmuls():
+    """6N + 12·L·H·Q·T per token, checked term by term against the dots of a compiled step (unrolled, no remat,
+    no dropout): the attention term is exactly the attention einsums' FLOPs (forward and backward), causal
+    halves it, and 6N is the projections' dots up to the biases and LayerNorms N counts (0.2% here)."""
+    config, compiled = _unrolled_step()
     module = hlo.parse(compiled.as_text())
     assert hlo.count_matmul_flops(module).matmul_loops == 0  # every dot runs once (a loop of the RNG has none)
     matmuls, attention = hlo.count_matmul_flops(module).matmul_flops, _attention_dot_flops(module)
@@ -55,10 +64,8 @@ def test_model_flops_terms_against_the_compiled_matmuls():
 
 
 def test_unrolled_step_xla_count_agrees_with_analytic():
-    config = load_config("bf16_noscan")  # no scanned layers, minibatches in an unrolled loop
-    config.train.accumulate = "loop"
-    config.model.update(hidden_size=512, head_dim=128, dropout_rate=0.0)  # matmuls dominate, as at scale
-    analytic, compiled, _ = _columns(config)
+    config, step = _unrolled_step()  # no scanned layers, minibatches in an unrolled loop
+    analytic, compiled = flops.analytic_columns(config), flops.compiled_columns(step, step.as_text())
     assert compiled["compiled_matmul_loops"] == 0
     xla = compiled["compiled_xla_flops_per_step"]
     assert xla == pytest.approx(analytic["analytic_model_flops_per_step"], rel=0.05)

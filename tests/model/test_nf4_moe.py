@@ -6,6 +6,8 @@ base less a hand count of the saving; expert parallelism refused in one line."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -33,6 +35,13 @@ def _config(frozen_dtype: str = "nf4", scan: bool = False, **model):
     return config
 
 
+@functools.cache
+def _initial_state(scan: bool = False):
+    """The jitted init of _config(scan=scan), built once a test process: three tests read the unrolled one (none
+    donates or changes it), each of which compiled the same init program before."""
+    return jax.jit(train.make_init_fn(_config(scan=scan)))()
+
+
 def _is_nf4(x) -> bool:
     return isinstance(x, nf4.Nf4Weight)
 
@@ -45,8 +54,7 @@ def test_stacked_experts_are_nf4_each_expert_quantized_alone():
     """Under nf4 the experts' gate, up and down are NF4 (the router stays bf16), and expert e's arrays are those of its
     float32 weight [H, F] (or [F, H]) quantized alone: the blocks of 64 never straddle two experts (the codes exactly;
     the offset and scales within float32 rounding of the mean, 1e-5 relative, jitted against eager)."""
-    config = _config()
-    frozen = _frozen(jax.jit(train.make_init_fn(config))())
+    frozen = _frozen(_initial_state())
     full = _config("bfloat16")
     full.finetune.train = "all"  # the same init, every weight float32 and trained
     weights = traverse_util.flatten_dict(jax.jit(train.make_init_fn(full))().params, sep="/")
@@ -77,7 +85,7 @@ def test_init_from_quantizes_the_loaded_experts_to_nf4(tmp_path):
     saver.close()
     config = _config()
     config.finetune.init_from = str(tmp_path / "base")
-    frozen = _frozen(checkpoint.with_base_params(jax.jit(train.make_init_fn(config))(), config))
+    frozen = _frozen(checkpoint.with_base_params(_initial_state(), config))  # _config()'s init (init_from: the load)
     loaded = traverse_util.flatten_dict(trained.params, sep="/")
     prefix = "transformer/block_1/mlp"
     assert frozen[f"{prefix}/router/kernel"].dtype == jnp.bfloat16
@@ -154,8 +162,7 @@ ATTENTION_BF16, EXPERTS_BF16 = 24_576, 49_152
 def test_frozen_state_bytes_by_hand(scan):
     """The frozen state of tiny-moe under nf4: 2 x (6,368 + 12,768) + 18,048 = 56,320 bytes (the experts 25,536 of
     them, against 98,304 in bf16); the analytic model's parameter bytes are the state's."""
-    config = _config(scan=scan)
-    state = jax.jit(train.make_init_fn(config))()
+    config, state = _config(scan=scan), _initial_state(scan)
     nbytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state.frozen))
     assert nbytes == 2 * (ATTENTION_NF4 + EXPERTS_NF4) + REST_BF16 == 56_320
     trained = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state.params))

@@ -20,21 +20,12 @@ def _peak(config, choice: str = "block") -> int:
 
 @pytest.mark.parametrize("memory, named", [pytest.param("2.5MiB", "int8_state", marks=pytest.mark.slow),
                                            ("2.2MiB", "offload_state")])  # fmt: skip
-def test_when_nothing_fits_the_cheapest_fitting_lever_is_named(tmp_path, capsys, monkeypatch, memory, named):
+def test_when_nothing_fits_the_cheapest_fitting_lever_is_named(tmp_path, capsys, local_plans_once, memory, named):
     """At a budget below the tiny model's minibatch-1 plan, the answer names the first lever, in LEVERS' order,
     whose own plan fits; each cheaper lever's plan is above the budget, the named one's below. The plans are the
-    compiler's, judged here apart from the levers' search (each config compiled once and kept: the fit's compiles
-    of the same configs are reused, which halves the test's time)."""
+    compiler's, judged here apart from the levers' search (each config compiled once and kept, conftest's
+    local_plans_once: the fit's compiles of the same configs are reused, which halves the test's time)."""
     budget = float(memory.removesuffix("MiB")) * MIB
-    kept, compile_plan = {}, fit_search.local_planner
-
-    def once(config):
-        key = config.to_json_best_effort(sort_keys=True)
-        if key not in kept:
-            kept[key] = compile_plan(config)
-        return dict(kept[key])
-
-    monkeypatch.setattr(fit_search, "local_planner", once)
     code = fit_cli.main(["fit", "--config", f"{CONFIGS}/bf16_remat.py:tiny", "--output_root", str(tmp_path),
                          "--remat", "block", "--memory", memory])  # fmt: skip
     out = capsys.readouterr().out

@@ -255,7 +255,8 @@ def test_fit_row_of_a_budget_no_minibatch_meets_names_the_smallest_plan():
     assert row["analytic_largest_minibatch"] == 0 and row["analytic_peak_bytes"] > 100
 
 
-def test_local_planner_row_and_analytic_prediction_on_tiny():
+def test_local_planner_row_and_analytic_prediction_on_tiny(local_plans_once):
+    """The CPU plan's row, judged fitting and not fitting (the same plan, compiled once: local_plans_once)."""
     config = base_config("tiny", "fit")
     probe = fit_search.probe(fit_search.local_planner, config, "block", 2, usable=10**9)
     assert probe.fits and probe.peak_bytes == probe.row["compiled_peak_bytes"] > 0

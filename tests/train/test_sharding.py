@@ -248,27 +248,53 @@ def test_single_device_placement_is_the_unsharded_step():
     assert "all-reduce" not in compiled.as_text() and len(jax.tree_util.tree_leaves(placement.init_state())) > 0
 
 
-def _run_device_tests(*pytest_args: str) -> subprocess.CompletedProcess:
+def _device_tests_command(*pytest_args: str) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of a pytest process over tests/train/test_sharding_devices.py with 8 simulated CPU
+    devices."""
     env = dict(os.environ, XLA_FLAGS=xla_flags_with("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))  # fmt: skip
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_sharding_devices.py")]
-    return subprocess.run([*command, *pytest_args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return [*command, *pytest_args], env
 
 
-# The fast device tests run in two processes, so that the two test workers can share them: these, and the rest.
-# The first half holds the Llama whole-step tests, which share their one-device reference (LLAMA_STEP there).
+def _run_device_tests(*pytest_args: str) -> subprocess.CompletedProcess:
+    command, env = _device_tests_command(*pytest_args)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+# The fast device tests run in two processes at once, each -n 0 (its tests share _one_device's references and start
+# JAX once): these, and the rest. The first half holds the Llama whole-step tests, which share their one-device
+# reference (LLAMA_STEP there).
 _FIRST_HALF = "2x2x2_mesh or zero_stages or context_parallel or share_of_params or fsdp_init or place_batch"
+_HALVES = {"first_half": _FIRST_HALF, "second_half": f"not ({_FIRST_HALF})"}
 
 
-@pytest.mark.parametrize("selection", [_FIRST_HALF, f"not ({_FIRST_HALF})"], ids=["first_half", "second_half"])
-def test_meshes_equal_one_device_on_8_simulated_cpu_devices(selection):
-    """Runs tests/train/test_sharding_devices.py in a process with 8 simulated CPU devices (XLA reads the
-    flag when its CPU backend starts, so it cannot be set in this process). -n 0: each half in one process (not the
-    suite's -n auto, 2 more workers on the suite's 2 cores), so its tests share _one_device's references and start
-    JAX once; the suite's two workers run the two halves side by side."""
-    done = _run_device_tests("-n", "0", "-m", "not slow", "-k", selection)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+def test_meshes_equal_one_device_on_8_simulated_cpu_devices():
+    """Runs tests/train/test_sharding_devices.py in processes with 8 simulated CPU devices (XLA reads the flag when
+    its CPU backend starts, so it cannot be set in this process): its two halves side by side, in two processes
+    started together, each -n 0.
+
+    Why one test starting both, not a test per half: xdist's load scheduling gave both halves (57 s and 40 s under
+    the suite's load) to the same worker, one after the other, at the end of the collection, while the other worker
+    sat idle for the last minute. Started together, the two processes use both cores whichever worker runs this
+    test, and tests/conftest.py runs it first (LONGEST_FIRST), so the suite's other tests fill the cores around it
+    instead of waiting behind it."""
+    started = {}
+    for name, selection in _HALVES.items():
+        command, env = _device_tests_command("-n", "0", "-m", "not slow", "-k", selection)
+        started[name] = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True)  # fmt: skip
+    finished = {}
+    try:
+        for name, process in started.items():
+            finished[name] = (*process.communicate(timeout=900), process.returncode)
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                process.kill()  # only the processes this test started
+    for name, (stdout, stderr, returncode) in finished.items():
+        assert returncode == 0, (name, stdout[-4000:] + stderr[-2000:])
+        assert " passed" in stdout and "skipped" not in stdout, (name, stdout[-2000:])
 
 
 @pytest.mark.slow
