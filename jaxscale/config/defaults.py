@@ -190,6 +190,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.optimizer.state_dtype = "float32"  # dtype the optimizer's moments are stored in: float32, bfloat16 or int8
     c.optimizer.bf16_rounding = "stochastic"  # update to bf16 weights (model.param_dtype): nearest, stochastic, kahan
     c.optimizer.offload_state = False  # optimizer state in pinned host memory, on the device only for the update
+    c.optimizer.in_backward = False  # each scanned layer updated as its gradient is made; no whole gradient (fused_step)
 
     # Fine-tuning (jaxscale.config.finetune, docs/finetune.md): which parameters train; the rest stay frozen.
     c.finetune = ml_collections.ConfigDict()

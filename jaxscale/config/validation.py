@@ -195,6 +195,36 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_fp8(m, config.train.loss_chunk_len)
     _validate_finetune(config)
     _validate_offload(config)
+    _validate_in_backward(config)
+
+
+def _validate_in_backward(config: ml_collections.ConfigDict) -> None:
+    """optimizer.in_backward (jaxscale.train.fused_step): a boolean; the step it builds needs nn.scan's stacked layers,
+    one minibatch, one device, every parameter trained and an optimizer that updates each parameter on its own."""
+    o, m, t = config.optimizer, config.model, config.train
+    _check(isinstance(o.in_backward, bool), "optimizer.in_backward", f"must be True or False, got {o.in_backward!r}")
+    if not o.in_backward:
+        return
+    why = "optimizer.in_backward=True updates each layer as its gradient is made, so"
+    _check(m.scan_layers, "model.scan_layers", f"{why} the layers must be one nn.scan stack: set it True")
+    _check(t.num_minibatches == 1, "train.num_minibatches", f"{t.num_minibatches}: {why} no whole gradient exists to "
+           "accumulate over minibatches; allowed: 1 (or optimizer.in_backward=False)")  # fmt: skip
+    _check(o.grad_clip_norm == 0, "optimizer.grad_clip_norm", f"{o.grad_clip_norm}: {why} the global norm of the "
+           "whole gradient is never known; allowed: 0 (or optimizer.in_backward=False)")  # fmt: skip
+    _check(o.name in ("adam", "adamw", "sgd"), "optimizer.name", f"{o.name}: {why} the optimizer must update each "
+           "parameter from its own gradient alone (adafactor scales by a stacked leaf's RMS); allowed: adam, adamw, "
+           "sgd")  # fmt: skip
+    _check(not m.num_experts, "model.num_experts", f"{m.num_experts}: {why} a mixture of experts' router losses are "
+           "not carried through the hand-written backward pass; allowed: 0")  # fmt: skip
+    _check(m.fp8 != "delayed", "model.fp8", f"delayed: {why} the scaling state the backward pass returns is not "
+           "carried; allowed: none, dynamic")  # fmt: skip
+    _check(finetune.trains_everything(config), "finetune.train", f"{why} it trains every parameter (full "
+           "fine-tuning); LoRA and frozen blocks are not built with it")  # fmt: skip
+    for field in ("data", "fsdp", "tensor", "context", "expert"):
+        size = config.mesh[field]
+        _check(size == 1, f"mesh.{field}", f"{size}: {why} it is built for one device; allowed: 1")
+    for field, value in (("optimizer.offload_state", o.offload_state), ("train.offload_params", t.offload_params)):
+        _check(not value, field, f"{why} the host offload of the whole state is not built with it; allowed: False")
 
 
 def _validate_offload(config: ml_collections.ConfigDict) -> None:

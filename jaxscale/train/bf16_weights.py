@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxscale.config.defaults import BF16_ROUNDINGS as ROUNDINGS
 
@@ -77,3 +78,29 @@ def apply_updates(params: Any, updates: Any, rounding: str, key: jax.Array, comp
 def init_compensation(params: Any) -> Any:
     """Kahan's buffers: zeros like each parameter, in its dtype."""
     return jax.tree_util.tree_map(jnp.zeros_like, params)
+
+
+def optimizer_step(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    rounding: str,
+    key: jax.Array,
+    compensation: Any = None,
+) -> tuple[Any, Any, Any]:
+    """One optimizer step on `params`: (new params, new optimizer state, new compensation), the one place both train
+    steps (the whole model's, jaxscale.train.step; a layer's in the backward pass, jaxscale.train.fused_step) take it.
+
+    Float32 weights (`rounding` ""): optax's update, then params + updates (flax's TrainState.apply_gradients). bf16
+    weights without a master copy: the gradients in float32 into the optimizer (whose state was made for float32
+    params), and its float32 update added to the bf16 weights by `rounding` (apply_updates; the stochastic rounding's
+    bits from `key`, Kahan's buffers `compensation`); compensation comes back None unless kahan.
+    """
+    if not rounding:
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, None
+    grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params, compensation = apply_updates(params, updates, rounding, key, compensation)
+    return params, opt_state, compensation

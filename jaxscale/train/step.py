@@ -22,7 +22,7 @@ from jaxscale.data.batch import Batch as Batch  # the batch type is the data pac
 from jaxscale.data.batch import make_batch as make_batch  # as train.Batch and train.make_batch
 from jaxscale.model import axes as model_axes
 from jaxscale.model import fp8, nf4
-from jaxscale.train import bf16_weights, offload, quantized_state
+from jaxscale.train import bf16_weights, fused_step, offload, quantized_state
 
 Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 scalars, summed
 
@@ -47,13 +47,10 @@ class TrainState(train_state.TrainState):
         master copy: the gradients in float32 into the optimizer (whose state was made for float32 params:
         make_init_fn), and its float32 update added to the bf16 weights by `bf16_rounding`, the stochastic rounding's
         bits drawn from this step's key."""
-        if not self.bf16_rounding:
-            return super().apply_gradients(grads=grads, **kwargs)
-        grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
-        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         key = jax.random.fold_in(self.rng, 0x5EED)  # the step's key, not the dropout stream it was split into
-        params, compensation = bf16_weights.apply_updates(self.params, updates, self.bf16_rounding, key,
-                                                          self.compensation or None)  # fmt: skip
+        params, opt_state, compensation = bf16_weights.optimizer_step(
+            self.tx, grads, self.opt_state, self.params, self.bf16_rounding, key, self.compensation or None
+        )
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state,
                             compensation={} if compensation is None else compensation, **kwargs)  # fmt: skip
 
@@ -501,5 +498,9 @@ def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def make_train_step(config: ml_collections.ConfigDict) -> Callable:
-    """The jitted step (state, metrics, batch) -> (state, metrics), with state and metrics donated."""
+    """The jitted step (state, metrics, batch) -> (state, metrics), with state and metrics donated: train_step, or with
+    optimizer.in_backward the step that updates each layer inside the backward pass (jaxscale.train.fused_step)."""
+    if config.optimizer.in_backward:
+        step = functools.partial(fused_step.fused_train_step, loss_fn=make_loss_fn(config))
+        return jax.jit(step, donate_argnums=(0, 1))
     return jax.jit(functools.partial(train_step, **step_options(config)), donate_argnums=(0, 1))
