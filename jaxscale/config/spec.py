@@ -303,6 +303,7 @@ class RunSpec:
     offload_state: bool  # optimizer.offload_state
     offload_params: bool  # train.offload_params
     bf16_rounding: str  # optimizer.bf16_rounding where model.param_dtype is bfloat16, "" for float32 weights
+    in_backward: bool  # optimizer.in_backward: each layer updated inside the backward pass (no whole gradient)
     tokens_per_step: int  # tokens one optimizer step trains on (tokens_per_step)
     finetune: FinetuneSpec  # what trains, what the backward pass goes through, how the frozen rest is stored
 
@@ -333,6 +334,7 @@ class RunSpec:
             offload_state=config.optimizer.offload_state,
             offload_params=config.train.offload_params,
             bf16_rounding=config.optimizer.bf16_rounding if config.model.param_dtype == "bfloat16" else "",
+            in_backward=config.optimizer.in_backward,
             tokens_per_step=tokens_per_step(config),
             finetune=FinetuneSpec.from_config(config),
         )

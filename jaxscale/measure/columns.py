@@ -107,6 +107,21 @@ def moe_line(row: dict) -> str | None:
     return text
 
 
+def per_parameter_line(row: dict) -> str | None:
+    """What full training holds per parameter on a device, from the analytic model's bytes (weights, gradients,
+    optimizer state; with optimizer.in_backward the gradients one layer at a time); None when some parameters are
+    frozen, on a mesh, or before the analytic model ran."""
+    trained, total = row.get("trainable_params"), row.get("params")
+    if not trained or trained != total or row.get("analytic_params_bytes") is None or row.get("mesh_devices", 1) > 1:
+        return None
+    per = {name: row[f"analytic_{name}_bytes"] / trained for name in ("params", "grads", "optimizer")}
+    grads = f"gradients {per['grads']:.2f} B"
+    if row.get("config.optimizer.in_backward"):
+        grads += " (one layer's at a time: each updated inside the backward pass)"
+    return (f"  per parameter (analytic): weights {per['params']:.2f} B, {grads}, optimizer state "
+            f"{per['optimizer']:.2f} B")  # fmt: skip
+
+
 def summary_lines(row: dict) -> list[str]:
     """Human-readable lines for jaxscale.run's summary: FLOPs, MFU, analytic memory, trace shares."""
     lines = []
@@ -126,7 +141,7 @@ def summary_lines(row: dict) -> list[str]:
             f"  analytic peak {_fmt(row.get('analytic_peak_bytes'), 2**30, '.3f')} GiB; compiled/analytic "
             f"{_fmt(row.get('compiled_to_analytic_peak_ratio'), 1, '.2f')}"
         )
-    lines += [line for line in [moe_line(row)] if line]
+    lines += [line for line in [moe_line(row), per_parameter_line(row)] if line]
     if row.get("compiled_to_analytic_expert_flops_ratio") is not None:
         lines.append(
             f"  experts' matmuls: compiled {_flop(row['compiled_expert_matmul_flops_per_step'])} (remat "

@@ -460,6 +460,31 @@ def _weight_itemsize(run: RunSpec) -> int:
     return jnp.dtype(run.model.param_dtype).itemsize
 
 
+def in_backward_grads_bytes(run: RunSpec) -> int:
+    """Gradient bytes alive at once in the step that updates each layer inside the backward pass (optimizer.in_backward,
+    jaxscale.train.fused_step; one device, every parameter trained): the largest of three phases, never the whole
+    model's gradient.
+
+    - the head's (output projection and final norm) gradients, in the weights' dtype, before their update;
+    - one layer's: its gradient in the weights' dtype, the optimizer's float32 update of it and the new float32
+      moments (Adam's two, SGD's one momentum; none at state_dtype int8, whose update runs over 4M-element chunks)
+      computed whole before they are written back into the stacked state (the compiled plans' temporaries);
+    - the embedding's (token table, GPT's positions) at the end.
+    A tied table's head share of its gradient waits through the layers' phase for the embedding's update."""
+    table = params.param_shapes(run.model)
+
+    def size(*prefixes: str) -> int:
+        return sum(math.prod(shape) for path, shape in table.items() if path.startswith(prefixes))
+
+    layer = sum(math.prod(shape) for shape, _ in params.layer_param_table(run.model).values())
+    weight = _weight_itemsize(run)
+    moments = 0 if run.state_dtype == "int8" else {"adam": 2, "adamw": 2, "sgd": 1}.get(run.optimizer, 2)
+    tied = weight * size("embed/") if run.model.tie_embeddings else 0
+    head = weight * size("output/", "post_norm/") + tied
+    one_layer = layer * (weight + 4 + 4 * moments) + tied
+    return max(head, one_layer, weight * size("embed/", "pos_emb"))
+
+
 def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, int]:
     """Analytic peak memory of one train step on one device, in bytes, broken down for the result row.
 
@@ -475,7 +500,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         the optimizer state are split over expert as their parameters are.
       optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; split over fsdp x context at every
         ZeRO stage; Adam's 8-bit moments at state_dtype int8 about 2 × (1 + 4/2048)·N, whole on every device).
-      grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1
+      grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1 (with
+        optimizer.in_backward one layer's at a time instead: in_backward_grads_bytes)
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop);
         split like the optimizer state from ZeRO stage 2 on (the step constrains them so: reduce-scatters),
         whole at stage 1, and whole where the step accumulates them on each device (accumulates_locally).
@@ -530,6 +556,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
     weight = _weight_itemsize(run)
     minibatch_grads = weight * trained_param_count(run, 1 if local else splits["grads"])
     accumulator = minibatch_grads if run.num_minibatches > 1 else 0
+    if run.in_backward:  # no whole gradient: one phase's at a time (one device, one minibatch: validation)
+        minibatch_grads = in_backward_grads_bytes(run)
     row = {
         "analytic_params_bytes": weight * trained + frozen_bytes(run, n, trained),
         "analytic_grads_bytes": minibatch_grads + accumulator,

@@ -78,6 +78,13 @@ FINETUNE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
         {"finetune.train": "all", "model.param_dtype": "bfloat16", "optimizer.bf16_rounding": "stochastic",
          "optimizer.state_dtype": "int8"},
     ),  # fmt: skip
+    # ... and each layer updated inside the backward pass (jaxscale.train.fused_step, torchtune's optimizer_in_bwd):
+    # no whole gradient; one minibatch a step (accumulation needs the whole gradient)
+    "full_bf16_weights_int8_state_in_backward": (
+        "full, Adam, bf16 weights, 8-bit state, updated in the backward pass",
+        {"finetune.train": "all", "model.param_dtype": "bfloat16", "optimizer.bf16_rounding": "stochastic",
+         "optimizer.state_dtype": "int8", "optimizer.in_backward": True, "train.num_minibatches": 1},
+    ),  # fmt: skip
     # Host offload (jaxscale.train.offload, MaxText's optimizer_ / parameter_memory_host_offload): the state, and the
     # trained parameters too, in pinned host memory; the plan's device peak leaves them out, the prediction prices
     # what crosses the target's PCIe link.

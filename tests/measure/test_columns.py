@@ -37,3 +37,17 @@ def test_a_mixture_of_experts_says_its_dispatch_and_where_its_balance_is_counted
                                         "expands over every expert on a GPU)")  # fmt: skip
     assert columns.moe_line({"config.model.num_experts": 0}) is None
     assert columns.summary_lines({**row, "config.model.moe_balance_scope": "device"})[0].endswith("each device's rows")
+
+
+def test_the_per_parameter_line_divides_the_analytic_bytes_by_the_trained_parameters():
+    row = {"params": 1000, "trainable_params": 1000, "analytic_params_bytes": 2000, "analytic_grads_bytes": 60,
+           "analytic_optimizer_bytes": 2004, "config.optimizer.in_backward": True}  # fmt: skip
+    assert columns.per_parameter_line(row) == (
+        "  per parameter (analytic): weights 2.00 B, gradients 0.06 B (one layer's at a time: each updated inside the "
+        "backward pass), optimizer state 2.00 B"
+    )
+    plain = {**row, "analytic_grads_bytes": 2000, "config.optimizer.in_backward": False}
+    assert columns.per_parameter_line(plain) == (
+        "  per parameter (analytic): weights 2.00 B, gradients 2.00 B, optimizer state 2.00 B"
+    )
+    assert columns.per_parameter_line({**row, "trainable_params": 10}) is None  # frozen parameters: not this line

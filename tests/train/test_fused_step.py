@@ -148,3 +148,27 @@ def test_what_needs_the_whole_gradient_is_refused_in_one_line_naming_the_field(f
         _config("tiny", True, **fields)
     message = str(refused.value)
     assert message.startswith(field) and "\n" not in message and "in_backward" in message
+
+
+def test_llama_8b_weights_and_8bit_state_alone_exceed_an_rtx_4090():
+    """docs/finetune.md's RTX 4090 sentence: Llama 3.1 8B counted by hand (32 layers of q 4096 x 4096, k and v
+    4096 x 1024, out 4096 x 4096, gate, up and down 4096 x 14336, two norms of 4096; embedding and untied output
+    128,256 x 4096; final norm 4096) has 8,030,261,248 parameters; bf16 weights (2 bytes) and 8-bit Adam (two 1-byte
+    moments and a float32 scale per 2048-element block, every leaf whole blocks) hold 4N + N/256 bytes, 29.9 GiB,
+    in the analytic model as in this count, above the RTX 4090's 24 GiB before any activation."""
+    from conftest import CONFIGS
+
+    from jaxscale.config import load_config_file
+    from jaxscale.measure import memory
+
+    layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    n = 32 * layer + 2 * 128_256 * 4096 + 4096
+    assert n == 8_030_261_248
+    config = load_config_file(CONFIGS / "bf16_remat.py", "llama3.1-8b")
+    config.model.param_dtype, config.optimizer.state_dtype, config.optimizer.in_backward = "bfloat16", "int8", True
+    config.train.num_minibatches, config.data.seq_len = 1, 2048
+    validate(config)
+    row = memory.analytic_memory(config)
+    held = row["analytic_params_bytes"] + row["analytic_optimizer_bytes"]
+    assert abs(held - (4 * n + n // 256)) <= 64, held  # the step counters' few bytes
+    assert f"{held / 2**30:.1f}" == "29.9" and held > 24 * 2**30
