@@ -223,8 +223,11 @@ def _validate_in_backward(config: ml_collections.ConfigDict) -> None:
     for field in ("data", "fsdp", "tensor", "context", "expert"):
         size = config.mesh[field]
         _check(size == 1, f"mesh.{field}", f"{size}: {why} it is built for one device; allowed: 1")
-    for field, value in (("optimizer.offload_state", o.offload_state), ("train.offload_params", t.offload_params)):
-        _check(not value, field, f"{why} the host offload of the whole state is not built with it; allowed: False")
+    _check(not t.offload_params, "train.offload_params", f"{why} the parameters stay on the device (the optimizer "
+           "state may live on the host: optimizer.offload_state, paged a layer at a time); allowed: False")  # fmt: skip
+    _check(not (o.offload_state and o.state_dtype == "int8"), "optimizer.state_dtype", f"int8: {why} a state on the "
+           "host (optimizer.offload_state) is paged a layer at a time, and the 8-bit update is not built for host "
+           "pages (XLA's GPU host offloader rejects its loop); allowed: float32, bfloat16")  # fmt: skip
 
 
 def _validate_offload(config: ml_collections.ConfigDict) -> None:

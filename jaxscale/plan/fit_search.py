@@ -85,6 +85,13 @@ FINETUNE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
         {"finetune.train": "all", "model.param_dtype": "bfloat16", "optimizer.bf16_rounding": "stochastic",
          "optimizer.state_dtype": "int8", "optimizer.in_backward": True, "train.num_minibatches": 1},
     ),  # fmt: skip
+    # ... with Adam's float32 state on the host instead, paged to the device a layer at a time inside the backward pass
+    # (the lab's stand-in for torchtune's paged 8-bit AdamW: JAX has no unified memory)
+    "full_bf16_weights_paged_state_in_backward": (
+        "full, Adam, bf16 weights, state on the host paged by layer, updated in the backward pass",
+        {"finetune.train": "all", "model.param_dtype": "bfloat16", "optimizer.bf16_rounding": "stochastic",
+         "optimizer.offload_state": True, "optimizer.in_backward": True, "train.num_minibatches": 1},
+    ),  # fmt: skip
     # Host offload (jaxscale.train.offload, MaxText's optimizer_ / parameter_memory_host_offload): the state, and the
     # trained parameters too, in pinned host memory; the plan's device peak leaves them out, the prediction prices
     # what crosses the target's PCIe link.

@@ -115,6 +115,8 @@ TABLES: tuple[DocTable, ...] = (
     *(DocTable(f"fit-in-backward-llama3.1-8b-{gpu}", "docs/finetune.md",
                (f"{RESULTS}/finetune_in_backward_llama3.1-8b_{gpu}_mem95/results.jsonl",), gpu_tables.precision_fit_table)
       for gpu in ("h100", "rtx4090")),  # fmt: skip
+    DocTable("fit-paged-llama3.1-8b-rtx4090", "docs/finetune.md",
+             (f"{RESULTS}/finetune_paged_llama3.1-8b_rtx4090_mem95/results.jsonl",), gpu_tables.precision_fit_table),
     DocTable("fit-fp8-llama3.2-1b-rtx4090", "docs/fp8.md",
              (f"{RESULTS}/fit_precision_llama3.2-1b_flash_rtx4090/results.jsonl",), gpu_tables.precision_fit_table),
     DocTable("moe-dispatch-h200", _MODELS, (f"{RESULTS}/moe_dispatch_olmoe-1b-7b_plan_h200/results.jsonl",

@@ -201,7 +201,7 @@ def _pick(tree: dict, names: tuple[str, ...]) -> dict:
     return {name: tree[name] for name in names}
 
 
-def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable) -> tuple[Any, dict]:
+def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable, paged: bool = False) -> tuple[Any, dict]:
     """One optimizer step over `batch` (one minibatch) with each layer's update inside the backward pass: the same
     parameters and optimizer state as jaxscale.train.step.train_step's (for the optimizers and fields validation
     allows), and the batch's metrics added to the running sums. `loss_fn`: jaxscale.train.step.make_loss_fn's."""
@@ -266,25 +266,26 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable) -
         )
 
     # 3. the layers, last to first: recompute, differentiate, update in place
-    def backward(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+    def backward(carry: tuple, xs: tuple) -> tuple[tuple, list | None]:
         cot, layer_params, nodes, layer_compensation = carry
-        h, index = xs
+        h, index, streamed = xs
         p = _at(layer_params, index)
         _, vjp = jax.vjp(lambda p_, h_: layer(p_, h_, index), p, h)
         grads, cot = vjp(cot)
         new_p, new_view, new_compensation = step_on(
-            None, p, grads, jax.random.fold_in(update_key, index), nodes=[_at(node, index) for node in nodes],
+            None, p, grads, jax.random.fold_in(update_key, index),
+            nodes=streamed if paged else [_at(node, index) for node in nodes],
             part_compensation=None if layer_compensation is None else _at(layer_compensation, index),
         )  # fmt: skip
-        # the new slices computed whole before any is written: without the barrier XLA fused the update's arithmetic
-        # into each write, each reading the old slices of the others' buffers, and copied every buffer to keep them
-        new_p, new_nodes, new_compensation = jax.lax.optimization_barrier(
-            (new_p, parts.nodes_of(new_view), new_compensation)
-        )
-        nodes = [_put(node, new, index) for node, new in zip(nodes, new_nodes, strict=True)]
+        new_nodes = parts.nodes_of(new_view)
+        if paged:  # the new slices are host arrays (the optimizer sent them), the loop's output
+            new_p, new_compensation = jax.lax.optimization_barrier((new_p, new_compensation))
+        else:
+            new_p, new_nodes, new_compensation = jax.lax.optimization_barrier((new_p, new_nodes, new_compensation))
+            nodes = [_put(node, new, index) for node, new in zip(nodes, new_nodes, strict=True)]
         if layer_compensation is not None:
             layer_compensation = _put(layer_compensation, new_compensation, index)
-        return (cot, _put(layer_params, new_p, index), nodes, layer_compensation), None
+        return (cot, _put(layer_params, new_p, index), nodes, layer_compensation), new_nodes if paged else None
 
     def by_layer(node: Any, signed: bool) -> Any:
         return jax.tree_util.tree_map(lambda leaf, p: _by_layer(leaf, p, signed), _get(node, STACK), stacked,
@@ -292,11 +293,13 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable) -
 
     layer_nodes = [by_layer(node, signed) for node, signed in zip(parts.nodes, parts.signed, strict=True)]
     layer_compensation = None if compensation is None else _get(compensation, STACK)
+    carried, streamed = ([], layer_nodes) if paged else (layer_nodes, None)
     with jax.named_scope("layers_backward"):
-        (cotangent, new_stack, layer_nodes, layer_compensation), _ = jax.lax.scan(
-            backward, (cotangent, stacked, layer_nodes, layer_compensation), (inputs, jnp.arange(layers)),
+        (cotangent, new_stack, carried, layer_compensation), pages = jax.lax.scan(
+            backward, (cotangent, stacked, carried, layer_compensation), (inputs, jnp.arange(layers), streamed),
             reverse=True,
         )  # fmt: skip
+    layer_nodes = pages if paged else carried
     layer_nodes = [jax.tree_util.tree_map(lambda before, leaf, signed=signed: _flat(leaf, before, signed),
                                           _get(node, STACK), new, is_leaf=_is_moment)
                    for node, new, signed in zip(parts.nodes, layer_nodes, parts.signed, strict=True)]  # fmt: skip

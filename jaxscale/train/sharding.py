@@ -46,13 +46,14 @@ from jaxscale.config import (
 from jaxscale.config.layout_rules import RULES, gradient_rules, rules  # the rules table: its one home
 from jaxscale.measure.params import removed_axis
 from jaxscale.model import nf4
-from jaxscale.train import offload
+from jaxscale.train import fused_step, offload
 from jaxscale.train.step import (
     Batch,
     LocalAccumulation,
     TrainState,
     init_metrics,
     make_init_fn,
+    make_loss_fn,
     make_train_step,
     model_params,
     step_options,
@@ -237,8 +238,12 @@ def make_step(config: ml_collections.ConfigDict, layout: Layout | None) -> Any:
     layout, and tracing (`.lower`, a first call) inside `layout.activate()`."""
     if layout is None:
         return make_train_step(config)
-    step = functools.partial(offload.offloaded_step(train_step, config), **step_options(config),
-                             grad_shardings=layout.grads, local=layout.local)  # fmt: skip
+    if config.optimizer.in_backward:  # one device (validation) with its optimizer state on the host, paged by layer
+        step = functools.partial(fused_step.fused_train_step, loss_fn=make_loss_fn(config),
+                                 paged=config.optimizer.offload_state)  # fmt: skip
+    else:
+        step = functools.partial(offload.offloaded_step(train_step, config), **step_options(config),
+                                 grad_shardings=layout.grads, local=layout.local)  # fmt: skip
     shardings = (layout.state, layout.metrics, layout.batch)
     jitted = jax.jit(step, in_shardings=shardings, out_shardings=shardings[:2], donate_argnums=(0, 1))
     return MeshStep(jitted, layout)

@@ -11,6 +11,7 @@ import pytest
 
 from jaxscale import train
 from jaxscale.config import ConfigError, base_config, validate
+from jaxscale.train import sharding
 from jaxscale.train.quantized_state import QuantizedMoment
 
 # One step from the same state: the two programs sum the same products in different fusions (XLA:CPU forms
@@ -18,7 +19,7 @@ from jaxscale.train.quantized_state import QuantizedMoment
 ATOL, RTOL = 1e-6, 1e-5
 
 
-def _config(preset: str, in_backward: bool, **fields):
+def _config(preset: str, in_backward: bool = True, **fields):
     config = base_config(preset, "fused")
     config.model.scan_layers = True
     config.model.dropout_rate = 0.0  # the fused step draws each layer's dropout mask from its own key
@@ -108,19 +109,18 @@ def test_the_gpu_plan_of_the_fused_step_holds_one_layers_gradient_not_the_models
     """Deviceless H100 plans of the tiny GPT (hidden 256, one sequence of 32: gradients dominate) with 2 and 4 layers,
     Block remat in the plain step so both recompute each layer. Two more layers add two layers' float32 gradients to
     the plain plan's temporaries (counted by hand below) and nothing like that to the fused plan's: it keeps only each
-    layer's [B, T, H] input per layer."""
+    layer's [B, T, H] input per layer. With optimizer.offload_state the state is paged a layer at a time."""
     from jaxscale.plan import target_compile, targets
 
     text = targets.target_config_text(targets.get_target("h100"))
-    temp = {}
+    temp, peak = {}, {}
     for in_backward in (False, True):
         for layers in (2, 4):
             config = _config("tiny", in_backward, model__num_layers=layers, model__hidden_size=256,
                              model__head_dim=64, data__batch_size=1)  # fmt: skip
             config.model.remat = ("Block",)
-            temp[in_backward, layers] = target_compile.compile_for_target(config, text, 1, "cublas")[
-                "compiled_temp_bytes"
-            ]
+            plan = target_compile.compile_for_target(config, text, 1, "cublas")
+            temp[in_backward, layers], peak[in_backward, layers] = plan["compiled_temp_bytes"], plan["compiled_peak_bytes"]
     h, f = 256, 4 * 256
     layer_grad = 4 * (h * 3 * h + 3 * h + h * h + h + h * f + f + f * h + h + 4 * h)  # float32, one GPT layer
     plain_growth = temp[False, 4] - temp[False, 2]
@@ -128,6 +128,17 @@ def test_the_gpu_plan_of_the_fused_step_holds_one_layers_gradient_not_the_models
     assert abs(plain_growth - 2 * layer_grad) <= 0.1 * 2 * layer_grad, (plain_growth, layer_grad)
     assert fused_growth <= 0.1 * layer_grad, (fused_growth, layer_grad)
     assert temp[True, 4] < temp[False, 4] - layer_grad
+    # optimizer.offload_state pages the state a layer at a time: its moments are host arguments (2 float32 moments
+    # of every parameter, counted from the abstract state), and the device's peak drops by most of them
+    config = _config("tiny", True, model__num_layers=4, model__hidden_size=256, model__head_dim=64,
+                     data__batch_size=1, optimizer__offload_state=True)  # fmt: skip
+    config.model.remat = ("Block",)
+    paged = target_compile.compile_for_target(config, text, 1, "cublas")
+    abstract = jax.eval_shape(train.make_init_fn(config))
+    moments = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(abstract.opt_state)
+                  if leaf.ndim > 0)  # fmt: skip
+    assert abs(paged["compiled_host_argument_bytes"] - moments) <= 64, (paged["compiled_host_argument_bytes"], moments)
+    assert paged["compiled_device_peak_bytes"] <= peak[True, 4] - 0.8 * moments
 
 
 @pytest.mark.parametrize(
@@ -140,7 +151,8 @@ def test_the_gpu_plan_of_the_fused_step_holds_one_layers_gradient_not_the_models
         (dict(mesh__fsdp=2), "mesh.fsdp"),
         (dict(model__lora_rank=4), "finetune.train"),
         (dict(model__fp8="delayed"), "model.fp8"),
-        (dict(optimizer__offload_state=True), "optimizer.offload_state"),
+        (dict(train__offload_params=True), "train.offload_params"),
+        (dict(optimizer__offload_state=True, optimizer__state_dtype="int8"), "optimizer.state_dtype"),
     ],
 )
 def test_what_needs_the_whole_gradient_is_refused_in_one_line_naming_the_field(fields, field):
@@ -148,6 +160,29 @@ def test_what_needs_the_whole_gradient_is_refused_in_one_line_naming_the_field(f
         _config("tiny", True, **fields)
     message = str(refused.value)
     assert message.startswith(field) and "\n" not in message and "in_backward" in message
+
+
+def _placed_two_steps(**fields):
+    """Two steps through the run's placement (the layout that puts an offloaded state in pinned host memory)."""
+    config = _config("tiny", **fields)
+    placement = sharding.placement(config)
+    state, step, metrics = placement.init_state(), placement.step(), placement.init_metrics()
+    batch = placement.place_batch(train.make_batch(jax.random.PRNGKey(1), 4, 32, config.model.vocab_size))
+    for _ in range(2):
+        state, metrics = step(state, metrics, batch)
+    return state
+
+
+def test_the_paged_state_stays_on_the_host_and_gives_the_plain_steps_values():
+    """optimizer.offload_state with in_backward: the state lives in pinned host memory between steps and each layer's
+    slice is brought to the device for its update; after two steps the parameters, moments and Kahan's buffers equal
+    the plain step's with the state on the device (bf16 weights, Adam)."""
+    fields = dict(model__param_dtype="bfloat16", optimizer__bf16_rounding="kahan")
+    paged = _placed_two_steps(in_backward=True, optimizer__offload_state=True, **fields)
+    plain = _placed_two_steps(in_backward=False, **fields)
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(paged.opt_state)}
+    assert kinds == {"pinned_host"}
+    _assert_same_state(jax.tree_util.tree_map(np.asarray, paged), jax.tree_util.tree_map(np.asarray, plain))
 
 
 def test_llama_8b_weights_and_8bit_state_alone_exceed_an_rtx_4090():
