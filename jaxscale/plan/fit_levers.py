@@ -5,7 +5,7 @@ levers one at a time on that question's config (each on top of the config as giv
 minibatch-1 plan was smallest) and names the first whose minibatch-1 plan fits, with the plan that shows it; if no
 single lever does, all of them together (of the optimizer levers, which replace one another, the last that
 applies). Cheapest first means: what costs no speed (the allocator's share), then what costs a little compute
-(the loss in chunks), then smaller optimizer state (bf16 first moment, 8-bit moments, Adafactor: a different
+(the loss in chunks, bf16 weights, the update inside the backward pass), then smaller optimizer state (bf16 first moment, 8-bit moments, Adafactor: a different
 optimizer), then the optimizer state in host memory (time on the host link), then, for fine-tuning, LoRA and QLoRA
 (different methods). Each lever is one compile.
 """
@@ -66,6 +66,10 @@ LEVERS: tuple[Lever, ...] = (
           "parameter less, and 2 less for its gradient; jaxscale/train/bf16_weights.py)",
           {"model.param_dtype": "bfloat16", "optimizer.bf16_rounding": "stochastic"},
           "--config.model.param_dtype=bfloat16", applies=lambda c, f: c.model.param_dtype == "float32"),
+    Lever("in_backward", "each layer's forward recomputed (as Block remat does anyway): every layer updated inside the "
+          "backward pass, so the model's whole gradient never exists (jaxscale/train/fused_step.py)",
+          {"optimizer.in_backward": True}, "--config.optimizer.in_backward=True",
+          applies=lambda c, f: not c.optimizer.in_backward and c.model.scan_layers and c.train.num_minibatches == 1),
     Lever("bf16_state", "Adam's first moment in bf16 (2 bytes a parameter less)", {"optimizer.state_dtype": "bfloat16"},
           "--config.optimizer.state_dtype=bfloat16", optimizer=True,
           applies=lambda c, f: c.optimizer.state_dtype == "float32" and c.optimizer.name != "adafactor"),

@@ -208,3 +208,14 @@ def test_llama_8b_weights_and_8bit_state_alone_exceed_an_rtx_4090():
     held = row["analytic_params_bytes"] + row["analytic_optimizer_bytes"]
     assert abs(held - (4 * n + n // 256)) <= 64, held  # the step counters' few bytes
     assert f"{held / 2**30:.1f}" == "29.9" and held > 24 * 2**30
+
+
+def test_fits_lever_search_offers_the_update_in_the_backward_pass_where_the_step_allows_it():
+    from jaxscale.plan import fit_levers
+
+    def names(**fields):
+        return [lever.name for lever in fit_levers.applicable(_config("tiny", False, **fields), False, None)]
+
+    assert "in_backward" in names()
+    assert "in_backward" not in names(train__num_minibatches=2, data__batch_size=8)  # accumulation: not offered
+    assert "in_backward" not in names(model__scan_layers=False)
