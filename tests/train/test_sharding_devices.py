@@ -199,6 +199,21 @@ def test_bf16_mesh_with_float32_gradient_sums_equals_one_device_within_bf16(mesh
         np.testing.assert_allclose(np.asarray(x) / scale, np.asarray(y) / scale, atol=2e-2)
 
 
+def test_bf16_weights_under_fsdp_give_one_devices_gradients_within_bf16():
+    """model.param_dtype=bfloat16 (no float32 master copy) on 8 FSDP devices: the weights are sharded and gathered in
+    bf16 and their bf16 gradients agree with one device's within bf16 rounding of their scale (as the bf16-compute
+    mesh test above holds; a wrong layout is off by the gradient's scale)."""
+    changes = {"model.param_dtype": "bfloat16", "model.scan_layers": True}
+    one = _one_device("tiny", tuple(sorted(changes.items())), False)
+    many = _everything(_config((1, 8, 1), "tiny", **changes), jax.devices()[:8], False)
+    leaves = jax.tree_util.tree_leaves(many[0])
+    assert leaves and all(leaf.dtype == jnp.bfloat16 for leaf in leaves if leaf.ndim > 1)
+    for x, y in zip(jax.tree_util.tree_leaves(many[1][0]), jax.tree_util.tree_leaves(one[1][0]), strict=True):
+        assert x.dtype == y.dtype == jnp.bfloat16
+        scale = float(np.abs(np.asarray(y, np.float32)).max()) or 1.0
+        np.testing.assert_allclose(np.asarray(x, np.float32) / scale, np.asarray(y, np.float32) / scale, atol=2e-2)
+
+
 def _bytes_per_device(tree) -> dict[int, int]:
     """Bytes each device holds of a tree's arrays (rank >= 1), from the arrays' own addressable shards."""
     held: dict[int, int] = {}
