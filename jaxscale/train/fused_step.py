@@ -104,12 +104,6 @@ def _mirrors(treedef: Any) -> Callable[[Any], bool]:
     return test
 
 
-def _map_mirrored(fn: Callable[[Any], Any], state: Any, treedef: Any) -> Any:
-    """`state` with each subtree that mirrors `treedef` replaced by fn(subtree); other leaves (step counts) kept."""
-    mirrors = _mirrors(treedef)
-    return jax.tree_util.tree_map(lambda node: fn(node) if mirrors(node) else node, state, is_leaf=mirrors)
-
-
 def _get(tree: Any, path: tuple[str, ...]) -> Any:
     for key in path:
         tree = tree[key]
@@ -216,14 +210,10 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable, p
     parts = _StateParts(state.opt_state, jax.tree_util.tree_structure(params))
     compensation = state.compensation or None  # Kahan's buffers, like params
 
-    def step_on(cut: Callable[[Any], Any], part_params: Any, grads: Any, key: jax.Array, nodes: list | None = None,
-                part_compensation: Any = None):  # fmt: skip
-        """The optimizer on one part of the parameters: its params, state nodes and compensation, new."""
-        view = parts.view(nodes if nodes is not None else [cut(node) for node in parts.nodes])
-        new_params, new_view, new_compensation = bf16_weights.optimizer_step(
-            tx, grads, view, part_params, rounding, key, part_compensation
-        )
-        return new_params, new_view, new_compensation
+    def step_on(part_params: Any, grads: Any, key: jax.Array, nodes: list, part_compensation: Any = None):
+        """The optimizer on one part of the parameters, given that part's state `nodes`: (params, state view,
+        compensation), new."""
+        return bf16_weights.optimizer_step(tx, grads, parts.view(nodes), part_params, rounding, key, part_compensation)
 
     # 1. forward: the embedding (its VJP kept), each layer keeping only its input, the head and loss (VJP kept)
     captured = {}
@@ -257,8 +247,8 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable, p
     # 2. the parameters only the head reads, updated before the layers' backward pass (the barrier orders it)
     with jax.named_scope("head_update"):
         new_head, head_view, head_compensation = step_on(
-            lambda node: _pick(node, head_names), _pick(outer, head_names), _pick(head_grads, head_names),
-            jax.random.fold_in(update_key, layers),
+            _pick(outer, head_names), _pick(head_grads, head_names), jax.random.fold_in(update_key, layers),
+            [_pick(node, head_names) for node in parts.nodes],
             part_compensation=None if compensation is None else _pick(compensation, head_names),
         )  # fmt: skip
         new_head, head_view, head_compensation, cotangent = jax.lax.optimization_barrier(
@@ -273,10 +263,13 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable, p
         _, vjp = jax.vjp(lambda p_, h_: layer(p_, h_, index), p, h)
         grads, cot = vjp(cot)
         new_p, new_view, new_compensation = step_on(
-            None, p, grads, jax.random.fold_in(update_key, index),
-            nodes=streamed if paged else [_at(node, index) for node in nodes],
+            p, grads, jax.random.fold_in(update_key, index),
+            streamed if paged else [_at(node, index) for node in nodes],
             part_compensation=None if layer_compensation is None else _at(layer_compensation, index),
         )  # fmt: skip
+        # the barrier makes every new slice whole before any is written back (XLA:CPU copies the loop's carry
+        # regardless, so there the step holds more than the plain one: docs/finetune.md); paged, the new slices
+        # are host arrays already and stay out of it
         new_nodes = parts.nodes_of(new_view)
         if paged:  # the new slices are host arrays (the optimizer sent them), the loop's output
             new_p, new_compensation = jax.lax.optimization_barrier((new_p, new_compensation))
@@ -309,8 +302,8 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable, p
         (embed_grads,) = embed_vjp(cotangent)
         embed_grads = jax.tree_util.tree_map(jnp.add, embed_grads, _pick(head_grads, embed_names))
         new_embed, embed_view, embed_compensation = step_on(
-            lambda node: _pick(node, embed_names), _pick(outer, embed_names), embed_grads,
-            jax.random.fold_in(update_key, layers + 1),
+            _pick(outer, embed_names), embed_grads, jax.random.fold_in(update_key, layers + 1),
+            [_pick(node, embed_names) for node in parts.nodes],
             part_compensation=None if compensation is None else _pick(compensation, embed_names),
         )  # fmt: skip
 
