@@ -26,7 +26,7 @@ LAYOUTS = {
     "fsdp8": (1, 8, 1, 1),
     "fsdp4_ep2": (1, 4, 1, 2),
     "fsdp2_ep4": (1, 2, 1, 4),
-    "ep8": (1, 1, 1, 8),  # experts split 8 ways; attention, embeddings and head replicated (data parallel)
+    "ep8": (1, 1, 1, 8),  # experts split 8 ways; attention, embeddings and head split over expert too (as FSDP)
     "fsdp4_tp2": (1, 4, 2, 1),
     "fsdp2_tp2_ep2": (1, 2, 2, 2),
 }

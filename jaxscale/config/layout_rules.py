@@ -9,16 +9,20 @@ read the same table to count what one device holds. It lives on the config floor
 
 from __future__ import annotations
 
+import flax.linen as nn
 import ml_collections
 
 from jaxscale.config.spec import sequence_parallel, zero_stage
 
-# Logical axis name -> mesh axes, in order of precedence (Flax's logical_to_mesh_axes): a name takes its
-# mesh axes only when no earlier dimension of the same array took them. So in an activation
-# ("batch", "stream_seq", "embed") the batch takes data and fsdp and "embed" stays whole, while in a parameter
-# ("embed", "mlp") "embed" is split over fsdp. A name mapped to None (pos, head_dim, qkv, layers) is never
-# split. The names are the lab's conventions, shared by every model family (docs/mesh.md). This is the default
-# layout (ZeRO-3 on fsdp, no sequence parallelism); `rules` derives a config's from it.
+# Logical axis name -> mesh axes, in order of precedence (Flax's logical_to_mesh_axes): a rule gives a dimension its
+# mesh axes only when none of them was taken by an earlier rule in the same array, and a later rule for the same name
+# applies where an earlier one could not (`split_axes`). So in an activation ("batch", "stream_seq", "embed") the
+# batch takes data, fsdp and expert and "embed" stays whole, while in a parameter ("embed", "mlp") "embed" is split
+# over fsdp, context and expert. A name mapped to None (pos, head_dim, qkv, layers) is never split. The names are the
+# lab's conventions, shared by every model family (docs/mesh.md). This is the default layout (ZeRO-3 on the state
+# axes, no sequence parallelism); `rules` derives a config's from it.
+STATE_AXES = ("fsdp", "context", "expert")  # the mesh axes that shard the model state (ZeRO / FSDP), its first rule
+
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # activations and tokens: data parallel x FSDP x expert parallel (the expert-parallel devices are data parallel
     # everywhere but in the experts' matmuls)
@@ -30,8 +34,15 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),  # QKV, attention output, the attention itself
     ("kv_heads", "tensor"),  # grouped-query K/V (the Llama family)
     ("mlp", "tensor"),  # MLP up (and gate) columns, down rows, the hidden activation
-    # ZeRO-3: every parameter with an embed axis, and its gradient and optimizer state, split over fsdp and context
-    # (context-parallel devices hold the same weights and sum their gradients too: torchtitan shards over both)
+    # a mixture of experts' stacked experts and router columns (jaxscale.model.moe); before "embed", so that an array
+    # with both gives the expert axis to its experts
+    ("expert", "expert"),
+    # ZeRO-3: every parameter with an embed axis, and its gradient and optimizer state, split over the state axes
+    # fsdp, context and expert (context-parallel devices hold the same weights and sum their gradients too:
+    # torchtitan shards over both; expert-parallel devices are data parallel outside the experts, and split the
+    # rest of the model state as FSDP does: Megatron's distributed optimizer, NeMo AutoModel's EP x FSDP)
+    ("embed", STATE_AXES),
+    # ... and over fsdp and context where the expert axis is taken: the stacked experts' and the router's embed
     ("embed", ("fsdp", "context")),
     ("stream_seq", "context"),  # the residual stream's positions (block outputs, norms' inputs, dropout)
     ("seq", "context"),  # every other activation's positions: context parallelism
@@ -39,7 +50,6 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("pos", None),
     ("head_dim", None),
     ("qkv", None),
-    ("expert", "expert"),  # a mixture of experts' stacked experts and router columns (jaxscale.model.moe)
 )
 
 
@@ -50,7 +60,7 @@ def rules(config: ml_collections.ConfigDict | None = None, *, params: bool = Fal
     Args:
       config: the run config (None: RULES).
       params: the table the parameters are laid out with. Below ZeRO stage 3 the parameters stay whole on
-        the fsdp axis (their "embed" is not split there), while the optimizer state (and, at stage 2, the
+        the state axes (their "embed" is not split there), while the optimizer state (and, at stage 2, the
         gradients) keep the default table's split.
     """
     if config is None:
@@ -65,10 +75,10 @@ def table(stage: int, sequence_split: bool, *, params: bool = False) -> tuple:
     Args:
       stage: mesh.zero_stage.
       sequence_split: Megatron sequence parallelism is on (jaxscale.config.spec.sequence_parallel).
-      params: the parameters' table (below stage 3 their "embed" stays whole on the fsdp axis).
+      params: the parameters' table (below stage 3 their "embed" stays whole on the state axes).
 
     Returns:
-      The logical-to-mesh table.
+      The logical-to-mesh table (each of "embed"'s rules changed alike).
     """
     changes = {}
     if params and stage < 3:
@@ -97,8 +107,21 @@ def gradient_table(stage: int, sequence_split: bool) -> tuple:
     return table(stage, sequence_split, params=stage != 2)
 
 
+def gathered_table(sequence_split: bool) -> tuple:
+    """The table of the weights a layer uses under FSDP: gathered whole over the state axes ("embed" unsplit), still
+    split over tensor and, a mixture of experts' stacked experts, over expert (the parameters' table below ZeRO stage
+    3, whose weights are whole already). Read by the analytic memory model's gathered layer."""
+    return table(1, sequence_split, params=True)
+
+
+def _as_tuple(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def mesh_axes(name: str, table: tuple = RULES) -> tuple[str, ...]:
-    """The mesh axes `table` splits a logical name over (() where it is never split, or the name is not in it).
+    """The mesh axes of a logical name's first rule in `table`: what it is split over where no other dimension of the
+    array took them (() where it is never split, or the name is not in it). `split_axes` says what each dimension
+    of an array gets, later rules of a name included.
 
     Args:
       name: a logical axis name (jaxscale.model.axes).
@@ -107,5 +130,18 @@ def mesh_axes(name: str, table: tuple = RULES) -> tuple[str, ...]:
     Returns:
       The mesh axes, in the table's order.
     """
-    axes = dict(table).get(name)
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return _as_tuple(next((axes for rule, axes in table if rule == name), None))
+
+
+def split_axes(names: tuple[str | None, ...], table: tuple = RULES) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes each dimension of an array named `names` is split over under `table`: Flax's own resolution
+    (nn.logical_to_mesh_axes, which the layout applies), so the analytic models count what the layout does.
+
+    Args:
+      names: the array's logical axis names, one per dimension (None: unnamed, never split).
+      table: a rules table (RULES, or a config's `rules`).
+
+    Returns:
+      One tuple of mesh axes per dimension (() where it is whole).
+    """
+    return tuple(_as_tuple(axes) for axes in nn.logical_to_mesh_axes(tuple(names), table))

@@ -353,7 +353,7 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
     m, sizes, mesh = config.model, ModelConfig.from_config(config.model), mesh_shape(config)
     (data, fsdp, tensor, context, expert), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
     _one_of(config.mesh.zero_stage, (1, 2, 3), "mesh.zero_stage")
-    _zero_stage_splits(config.mesh.zero_stage, fsdp, context)
+    _zero_stage_splits(config.mesh.zero_stage, fsdp, context, expert)
     _one_of(config.mesh.reduce_gradients, ("auto", "step", "minibatch"), "mesh.reduce_gradients")
     _check(config.mesh.reduce_gradients != "step" or config.mesh.zero_stage < 3 or fsdp == 1,
            "mesh.reduce_gradients", "step accumulates a whole gradient on each device, which ZeRO-3 over "
@@ -389,11 +389,14 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
         f"(data.batch_size / train.num_minibatches); data x fsdp may be: {_divisors(minibatch)}",
     )
     _validate_expert(config, expert, minibatch // (data * fsdp))
+    state = fsdp * context * expert  # the state axes (jaxscale.config.layout_rules.STATE_AXES)
     _check(
-        m.hidden_size % (fsdp * context) == 0,
+        m.hidden_size % state == 0,
         "mesh.fsdp",
-        f"{fsdp} x mesh.context={context} does not divide model.hidden_size={m.hidden_size} (the model state is "
-        f"split along its embed axis over both); fsdp x context may be: {_divisors(m.hidden_size)}",
+        f"{fsdp} x mesh.context={context}{f' x mesh.expert={expert}' if expert > 1 else ''} does not divide "
+        f"model.hidden_size={m.hidden_size} (the model state is split along its embed axis over "
+        f"{'the three' if expert > 1 else 'both'}); fsdp x context{' x expert' if expert > 1 else ''} may be: "
+        f"{_divisors(m.hidden_size)}",
     )
     splits = {
         "attention heads (model.hidden_size / model.head_dim)": sizes.num_heads,
@@ -427,14 +430,15 @@ def _validate_expert(config: ml_collections.ConfigDict, expert: int, rows: int) 
            f"{allowed}")  # fmt: skip
 
 
-def _zero_stage_splits(stage: int, fsdp: int, context: int) -> None:
-    """ZeRO stages 1 and 2 split the optimizer state (and the gradients) over fsdp x context, keeping the parameters
-    whole (jaxscale.config.layout_rules.rules); with both 1 nothing is split and the run is plain data parallelism."""
+def _zero_stage_splits(stage: int, fsdp: int, context: int, expert: int) -> None:
+    """ZeRO stages 1 and 2 split the optimizer state (and the gradients) over the state axes fsdp x context x expert,
+    keeping the parameters whole (jaxscale.config.layout_rules.rules); with all three 1 nothing is split and the run
+    is plain data parallelism."""
     what = "the optimizer state" + (" and the gradients" if stage == 2 else "")
-    _check(stage == 3 or fsdp * context > 1, "mesh.zero_stage",
-           f"{stage} shards {what} over mesh.fsdp (x mesh.context), and mesh.fsdp=1 (context 1) splits "
-           "nothing: it would be plain data parallelism; set mesh.fsdp > 1, or leave mesh.zero_stage at 3 "
-           "(the default)")  # fmt: skip
+    _check(stage == 3 or fsdp * context * expert > 1, "mesh.zero_stage",
+           f"{stage} shards {what} over mesh.fsdp (x mesh.context x mesh.expert), and mesh.fsdp=1 (context 1, "
+           "expert 1) splits nothing: it would be plain data parallelism; set mesh.fsdp > 1, or leave "
+           "mesh.zero_stage at 3 (the default)")  # fmt: skip
 
 
 def _validate_context(config: ml_collections.ConfigDict, context: int) -> None:

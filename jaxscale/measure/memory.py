@@ -315,25 +315,26 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
 def sharded_param_count(
     model: ModelConfig | ml_collections.ConfigDict, fsdp: int = 1, tensor: int = 1, expert: int = 1
 ) -> int:
-    """Parameters one device holds when FSDP splits every embed axis fsdp ways, tensor parallelism
-    splits heads, K/V heads, MLP width and vocabulary tensor ways and expert parallelism a mixture of experts'
-    expert axis (stacked experts, router columns) expert ways (the layout of jaxscale.config.layout_rules.RULES;
-    tests check this count against the real shardings for both families and for a mixture of experts).
-    `params.param_count` is the fsdp = tensor = expert = 1 case.
+    """Parameters one device holds under the default layout (jaxscale.config.layout_rules.RULES, ZeRO-3) on `fsdp`
+    (mesh.fsdp x mesh.context), `tensor` and `expert` devices: every embed axis split fsdp x expert ways (the expert
+    axis shards the model state as FSDP does) but the stacked experts' and router's (fsdp ways: expert parallelism
+    splits their expert axis); heads, K/V heads, MLP width and vocabulary tensor ways. Tests check this count against
+    the real shardings for both families and a mixture of experts. `params.param_count`: fsdp = tensor = expert = 1.
 
     Summed over the family's parameters (params.param_table) with each one's shard shape (params.shard_shape):
-    for the GPT, per layer the four kernels (3H² + H² + 2FH) have both axes, so / (fsdp·tensor); the two
-    LayerNorms and the out and down biases (6H) only embed, / fsdp; the QKV and up biases (3H + F) only heads
-    or MLP, / tensor; plus the token embedding and output kernel (2VH, both), the positional embedding and
-    final LayerNorm (SH + 2H, embed) and the output bias (V, vocabulary). For a Llama every kernel has both
-    axes and the RMSNorm scales only embed.
+    for the GPT (s = fsdp x expert), per layer the four kernels (3H² + H² + 2FH) have both axes, so / (s·tensor);
+    the two LayerNorms and the out and down biases (6H) only embed, / s; the QKV and up biases (3H + F) only heads
+    or MLP, / tensor; plus the token embedding and output kernel (2VH, both), the positional embedding and final
+    LayerNorm (SH + 2H, embed) and the output bias (V, vocabulary). For a Llama every kernel has both axes and the
+    RMSNorm scales only embed.
     """
-    return _held(params.param_table(model), fsdp, tensor, expert)
+    return _held(params.param_table(model), {"fsdp": fsdp, "tensor": tensor, "expert": expert})
 
 
-def _held(table: dict[str, tuple[tuple[int, ...], tuple]], fsdp: int, tensor: int, expert: int = 1) -> int:
-    """Elements one device holds of the parameters in `table` (path -> (shape, names)), each split by its names."""
-    return sum(math.prod(params.shard_shape(shape, names, fsdp, tensor, expert)) for shape, names in table.values())
+def _held(table: dict[str, tuple[tuple[int, ...], tuple]], sizes: dict, rules: tuple = layout_rules.RULES) -> int:
+    """Elements one device holds of the parameters in `table` (path -> (shape, names)), each split by its names under
+    the rules table `rules` on a mesh of `sizes` (params.shard_shape)."""
+    return sum(math.prod(params.shard_shape(shape, names, sizes, rules)) for shape, names in table.values())
 
 
 def trained_table(run: RunSpec) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -341,28 +342,31 @@ def trained_table(run: RunSpec) -> dict[str, tuple[tuple[int, ...], tuple[str, .
     return {k: v for k, v in params.param_table(run.model).items() if run.finetune.trainable(k)}
 
 
-def zero_splits(run: RunSpec) -> dict[str, int]:
-    """How many ways the fsdp axis splits the parameters, the gradients and the optimizer state at the run's
-    mesh.zero_stage (ZeRO, Rajbhandari et al. 2020): stage 1 the state only, 2 the state and the (accumulated)
-    gradients, 3 all three. The ways are those of the layout's tables (jaxscale.config.layout_rules.table: the
-    parameters', and the default one for the optimizer state and, at stage 2, the gradients)."""
-    mesh, stage, split = run.mesh, run.zero_stage, run.sequence_parallel
-
-    def ways(table: tuple) -> int:  # how many devices split a parameter's embed axis (the model state's)
-        return math.prod(getattr(mesh, axis) for axis in layout_rules.mesh_axes("embed", table))
-
+def state_tables(run: RunSpec) -> dict[str, tuple]:
+    """The rules tables the layout lays out the parameters, the gradients and the optimizer state with at the run's
+    mesh.zero_stage (ZeRO, Rajbhandari et al. 2020; jaxscale.config.layout_rules.table): stage 1 splits the state
+    only, 2 the state and the (accumulated) gradients, 3 all three, over the state axes (fsdp x context x expert)."""
+    stage, split = run.zero_stage, run.sequence_parallel
     return {
-        "params": ways(layout_rules.table(stage, split, params=True)),
-        "grads": ways(layout_rules.gradient_table(stage, split)),
-        "optimizer": ways(layout_rules.table(stage, split)),
+        "params": layout_rules.table(stage, split, params=True),
+        "grads": layout_rules.gradient_table(stage, split),
+        "optimizer": layout_rules.table(stage, split),
     }
 
 
-def trained_param_count(run: RunSpec, fsdp: int | None = None) -> int:
-    """Parameters that train, held by one device (sharded like every parameter, see sharded_param_count),
-    split `fsdp` ways on the fsdp axis (default: as the layout splits the parameters, zero_splits)."""
-    fsdp = zero_splits(run)["params"] if fsdp is None else fsdp
-    return _held(trained_table(run), fsdp, run.mesh.tensor, run.mesh.expert)
+def zero_splits(run: RunSpec) -> dict[str, int]:
+    """How many ways the state axes (fsdp x context x expert: layout_rules.STATE_AXES) split a parameter's embed axis
+    in the parameters, the gradients and the optimizer state (`state_tables`; a mixture of experts' stacked experts
+    and router, whose expert axis takes the expert axis, are split fsdp x context ways there)."""
+    return {part: math.prod(getattr(run.mesh, axis) for axis in layout_rules.mesh_axes("embed", table))
+            for part, table in state_tables(run).items()}  # fmt: skip
+
+
+def trained_param_count(run: RunSpec, rules: tuple | None = None) -> int:
+    """Parameters that train, held by one device (sharded like every parameter, see sharded_param_count), laid out
+    with the rules table `rules` (default: the parameters' own, state_tables)."""
+    rules = state_tables(run)["params"] if rules is None else rules
+    return _held(trained_table(run), run.mesh._asdict(), rules)
 
 
 def _frozen_itemsize(run: RunSpec) -> int:
@@ -389,7 +393,7 @@ def frozen_bytes(run: RunSpec, held: int, trained: int) -> int:
     if rules.frozen_dtype != finetune.NF4:
         return _frozen_itemsize(run) * (held - trained)
     kernels = {k: v for k, v in params.param_table(run.model).items() if rules.nf4_kernel(k)}
-    quantized = _held(kernels, zero_splits(run)["params"], run.mesh.tensor, run.mesh.expert)
+    quantized = _held(kernels, run.mesh._asdict(), state_tables(run)["params"])
     nf4 = sum(nf4_kernel_bytes(shape, rules.nf4_stacked(k))
               // (run.mesh.expert if "expert" in rules.nf4_stacked_names(k) else 1)
               for k, (shape, _) in kernels.items())  # fmt: skip
@@ -403,16 +407,16 @@ def optimizer_state_bytes(run: RunSpec) -> int:
     unsplit); Adafactor 4 × (its factored second moments, params.adafactor_state_elements:
     n/d1 + n/d2 per matrix whose two largest dims are >= 128, n for every other parameter, each split like the
     parameter axes it keeps)."""
-    fsdp, mesh = zero_splits(run)["optimizer"], run.mesh
+    rules = state_tables(run)["optimizer"]
     if run.state_dtype == "int8":
-        return _int8_adam_state_bytes(run, fsdp, mesh.tensor, mesh.expert)
+        return _int8_adam_state_bytes(run, rules)
     if run.optimizer == "adafactor":
         table = trained_table(run)
         shapes, names = {k: s for k, (s, _) in table.items()}, {k: n for k, (_, n) in table.items()}
-        return _FLOAT32 * params.adafactor_state_elements(shapes, names, fsdp, mesh.tensor, mesh.expert)
+        return _FLOAT32 * params.adafactor_state_elements(shapes, names, run.mesh._asdict(), rules)
     first = jnp.dtype(run.state_dtype).itemsize
     per_param = {"adam": first + _FLOAT32, "adamw": first + _FLOAT32, "sgd": first}[run.optimizer]
-    return per_param * trained_param_count(run, fsdp)
+    return per_param * trained_param_count(run, rules)
 
 
 def int8_moment_bytes(elements: int, block_size: int = INT8_BLOCK_SIZE) -> int:
@@ -421,36 +425,41 @@ def int8_moment_bytes(elements: int, block_size: int = INT8_BLOCK_SIZE) -> int:
     return elements + _FLOAT32 * -(-elements // block_size)
 
 
-def _int8_adam_state_bytes(run: RunSpec, fsdp: int, tensor: int, expert: int = 1) -> int:
+def _int8_adam_state_bytes(run: RunSpec, rules: tuple) -> int:
     """Adam's two moments at optimizer.state_dtype=int8 on one device: per trained parameter of at least
     INT8_MIN_SIZE elements 2 · int8_moment_bytes (2 x (1 + 4/2048) bytes per element), whole on every device (the
     layout replicates the flat codes and absmax, see jaxscale.train.quantized_state); per smaller one two float32
-    moments split like the parameter, 2 · 4 bytes per element it holds."""
-    total = 0
+    moments split like the parameter under the optimizer state's table `rules`, 2 · 4 bytes per element it holds."""
+    total, sizes = 0, run.mesh._asdict()
     for shape, names in trained_table(run).values():
         elements = math.prod(shape)
         if elements >= INT8_MIN_SIZE:
             total += 2 * int8_moment_bytes(elements)
         else:
-            total += 2 * _FLOAT32 * math.prod(params.shard_shape(shape, names, fsdp, tensor, expert))
+            total += 2 * _FLOAT32 * math.prod(params.shard_shape(shape, names, sizes, rules))
     return total
 
 
 def _gathered_layer_bytes(run: RunSpec, gradient_only: bool = False) -> int:
-    """Under FSDP, one block's parameters gathered whole (/ tensor, and a mixture of experts' experts / expert: the
-    gather is over fsdp) with their full gradients before the reduce-scatter: 4 + 4 bytes per trained parameter,
-    the frozen dtype's bytes per frozen one (no gradient); `gradient_only` (ZeRO-2, whose weights are whole
-    already): 4 bytes per trained parameter. The top block is the one counted (with finetune.train=last_blocks it
-    trains)."""
-    m, mesh, rules = run.model, run.mesh, run.finetune
+    """Under FSDP, one block's parameters gathered whole over the state axes (/ tensor, a mixture of experts' experts
+    / expert: layout_rules.gathered_table) with their full gradients before the reduce-scatter: 4 + 4 bytes per
+    trained parameter, the frozen dtype's per frozen one (no gradient); `gradient_only` (ZeRO-2, whose weights are
+    whole already): 4 bytes per trained parameter. Only those the layout splits over the state axes count (under
+    expert parallelism without fsdp the stacked experts are used where they lie). The top block is the one counted
+    (with finetune.train=last_blocks it trains)."""
+    m, rules, sizes = run.model, run.finetune, run.mesh._asdict()
     block = "transformer/blocks" if m.scan_layers else f"transformer/block_{m.num_layers - 1}"
+    split = state_tables(run)["grads" if gradient_only else "params"]
     total = 0
     for key, (shape, names) in params.layer_param_table(m).items():
+        whole = params.shard_shape(shape, names, sizes, layout_rules.gathered_table(run.sequence_parallel))
+        if params.shard_shape(shape, names, sizes, split) == whole:
+            continue
         trains = rules.trainable(f"{block}/{key}")
         gathered = not (gradient_only or rules.nf4_kernel(f"{block}/{key}"))  # NF4: whole already
         weight = _weight_itemsize(run)
         per = (1 if gradient_only else 2) * weight if trains else _frozen_itemsize(run) if gathered else 0
-        total += per * math.prod(params.shard_shape(shape, names, 1, mesh.tensor, mesh.expert))
+        total += per * math.prod(whole)
     return total
 
 
@@ -493,12 +502,13 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
       params: 4·N (float32; 2·N for bf16 weights without a master copy, model.param_dtype, whose gradients are bf16
         too and whose Kahan buffers, optimizer.bf16_rounding=kahan, count 2·N with the optimizer state), N the
         parameters this device holds (sharded_param_count: all of them on one
-        device or under pure data parallelism; ZeRO-3 / FSDP divides by mesh.fsdp x mesh.context,
-        Rajbhandari et al. 2020; tensor parallelism divides the split matrices by mesh.tensor, Shoeybi et
-        al. 2019; expert parallelism a mixture of experts' experts and router by mesh.expert, Lepikhin et al.
-        2020). Below ZeRO stage 3 the parameters are whole on the fsdp axis (zero_splits). The gradients and
-        the optimizer state are split over expert as their parameters are.
-      optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; split over fsdp x context at every
+        device or under pure data parallelism; ZeRO-3 / FSDP divides by the state axes mesh.fsdp x mesh.context x
+        mesh.expert, Rajbhandari et al. 2020; tensor parallelism divides the split matrices by mesh.tensor, Shoeybi
+        et al. 2019; expert parallelism a mixture of experts' experts and router by mesh.expert, Lepikhin et al.
+        2020, their embed axis then by fsdp x context only). Below ZeRO stage 3 the parameters are whole on the
+        state axes (state_tables, zero_splits). The gradients and the optimizer state are split over expert as
+        their parameters are.
+      optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; split over the state axes at every
         ZeRO stage; Adam's 8-bit moments at state_dtype int8 about 2 × (1 + 4/2048)·N, whole on every device).
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1 (with
         optimizer.in_backward one layer's at a time instead: in_backward_grads_bytes)
@@ -509,10 +519,10 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         for the minibatch's share of this device (/ data·fsdp·expert, and the sequence / context) with
         tensor-parallel terms split (Dims.t), and every term under sequence parallelism (Dims.sp);
         with accumulate='loop' every minibatch's activations, as both XLA backends schedule the unrolled
-        minibatches' forward passes together (measured; see docs/measurements.md). Under FSDP one layer's
-        parameters are gathered whole (/ tensor) at a time, with their full gradient before it is
-        reduce-scattered: 2 × 4 × its parameters (analytic_fsdp_gather_bytes, in the activations; at ZeRO
-        stage 2 its whole gradient only, 4 ×).
+        minibatches' forward passes together (measured; see docs/measurements.md). Under FSDP (the state axes
+        splitting the parameters: fsdp, context or expert) one layer's parameters are gathered whole (/ tensor) at
+        a time, with their full gradient before it is reduce-scattered: 2 × 4 × its parameters
+        (analytic_fsdp_gather_bytes, in the activations; at ZeRO stage 2 its whole gradient only, 4 ×).
     Host offload (jaxscale.train.offload): the optimizer state (optimizer.offload_state) and the trained parameters'
     4 bytes each (train.offload_params) are analytic_host_offload_bytes, in host memory and left out of the peak (the
     device never holds offloaded parameters whole: its kernels read them from host memory in place, as the compiled
@@ -528,8 +538,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
     below takes; or that view, where the caller built it.
     """
     run = RunSpec.of(config)
-    m, splits, mesh = run.model, zero_splits(run), run.mesh
-    d, n = Dims.from_spec(run), sharded_param_count(m, splits["params"], mesh.tensor, mesh.expert)
+    m, splits, tables = run.model, zero_splits(run), state_tables(run)
+    d, n = Dims.from_spec(run), _held(params.param_table(m), run.mesh._asdict(), tables["params"])
     trained = trained_param_count(run)
     layer, working = layer_activation_bytes(d, tuple(m.remat), m.remat_policy, m.scan_layers)
     causal_mask = m.scan_layers and m.causal and m.attention == "reference"
@@ -554,7 +564,7 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
     if splits["params"] == 1 < splits["grads"] and not local:
         gather = _gathered_layer_bytes(run, gradient_only=True)
     weight = _weight_itemsize(run)
-    minibatch_grads = weight * trained_param_count(run, 1 if local else splits["grads"])
+    minibatch_grads = weight * trained_param_count(run, tables["params" if local else "grads"])
     accumulator = minibatch_grads if run.num_minibatches > 1 else 0
     if run.in_backward:  # no whole gradient: one phase's at a time (one device, one minibatch: validation)
         minibatch_grads = in_backward_grads_bytes(run)

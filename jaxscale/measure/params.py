@@ -9,6 +9,7 @@ config's `model` group, read once at the top.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import ml_collections
 import numpy as np
@@ -140,39 +141,29 @@ def layer_param_table(
     return _layer_params(ModelConfig.of(model))
 
 
-# Which mesh axes split each logical name of a parameter: the default layout's table
-# (jaxscale.config.layout_rules.RULES; tests/train/test_sharding_devices.py checks the counts against the real
-# layout). Every name the parameters carry is here; those never split map to ().
-PARAM_NAMES = ("vocab", "embed", "pos", "heads", "kv_heads", "head_dim", "qkv", "mlp", "layers", "expert")
-MESH_SPLITS = {name: layout_rules.mesh_axes(name) for name in PARAM_NAMES}
-STATE_AXES = MESH_SPLITS["embed"]  # the axes that shard the model state (ZeRO / FSDP): fsdp x context
-
-
 def shard_shape(
-    shape: tuple[int, ...], names: tuple[str | None, ...], fsdp: int = 1, tensor: int = 1, expert: int = 1
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...],
+    sizes: Mapping[str, int] | None = None,
+    table: tuple = layout_rules.RULES,
 ) -> tuple[int, ...]:
-    """The shape one device holds of a parameter named `names` (MESH_SPLITS; a mesh axis splits only the first
-    dimension that names it, as Flax's logical_to_mesh does).
+    """The shape one device holds of a parameter named `names`: each dimension divided by the sizes of the mesh axes
+    `table` splits it over (layout_rules.split_axes, the layout's own resolution: under the default table a
+    non-expert parameter's embed axis by fsdp x context x expert, a stacked expert weight's by fsdp x context and its
+    expert axis by expert, heads, K/V heads, MLP width and vocabulary by tensor).
 
     Args:
       shape: the parameter's shape.
       names: its logical axis names (None: unnamed).
-      fsdp: the ways STATE_AXES split it together (mesh.fsdp x mesh.context; 1 where the layout keeps it whole).
-      tensor: the ways the tensor axis splits it (mesh.tensor).
-      expert: the ways the expert axis splits it (mesh.expert: a mixture of experts' "expert" axis).
+      sizes: mesh axis name -> its size (jaxscale.config.spec.MeshShape's fields; a missing axis is 1).
+      table: the layout's rules table (layout_rules.RULES, or a config's: layout_rules.table).
 
     Returns:
       The shape of one device's shard.
     """
-    ways, used, out = {STATE_AXES: fsdp, ("tensor",): tensor, ("expert",): expert}, set(), []
-    for dim, name in zip(shape, names, strict=True):
-        axes = MESH_SPLITS.get(name or "", ())
-        if not axes or used & set(axes):
-            out.append(dim)
-        else:
-            used.update(axes)
-            out.append(dim // ways[axes])
-    return tuple(out)
+    sizes = sizes or {}
+    axes = layout_rules.split_axes(names, table)
+    return tuple(dim // math.prod(sizes.get(axis, 1) for axis in split) for dim, split in zip(shape, axes, strict=True))
 
 
 def param_count(model: ModelConfig | ml_collections.ConfigDict) -> int:
@@ -265,17 +256,17 @@ def _adafactor_leaves(shape: tuple[int, ...], names: tuple[str, ...]) -> list[tu
 def adafactor_state_elements(
     shapes: dict[str, tuple[int, ...]],
     names: dict[str, tuple[str, ...]] | None = None,
-    fsdp: int = 1,
-    tensor: int = 1,
-    expert: int = 1,
+    sizes: Mapping[str, int] | None = None,
+    table: tuple = layout_rules.RULES,
 ) -> int:
     """float32 elements of optax.adafactor's state (defaults: factored, no momentum) that one device holds.
 
     Per parameter of n elements whose two largest dims d1 >= d2 are both >= 128 (min_dim_size_to_factor):
     a row and a column second-moment vector of n/d1 and n/d2 elements, plus a 1-element placeholder; any other
     parameter (vectors, small matrices): the full second moment, n elements, plus two 1-element placeholders.
-    On a mesh (`names` given) each statistic is split like the axes of its parameter it keeps (the layout of
-    jaxscale.train.sharding.state_specs) and the placeholders are replicated. The step counters are left out
+    On a mesh (`names` given, `sizes` the mesh's, `table` the optimizer state's rules) each statistic is split like
+    the axes of its parameter it keeps (the layout of jaxscale.train.sharding.state_specs, shard_shape) and the
+    placeholders are replicated. The step counters are left out
     (a few bytes). Which dims are the largest depends on the layout: a scanned model's [L, H, heads, head_dim]
     kernel is factored over H and whichever of the others is larger.
     """
@@ -284,7 +275,7 @@ def adafactor_state_elements(
     for path, shape in shapes.items():
         for leaf_shape, leaf_names in _adafactor_leaves(shape, names[path]):
             if leaf_names:
-                leaf_shape = shard_shape(leaf_shape, leaf_names, fsdp, tensor, expert)
+                leaf_shape = shard_shape(leaf_shape, leaf_names, sizes, table)
             total += math.prod(leaf_shape)
     return total
 

@@ -53,7 +53,8 @@ finetune.frozen_dtype=nf4) they are dequantized inside each expert matmul (exper
 Expert parallelism (mesh.expert > 1; GShard, Lepikhin et al. 2020, arXiv 2006.16668): "expert" is split over the mesh's
 expert axis (jaxscale.config.layout_rules), so each device holds E / mesh.expert experts (their gradients and
 optimizer state too), and the batch is split over data x fsdp x expert, the expert-parallel devices being data
-parallel everywhere else. The capacity and scatter dispatches constrain their dispatched tokens [B, E, C, H] from
+parallel everywhere else, where they shard the model state as FSDP does (every non-expert parameter's embed axis
+over fsdp x context x expert). The capacity and scatter dispatches constrain their dispatched tokens [B, E, C, H] from
 the batch's layout (rows over data x fsdp x expert) to the experts' ("batch_no_expert": rows over data x fsdp, E over
 expert) and back: JAX's SPMD partitioner exchanges them by an all-to-all over the expert axis each way (the compiled
 program's, tests/train/test_sharding_devices.py), and each device runs its own experts on every row's tokens for

@@ -15,7 +15,9 @@ table and the mesh sizes (`config.mesh`) come the layouts:
   half, Shoeybi et al. 2019);
 - expert parallel (`mesh.expert`, a mixture of experts): the routed experts split along their `expert` axis,
   the batch along `data` x `fsdp` x `expert`; the capacity dispatch's tokens go to the devices of their experts
-  and back by all-to-all (GShard, Lepikhin et al. 2020; jaxscale.model.moe).
+  and back by all-to-all (GShard, Lepikhin et al. 2020; jaxscale.model.moe). Every other parameter, its gradient
+  and optimizer state are split along `embed` over the expert axis too, with fsdp and context (the state axes), as
+  FSDP splits them.
 
 JAX's SPMD partitioner does the rest: the train step is jitted with the state's and batch's shardings as
 in/out shardings (`Layout`), and tracing happens with the rules and the mesh in context

@@ -102,8 +102,9 @@ def test_unknown_preset_lists_the_named_models():
 
 @pytest.mark.parametrize("stage,what", [(1, "the optimizer state"), (2, "the optimizer state and the gradients")])
 def test_zero_stage_below_3_without_an_fsdp_axis_is_one_line(stage, what, tmp_path, capsys, monkeypatch):
-    """ZeRO-1/2 split the state over mesh.fsdp (x mesh.context); with both 1 it would be plain data parallelism
-    under another name: exit 2 from the command line, one line naming mesh.zero_stage and what is allowed."""
+    """ZeRO-1/2 split the state over mesh.fsdp (x mesh.context x mesh.expert); with all three 1 it would be plain data
+    parallelism under another name: exit 2 from the command line, one line naming mesh.zero_stage and what is
+    allowed."""
     from jaxscale import run
 
     monkeypatch.chdir(CONFIGS.parent)
@@ -111,9 +112,9 @@ def test_zero_stage_below_3_without_an_fsdp_axis_is_one_line(stage, what, tmp_pa
                      "--plan", "--output_root", str(tmp_path)])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and not any(tmp_path.iterdir())
-    assert err == (f"jaxscale: error: mesh.zero_stage: {stage} shards {what} over mesh.fsdp (x mesh.context), and "
-                   "mesh.fsdp=1 (context 1) splits nothing: it would be plain data parallelism; set mesh.fsdp > 1, "
-                   "or leave mesh.zero_stage at 3 (the default)")  # fmt: skip
+    assert err == (f"jaxscale: error: mesh.zero_stage: {stage} shards {what} over mesh.fsdp (x mesh.context x "
+                   "mesh.expert), and mesh.fsdp=1 (context 1, expert 1) splits nothing: it would be plain data "
+                   "parallelism; set mesh.fsdp > 1, or leave mesh.zero_stage at 3 (the default)")  # fmt: skip
 
 
 @pytest.mark.parametrize("mesh", [dict(fsdp=2), dict(context=2), dict(fsdp=1, zero_stage=3)], ids=str)
@@ -201,6 +202,27 @@ def test_bad_expert_meshes_are_one_line(preset, mesh, message):
     with pytest.raises(ConfigError) as error:
         validate(config)
     assert str(error.value) == message
+
+
+def test_the_expert_axis_shards_the_model_state_so_it_divides_the_hidden_size_and_zero_1_may_use_it_alone():
+    """The expert-parallel devices split every parameter's embed axis with fsdp x context (jaxscale.config.layout_rules
+    STATE_AXES): fsdp x context x expert must divide model.hidden_size, and ZeRO-1 over expert alone splits the
+    optimizer state (valid, not plain data parallelism)."""
+    config = base_config("tiny-moe", "expert")
+    config.model.hidden_size, config.data.batch_size = 96, 128  # 6 heads of 16; 64 sequences a minibatch
+    config.mesh.update(fsdp=16, expert=4)
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    assert str(error.value) == (
+        "mesh.fsdp: 16 x mesh.context=1 x mesh.expert=4 does not divide model.hidden_size=96 (the model state is "
+        "split along its embed axis over the three); fsdp x context x expert may be: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, "
+        "48, 96"
+    )
+    config.mesh.update(fsdp=8)
+    validate(config)
+    config = base_config("tiny-moe", "expert")
+    config.mesh.update(data=2, expert=2, zero_stage=1)
+    validate(config)
 
 
 @pytest.mark.parametrize("mesh", [dict(expert=4), dict(data=2, expert=2), dict(fsdp=2, zero_stage=1, expert=2)])

@@ -362,13 +362,15 @@ def test_analytic_shapes_are_the_moe_models_leaf_by_leaf(fields):
 @pytest.mark.parametrize(
     "mesh,fields",
     [((1, 1, 1, 1, 4), {}), ((1, 2, 2, 1, 2), dict(scan_layers=True)),
-     ((2, 2, 1, 1, 2), dict(first_dense_layers=1, num_shared_experts=2)), ((1, 2, 1, 1, 2), {"mesh.zero_stage": 1})],
+     ((2, 2, 1, 1, 2), dict(first_dense_layers=1, num_shared_experts=2)), ((1, 2, 1, 1, 2), {"mesh.zero_stage": 1}),
+     ((2, 1, 1, 1, 2), {"mesh.zero_stage": 1})],
     ids=str,
 )  # fmt: skip
 def test_analytic_state_under_expert_parallelism_is_the_layouts_shards(mesh, fields):
     """mesh (data, fsdp, tensor, context, expert): the analytic memory model's parameters, Adam state and gradients
-    per device (the experts and router / mesh.expert) against the shard shapes of the step's real layout, built on
-    an abstract mesh (no devices)."""
+    per device (the experts and router / mesh.expert, every other parameter's embed axis / the state axes fsdp x
+    context x expert; ZeRO-1 over expert alone splits only the Adam state) against the shard shapes of the step's
+    real layout, built on an abstract mesh (no devices)."""
     from jax.sharding import AbstractMesh, AxisType
 
     from jaxscale.measure import memory

@@ -16,6 +16,7 @@ import pytest
 from jaxscale import train
 from jaxscale.config import base_config, validate
 from jaxscale.measure import memory
+from jaxscale.measure.params import param_count
 from jaxscale.train import sharding
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see tests/train/test_sharding.py)")
@@ -602,21 +603,26 @@ def test_moe_expert_parallel_program_exchanges_tokens_by_all_to_all():
 
 def test_moe_expert_parallel_shards_the_experts_their_gradients_and_adam_state():
     """The initial state's real shards on 2 data x 2 fsdp x 2 expert: each device holds half of the stacked experts'
-    expert axis (and half of their embed axis, FSDP), Adam's moments likewise: 4 bytes x a hand count, which the
-    analytic memory model gives too.
+    expert axis (and half of their embed axis, FSDP), and a quarter of every other parameter (its embed axis split
+    over fsdp x expert, the state axes), Adam's moments likewise: 4 bytes x a hand count, which the analytic memory
+    model gives too.
 
     Hand count (tiny-moe: H 64, 4 heads of 16, 2 K/V heads, 2 layers, 4 experts of width 32, vocabulary 128, tied),
-    every embed axis / fsdp 2, the expert axis / expert 2: per layer two RMSNorm scales 2 x 64 / 2, q and out
-    2 x 64 x 64 / 2, k and v 2 x 64 x 32 / 2, the router 64 x 4 / (2 x 2), the experts 3 x 4 x 64 x 32 / (2 x 2);
-    the embedding 128 x 64 / 2 and the final norm 64 / 2."""
+    every non-expert embed axis / (fsdp 2 x expert 2), the experts' and router's embed axis / fsdp 2 and their expert
+    axis / expert 2: per layer two RMSNorm scales 2 x 64 / 4, q and out 2 x 64 x 64 / 4, k and v 2 x 64 x 32 / 4, the
+    router 64 x 4 / (2 x 2), the experts 3 x 4 x 64 x 32 / (2 x 2); the embedding 128 x 64 / 4 and the final norm
+    64 / 4. (Before the expert axis split the non-expert state, each of those was / 2: 28,960 elements, not 20,688.)"""
     config = _moe_config((2, 2, 1, 1, 2))
     config.optimizer.name = "adam"
     placement = sharding.placement(config)
     state = placement.init_state()
     gate = state.params["transformer"]["block_0"]["mlp"]["experts"]["gate"]  # [4, 64, 32]
     assert {shard.data.shape for shard in gate.addressable_shards} == {(2, 32, 32)}
-    layer = 64 + 2 * 2048 + 2 * 1024 + 64 + 3 * 2048
-    expected = 4 * (2 * layer + 4096 + 32)
+    q = state.params["transformer"]["block_0"]["attn"]["q"]["kernel"]  # [64, 4, 16]
+    assert {shard.data.shape for shard in q.addressable_shards} == {(16, 4, 16)}
+    layer = 32 + 2 * 1024 + 2 * 512 + 64 + 3 * 2048
+    expected = 4 * (2 * layer + 2048 + 16)
+    assert expected == 4 * 20688
     assert _bytes_per_device(state.params) == {device.id: expected for device in jax.devices()}
     assert _bytes_per_device(state.opt_state) == {device.id: 2 * expected for device in jax.devices()}
     row = memory.analytic_memory(config)
@@ -625,6 +631,38 @@ def test_moe_expert_parallel_shards_the_experts_their_gradients_and_adam_state()
                                    placement.layout.grads)  # fmt: skip
     assert sum(jax.tree_util.tree_leaves(grads)) == expected  # split as the parameters are (ZeRO-3)
     assert row["analytic_grads_bytes"] == 2 * expected  # a minibatch's gradients and their accumulator
+
+
+@pytest.mark.parametrize(
+    "mesh,changes",
+    [
+        ((2, 1, 1, 1, 4), {}),  # one expert a device; the non-expert state split 4 ways over expert
+        # 8 experts (capacity factor E / k = 4: no drops), one a device; the non-expert state split 8 ways (~7 s)
+        ((1, 1, 1, 1, 8), {"model.num_experts": 8, "model.moe_capacity_factor": 4.0}),
+    ],
+    ids=str,
+)
+def test_moe_expert_parallel_devices_shard_the_non_expert_state_like_fsdp_and_equal_one_device(mesh, changes):
+    """Expert parallelism without an fsdp axis (issue 41, item 4a): the expert-parallel devices also split every
+    non-expert parameter (attention, embedding, norms) and its Adam state along its embed axis, as FSDP does, while
+    the stacked experts stay split by expert. The loss and every gradient equal one device's (the float32 sum-order
+    tolerance); an attention kernel's sharding names the expert axis; each device holds exactly the analytic model's
+    parameter and Adam bytes (memory.analytic_memory), far below the replicated non-expert state of before."""
+    many = _assert_moe_same_function(mesh, "capacity", False, **changes)
+    block = many[3].layout.state.params["transformer"]["block_0"]
+    assert "expert" in block["attn"]["q"]["kernel"].spec[0]  # [H, heads, head_dim]: H over fsdp x context x expert
+    assert tuple(block["mlp"]["experts"]["gate"].spec)[:2] == ("expert", ("fsdp", "context"))  # [E, H, F]
+    config = _moe_config(mesh, **{**MOE, **changes})
+    config.optimizer.name = "adam"
+    state = sharding.placement(config, jax.devices()[: sharding.mesh_shape(config).devices]).init_state()
+    row = memory.analytic_memory(config)
+    devices = {shard.device.id for shard in state.params["embed"]["embedding"].addressable_shards}
+    assert len(devices) == mesh[0] * mesh[4]
+    assert _bytes_per_device(state.params) == {device: row["analytic_params_bytes"] for device in devices}
+    assert _bytes_per_device(state.opt_state) == {device: 2 * row["analytic_params_bytes"] for device in devices}
+    assert row["analytic_optimizer_bytes"] == 2 * row["analytic_params_bytes"]
+    # Every parameter is split mesh.expert ways: the experts and router by their expert axis, the rest by embed.
+    assert row["analytic_params_bytes"] == 4 * param_count(config.model) // mesh[4]
 
 
 # From the same state with filled histories, one step's amaxes are maxes of the same tensors computed in another sum
