@@ -214,8 +214,8 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # sharded data parallel (ZeRO, mesh.zero_stage): the batch split, model state sharded
     c.mesh.tensor = 1  # Megatron tensor parallel: attention heads, MLP width and vocabulary split
     c.mesh.context = 1  # context parallel: every activation's sequence split, attention as a ring
-    c.mesh.expert = 1  # expert parallel (model.num_experts > 0): routed experts split, tokens sent by all-to-all
-    c.mesh.zero_stage = 3  # what mesh.fsdp shards: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP)
+    c.mesh.expert = 1  # expert parallel (MoE): routed experts split, tokens by all-to-all, other state sharded (FSDP)
+    c.mesh.zero_stage = 3  # what fsdp (x context x expert) shards: 1 optimizer state, 2 and grads, 3 and params (FSDP)
     # With several minibatches, when gradients are summed over the devices that split the batch: "step" accumulates
     # each device's own and reduces once a step (DDP's no_sync, llm.c, Megatron's distributed optimizer; a whole
     # float32 accumulator per device), "minibatch" reduces every minibatch's (DeepSpeed ZeRO-2, FSDP2).

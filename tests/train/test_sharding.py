@@ -84,7 +84,7 @@ def _spec(layout, *path):
     return node.spec
 
 
-FS = ("fsdp", "context")  # the model state's split: context-parallel devices shard it too
+FS = ("fsdp", "context", "expert")  # the model state's split: context- and expert-parallel devices shard it too
 
 
 def test_one_table_gives_data_parallel_fsdp_and_tensor_parallel_layouts():
@@ -109,7 +109,7 @@ def test_one_table_gives_data_parallel_fsdp_and_tensor_parallel_layouts():
 
 def test_the_same_table_splits_the_llamas_parameters():
     """Llama: q by heads, grouped k and v by K/V heads, SwiGLU's gate and up by width, every embed axis by
-    fsdp, the tied embedding by vocabulary; the stacked layer axis never."""
+    the state axes (fsdp x context x expert), the tied embedding by vocabulary; the stacked layer axis never."""
     layout, _ = _layout(_config((2, 2, 2), preset="tiny-llama"))
     blocks = ("transformer", "blocks")
     assert _spec(layout, *blocks, "attn", "q", "kernel") == PartitionSpec(None, FS, "tensor", None)
