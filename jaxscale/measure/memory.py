@@ -444,16 +444,16 @@ def _gathered_layer_bytes(run: RunSpec, gradient_only: bool = False) -> int:
     """Under FSDP, one block's parameters gathered whole over the state axes (/ tensor, a mixture of experts' experts
     / expert: layout_rules.gathered_table) with their full gradients before the reduce-scatter: 4 + 4 bytes per
     trained parameter, the frozen dtype's per frozen one (no gradient); `gradient_only` (ZeRO-2, whose weights are
-    whole already): 4 bytes per trained parameter. Only those the layout splits over the state axes count (under
-    expert parallelism without fsdp the stacked experts are used where they lie). The top block is the one counted
-    (with finetune.train=last_blocks it trains)."""
+    whole already): 4 bytes per trained parameter. A parameter with an embed axis the state axes leave whole is used
+    where it lies (the stacked experts under expert parallelism without fsdp), not counted. The top block is the one
+    counted (with finetune.train=last_blocks it trains)."""
     m, rules, sizes = run.model, run.finetune, run.mesh._asdict()
     block = "transformer/blocks" if m.scan_layers else f"transformer/block_{m.num_layers - 1}"
     split = state_tables(run)["grads" if gradient_only else "params"]
     total = 0
     for key, (shape, names) in params.layer_param_table(m).items():
         whole = params.shard_shape(shape, names, sizes, layout_rules.gathered_table(run.sequence_parallel))
-        if params.shard_shape(shape, names, sizes, split) == whole:
+        if "embed" in names and params.shard_shape(shape, names, sizes, split) == whole:
             continue
         trains = rules.trainable(f"{block}/{key}")
         gathered = not (gradient_only or rules.nf4_kernel(f"{block}/{key}"))  # NF4: whole already
