@@ -94,8 +94,12 @@ def gradient_rules(config: ml_collections.ConfigDict) -> tuple:
 
 
 def gradient_table(stage: int, sequence_split: bool) -> tuple:
-    """The table the step's reduced gradients are laid out with: the optimizer state's at ZeRO stage 2 (split,
-    reduce-scattered), the parameters' otherwise. Read by the layout and the analytic memory model.
+    """The table the step's reduced gradients are laid out with: the optimizer state's at every stage. Below stage 3
+    the parameters are whole, but each device updates only its share of the state, so it needs only its share of the
+    gradient: the step reduce-scatters the gradients (stage 2 every minibatch by default, stage 1 once a step after
+    the local accumulation), then all-gathers the updated parameters, which costs the links what data parallelism's
+    all-reduce does (DeepSpeed's stage 1 and Megatron's distributed optimizer: a reduce-scatter is half an
+    all-reduce, the all-gather the other half). Read by the layout and the analytic memory model.
 
     Args:
       stage: mesh.zero_stage.
@@ -104,7 +108,7 @@ def gradient_table(stage: int, sequence_split: bool) -> tuple:
     Returns:
       The logical-to-mesh table.
     """
-    return table(stage, sequence_split, params=stage != 2)
+    return table(stage, sequence_split)
 
 
 def gathered_table(sequence_split: bool) -> tuple:

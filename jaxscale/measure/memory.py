@@ -345,7 +345,8 @@ def trained_table(run: RunSpec) -> dict[str, tuple[tuple[int, ...], tuple[str, .
 def state_tables(run: RunSpec) -> dict[str, tuple]:
     """The rules tables the layout lays out the parameters, the gradients and the optimizer state with at the run's
     mesh.zero_stage (ZeRO, Rajbhandari et al. 2020; jaxscale.config.layout_rules.table): stage 1 splits the state
-    only, 2 the state and the (accumulated) gradients, 3 all three, over the state axes (fsdp x context x expert)."""
+    and the reduced gradients (layout_rules.gradient_table; accumulated on each device they are whole), 2 the state
+    and the (accumulated) gradients, 3 all three, over the state axes (fsdp x context x expert)."""
     stage, split = run.zero_stage, run.sequence_parallel
     return {
         "params": layout_rules.table(stage, split, params=True),
@@ -513,8 +514,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1 (with
         optimizer.in_backward one layer's at a time instead: in_backward_grads_bytes)
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop);
-        split like the optimizer state from ZeRO stage 2 on (the step constrains them so: reduce-scatters),
-        whole at stage 1, and whole where the step accumulates them on each device (accumulates_locally).
+        split like the optimizer state at every ZeRO stage (the step constrains them so: reduce-scatters), and
+        whole where the step accumulates them on each device (accumulates_locally).
       activations: L × per-layer bytes (layer_activation_bytes) + one recomputed unit + head_residuals,
         for the minibatch's share of this device (/ data·fsdp·expert, and the sequence / context) with
         tensor-parallel terms split (Dims.t), and every term under sequence parallelism (Dims.sp);
@@ -556,9 +557,9 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
     # Under FSDP one layer's weights are gathered whole with their whole gradient (_gathered_layer_bytes, 4 + 4
     # bytes a trained parameter); at ZeRO stage 2 the weights are whole already and only one layer's whole
     # gradient lives before its reduce-scatter (4 bytes). The minibatch's gradients and their accumulator are
-    # split from stage 2 on (XLA reduce-scatters each layer's inside the backward loop, as the compiled plans
-    # show), whole at stage 1 (all-reduced). Accumulated on each device (RunSpec.accumulates_locally: data parallel
-    # and ZeRO-1/2 with several minibatches) both are whole, reduced once after the last minibatch.
+    # split at every stage (XLA reduce-scatters each layer's inside the backward loop, as the compiled plans
+    # show). Accumulated on each device (RunSpec.accumulates_locally: data parallel and ZeRO-1/2 with several
+    # minibatches) both are whole, reduced once after the last minibatch.
     local = run.accumulates_locally
     gather = _gathered_layer_bytes(run) if splits["params"] > 1 else 0
     if splits["params"] == 1 < splits["grads"] and not local:

@@ -146,9 +146,9 @@ class Layout:
       state: a TrainState of NamedShardings (params, optimizer state, step, dropout key).
       metrics: NamedShardings of the running metric sums (replicated).
       batch: a Batch of NamedShardings (tokens split along the batch, and the sequence over context).
-      grads: NamedShardings of the trained parameters' gradients and their accumulator: the parameters'
-        own layout, except at ZeRO stage 2, where they are split over fsdp (reduce-scattered) while the
-        parameters are whole.
+      grads: NamedShardings of the trained parameters' reduced gradients (and their accumulator when it is
+        reduced every minibatch): the optimizer state's layout, so below ZeRO stage 3, where the parameters are
+        whole, they are split over the state axes (reduce-scattered: layout_rules.gradient_table).
       rules: the logical-to-mesh rules the model's constraints are resolved with: the parameters' table
         (`rules(config, params=True)`), so a weight cast for its use keeps the parameter's own layout (below
         ZeRO stage 3 it is whole on fsdp and used where it lies, never sliced and gathered again).
