@@ -14,8 +14,8 @@ does this module:
   start and sends the updated ones back (`offloaded_step`). What XLA compiles of that for a GPU (the H100 plans,
   tests/measure/test_host_memory.py by hand): no copy of the parameters to the device at all. Every kernel that
   needs a weight reads it from host memory in place (a GPU kernel may read pinned host memory): the casts to the
-  compute dtype in each minibatch's forward pass (again in the backward pass for layers it recomputes, under remat
-  or nn.scan), a few small tensors in the backward pass's reductions, and the optimizer's update (with the state,
+  compute dtype in each minibatch's forward pass (again in the backward pass for layers it recomputes, under remat,
+  nn.scan or model.residuals=closed_form), a few small tensors in the backward pass's reductions, and the optimizer's update (with the state,
   when that is offloaded too); the updated parameters go back to the host once (a device-to-host copy). So the
   device holds no float32 copy of them, only the compute-dtype casts of the layers in flight (the analytic model
   leaves their 4 bytes out of the device peak: jaxscale.measure.memory), and the host link carries them several
