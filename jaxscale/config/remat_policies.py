@@ -85,8 +85,18 @@ CLOSED_FORM = RematPolicy(
     "log-sum-exp, the MLP's projections' outputs and the down projection's input; recomputes the elementwise rest",
     names={
         "gpt": ("attn_norm", "qkv_proj", "attention_out", "attention_lse", "mlp_norm", "mlp_up", "mlp_hidden"),
-        "llama": ("attn_norm", "query_rotated", "key_rotated", "value_proj", "attention_out", "attention_lse", "mlp_norm", "mlp_gate", "mlp_up",
-                  "mlp_hidden"),
+        "llama": (
+            "attn_norm",
+            "query_rotated",
+            "key_rotated",
+            "value_proj",
+            "attention_out",
+            "attention_lse",
+            "mlp_norm",
+            "mlp_gate",
+            "mlp_up",
+            "mlp_hidden",
+        ),
     },
 )
 OFFLOADED = "qkv_proj_offloaded"  # the policy that moves activations to pinned host memory

@@ -2,7 +2,8 @@
 
 No biases and no position table. bf16 compute with fp32 params; the reference attention keeps fp32 logits and
 softmax; the rotation runs in float32. Remat targets (MLP, Attn, Block), their policies and the
-`checkpoint_name` tags (`attn_norm` and `mlp_norm` on the two RMSNorms' outputs, `query_proj`, `key_proj`, `value_proj`; `context` on the attention output, `out_proj`;
+`checkpoint_name` tags (`attn_norm` and `mlp_norm` on the two RMSNorms' outputs; `query_proj`, `key_proj`,
+`value_proj`, and `query_rotated`, `key_rotated` after the rotation; `context` on the attention output, `out_proj`;
 `mlp_gate`, `mlp_up`, `mlp_hidden` on the down projection's input, `mlp_down`), the layer
 scan, the attention kernels and the logical axis names with their activation constraints are those of the
 GPT (jaxscale.model.stack, .attention, .axes), so the mesh rules split both families alike.
