@@ -587,6 +587,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         "analytic_optimizer_bytes": optimizer_state_bytes(run) + weight * trained * (run.bf16_rounding == "kahan"),
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,
+        # what one layer's backward pass reads (closed_form_residuals), whatever the layer keeps: the docs' yardstick
+        "analytic_closed_form_per_layer_bytes": sum(sum(t.values()) for t in closed_form_residuals(d).values()),
         "analytic_fsdp_gather_bytes": gather,
     }
     # Host offload (jaxscale.train.offload): the offloaded parts live in host memory, out of the device's peak.
