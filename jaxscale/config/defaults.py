@@ -46,6 +46,7 @@ DTYPES = ("bfloat16", "float32", "float16")
 REDUCE_DTYPES = ("float32", "compute")  # model.reduce_dtype
 REMAT_TARGETS = ("MLP", "Attn", "Block")
 REMAT_POLICIES = tuple(remat_policies.POLICIES)  # what each keeps, with its source: remat_policies.py, docs/fit.md
+RESIDUALS = ("closed_form", "autodiff")  # model.residuals: what a sub-block no remat covers keeps (model/stack.py)
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
@@ -144,6 +145,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.causal = True  # causal attention mask (next-token prediction needs it)
     c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")
     c.model.remat_policy = "nothing_saveable"  # what remat keeps: one of REMAT_POLICIES, or per_activation:name=place,...
+    c.model.residuals = "closed_form"  # sub-blocks no remat covers keep: closed_form (what backward reads), autodiff
     c.model.scan_layers = False  # stack the blocks with nn.scan (one compiled body) or unroll them
     c.model.attention = "reference"  # reference (einsum), xla or cudnn (jax.nn), chunked or flash (docs/attention.md)
     c.model.attention_block_q = 0  # flash: queries per block of the forward kernel, a power of two; 0: by head_dim

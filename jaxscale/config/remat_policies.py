@@ -9,8 +9,13 @@ k, v) or `query_proj`, `key_proj`, `value_proj` (llama's); `context` (the attent
 projection) with the chunked and flash kernels' `attention_out` and `attention_lse` (their residuals,
 docs/attention.md); `out_proj` (the out projection's output); `mlp_gate` (llama), `mlp_up` (the up projection's
 output, before the activation); `mlp_hidden` (the down projection's input); `mlp_down` (the down projection's
-output). The analytic models see a tag as the tensor it holds (`TAG_TENSORS`): q, k, v, logits (the T x T
-attention matrix), context (the attention's output), out, gate, up, hidden, down.
+output); `attn_norm` and `mlp_norm` (the two norms' outputs, the inputs of q, k, v and of gate and up). The analytic
+models see a tag as the tensor it holds (`TAG_TENSORS`): q, k, v, logits (the T x T attention matrix), context (the
+attention's output), out, gate, up, hidden, down, and the norms' outputs attn_norm and mlp_norm.
+
+`CLOSED_FORM` is not a remat policy a user names: it is what a sub-block that no remat target covers keeps under
+model.residuals=closed_form (jaxscale.model.stack.maybe_remat), the tensors its backward pass reads and nothing
+else.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ FAMILY_TENSORS: dict[str, frozenset[str]] = {
     "gpt": frozenset({"q", "k", "v", "logits", "context", "out", "up", "down"}),
     "llama": frozenset({"q", "k", "v", "logits", "context", "out", "gate", "up", "down"}),
 }
+NORM_TENSORS = frozenset({"attn_norm", "mlp_norm"})  # the two norms' outputs: elementwise, no matmul's
 _WEIGHT_DOTS = frozenset({"q", "k", "v", "out", "gate", "up", "down"})
 _QKV = ("qkv_proj", "query_proj", "key_proj", "value_proj")
 _CONTEXT = ("context", "attention_out", "attention_lse")
@@ -68,6 +74,31 @@ def _both(tags: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     return {"gpt": tags, "llama": tags}
 
 
+# What a sub-block keeps for its backward pass at the closed form (model.residuals=closed_form): the tensors the
+# backward reads, each once in the compute dtype (Korthikanti et al. 2022's accounting): the norm's output (its input
+# is the sub-block's input, which a checkpoint keeps anyway), q, k and v, the attention kernel's output and
+# log-sum-exp (flash and chunked name them), the MLP's up (and gate) projections' outputs and the down projection's
+# input. The cheap elementwise work between them (the norm's float32 statistics, RoPE, GELU / silu, the casts) is
+# recomputed in the backward pass, as MaxText's and Megatron's policies do; no matmul is.
+CLOSED_FORM = RematPolicy(
+    "keeps what the sub-block's backward pass reads: the norm's output, q, k, v, the attention output and "
+    "log-sum-exp, the MLP's projections' outputs and the down projection's input; recomputes the elementwise rest",
+    names={
+        "gpt": ("attn_norm", "qkv_proj", "attention_out", "attention_lse", "mlp_norm", "mlp_up", "mlp_hidden"),
+        "llama": (
+            "attn_norm",
+            "query_rotated",
+            "key_rotated",
+            "value_proj",
+            "attention_out",
+            "attention_lse",
+            "mlp_norm",
+            "mlp_gate",
+            "mlp_up",
+            "mlp_hidden",
+        ),
+    },
+)
 OFFLOADED = "qkv_proj_offloaded"  # the policy that moves activations to pinned host memory
 POLICIES: dict[str, RematPolicy] = {
     "nothing_saveable": RematPolicy("keeps nothing: recomputes the whole module (JAX)", builtin="nothing_saveable"),
@@ -147,8 +178,32 @@ def per_activation(name: str) -> RematPolicy:
     return RematPolicy(f"per activation: {name.removeprefix(PER_ACTIVATION)}", names=_both(device), offloads=offload)
 
 
+def closed_form_units(model, context: int = 1) -> frozenset[str]:
+    """The sub-blocks ("Attn", "MLP") of a layer that keep CLOSED_FORM: under model.residuals=closed_form those no
+    remat target covers (neither they nor "Block" in model.remat), the attention only where its kernel names its
+    residuals (flash and chunked, not on a context-parallel ring of `context` > 1 devices). A mixture of experts'
+    MLP (its routing) names no closed form: the model (jaxscale.model.stack.keeps_closed_form) and the memory model
+    leave it to autodiff. The one rule both read.
+
+    Args:
+      model: the model config (jaxscale.config.spec.ModelConfig, or the config's `model` group).
+      context: the devices of the context-parallel ring (mesh.context).
+    """
+    if model.residuals != "closed_form" or "Block" in model.remat:
+        return frozenset()
+    units = {"MLP"} - set(model.remat)
+    if "Attn" not in model.remat and model.attention in ("flash", "chunked") and context == 1:
+        units.add("Attn")
+    return frozenset(units)
+
+
+CLOSED_FORM_NAME = "closed_form"  # the name remat_policy and kept take for CLOSED_FORM (not one of POLICIES)
+
+
 def lookup(name: str) -> RematPolicy:
-    """POLICIES[name], or the per-activation policy a `per_activation:` name spells (KeyError for neither)."""
+    """POLICIES[name], CLOSED_FORM, or the per-activation policy a `per_activation:` name spells (KeyError for none)."""
+    if name == CLOSED_FORM_NAME:
+        return CLOSED_FORM
     return per_activation(name) if name.startswith(PER_ACTIVATION) else POLICIES[name]
 
 
@@ -191,12 +246,12 @@ def kept(name: str, family: str) -> frozenset[str]:
     """
     policy = lookup(name)
     saved = policy.dots if policy.names is None else _tensors(policy.names[family])
-    return saved & FAMILY_TENSORS[family]
+    return saved & (FAMILY_TENSORS[family] | NORM_TENSORS)
 
 
 def not_recomputed(name: str, family: str) -> frozenset[str]:
     """The tensors the backward pass gets back without recomputing them: those kept and those offloaded."""
-    return kept(name, family) | (_tensors(lookup(name).offloads) & FAMILY_TENSORS[family])
+    return kept(name, family) | (_tensors(lookup(name).offloads) & (FAMILY_TENSORS[family] | NORM_TENSORS))
 
 
 def saves_by_dot_type(name: str) -> bool:

@@ -42,6 +42,7 @@ class ModelConfig:
     causal: bool = True
     remat: tuple[str, ...] = ()
     remat_policy: str = "nothing_saveable"
+    residuals: str = "closed_form"
     scan_layers: bool = False
     attention: str = "reference"
     attention_block_q: int = 0

@@ -26,6 +26,7 @@ from jaxscale.config.defaults import (
     REDUCE_DTYPES,
     REMAT_POLICIES,
     REMAT_TARGETS,
+    RESIDUALS,
     STATE_DTYPES,
     ConfigError,
 )
@@ -168,6 +169,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             ) from None
     else:
         _one_of(m.remat_policy, REMAT_POLICIES, "model.remat_policy")
+    _one_of(m.residuals, RESIDUALS, "model.residuals")
     _validate_attention(m, d.seq_len)
     _check(0.0 <= m.dropout_rate < 1.0, "model.dropout_rate", f"must be in [0, 1), got {m.dropout_rate}")
     _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxscale.config import remat_policies
 from jaxscale.config.spec import RunSpec, capacity
 
 _BOOL = 1  # a dropout keep-mask element
@@ -75,6 +76,8 @@ class Dims:
     sp: int = 1  # ways the residual stream's positions are split (t under sequence parallelism, else 1)
     c: int = 0  # positions per chunk of the output head and loss (train.loss_chunk_len); 0: the whole sequence
     moe: MoEDims | None = None  # a mixture of experts' sizes: its layers' MLP is memory.moe_mlp_residuals
+    # the sub-blocks that keep the closed form (remat_policies.closed_form_units: model.residuals=closed_form)
+    closed: frozenset[str] = frozenset()
 
     @property
     def fused_attention(self) -> bool:
@@ -112,4 +115,5 @@ class Dims:
             sp=mesh.tensor if run.sequence_parallel else 1,
             c=run.loss_chunk_len,
             moe=MoEDims.from_spec(run),
+            closed=remat_policies.closed_form_units(m, mesh.context),
         )

@@ -290,6 +290,24 @@ def head_residuals(d: Dims, causal_mask: bool) -> dict[str, int]:
     }
 
 
+# What the closed form leaves out of the unscanned terms: the dropout mask and the norm's float32 statistics, which
+# the backward pass recomputes (the mask from its random key, the statistics from the norm's input it keeps).
+_RECOMPUTED = ("dropout_mask", "ln_stats", "norm_stats")
+
+
+def closed_form_residuals(d: Dims) -> dict[str, dict[str, int]]:
+    """The bytes each sub-block keeps at the closed form (remat_policies.CLOSED_FORM, model.residuals=closed_form),
+    by tensor: what its backward pass reads, each once in the compute dtype. The attention: the norm's input (the
+    sub-block's input) and output, q, k, v, the kernel's output and log-sum-exp; the MLP: the norm's input and
+    output, the up (and gate) projection's output and the down projection's input. They are the unscanned terms
+    (attention_residuals, mlp_residuals and the Llama family's) less the dropout mask and the norm's statistics,
+    recomputed (_RECOMPUTED); scanned or not, the same. A dense MLP's only (a mixture of experts' keeps autodiff's).
+    """
+    attn, mlp = residual_functions(d.family)
+    return {unit: {k: v for k, v in terms.items() if k not in _RECOMPUTED}
+            for unit, terms in (("Attn", attn(d, False)), ("MLP", mlp(d, False)))}  # fmt: skip
+
+
 def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned: bool) -> tuple[int, int]:
     """(bytes one layer keeps until its backward pass, bytes of one recomputed unit during it).
 
@@ -297,11 +315,15 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
     residuals come back during the backward pass as a working set, one unit at a time, fused (XLA
     optimizes the recompute and its backward as one region, so the fused terms apply even when scanned).
     A mixture of experts' layer (d.moe) has moe_mlp_residuals for its MLP, and its expert-parallel exchange's
-    transient copy (moe_memory.all_to_all_bytes) in the working set.
+    transient copy (moe_memory.all_to_all_bytes) in the working set. A sub-block no remat target covers keeps
+    what autodiff saves (attention_residuals and the others, `scanned` or not), or under model.residuals=closed_form
+    (d.closed) its closed_form_residuals, scanned or not.
     """
     sbh = d.s * d.b * d.h // d.sp  # a module's input: the residual stream, split by sequence parallelism
     attn, mlp = residual_functions(d.family, moe=d.moe is not None)
     kept = {"Attn": sum(attn(d, scanned).values()), "MLP": sum(mlp(d, scanned).values())}
+    for unit in d.closed - ({"MLP"} if d.moe else set()):  # a mixture of experts' MLP is autodiff's
+        kept[unit] = sum(closed_form_residuals(d)[unit].values())
     fused = {"Attn": sum(attn(d, False).values()), "MLP": sum(mlp(d, False).values())}
     fused["Block"] = fused["Attn"] + fused["MLP"]
     saved = _policy_saved(d, policy)
@@ -576,6 +598,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         "analytic_optimizer_bytes": optimizer_state_bytes(run) + weight * trained * (run.bf16_rounding == "kahan"),
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,
+        # what one layer's backward pass reads (closed_form_residuals), whatever the layer keeps: the docs' yardstick
+        "analytic_closed_form_per_layer_bytes": sum(sum(t.values()) for t in closed_form_residuals(d).values()),
         "analytic_fsdp_gather_bytes": gather,
     }
     # Host offload (jaxscale.train.offload): the offloaded parts live in host memory, out of the device's peak.

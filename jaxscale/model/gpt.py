@@ -2,7 +2,8 @@
 
 bf16 compute, fp32 params and softmax; remat, scan, the attention kernels and the logical axis names (on
 every parameter, and constraints on the activations between sharded matmuls) come from jaxscale.model.stack,
-.attention and .axes, shared with the other families. The remat policies' `checkpoint_name` tags: `qkv_proj`
+.attention and .axes, shared with the other families. The remat policies' `checkpoint_name` tags: `attn_norm` and
+`mlp_norm` (each LayerNorm's output), `qkv_proj`
 (the fused projection), `context` (the attention output), `out_proj`, `mlp_up` (before GELU), `mlp_hidden`
 (after), `mlp_down`. `tie_embeddings` gives GPT-2's output head: the token embedding transposed, with no
 output bias.
@@ -47,12 +48,13 @@ class AttnBlock(nn.Module):
 
     config: ModelConfig
     train: bool
+    names_backward_reads = True  # every tensor its backward reads is tagged (jaxscale.model.stack.keeps_closed_form)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("attn"):
-            h = whole_sequence(layer_norm(cfg, "pre_norm")(x))  # [B, T, H]
+            h = whole_sequence(checkpoint_name(layer_norm(cfg, "pre_norm")(x), "attn_norm"))  # [B, T, H]
             qkv = dense((cfg.num_heads, 3 * cfg.head_dim), ("embed", "heads", "qkv"), cfg, "qkv")(h)
             qkv = constrain(checkpoint_name(qkv, "qkv_proj"), ("batch", "seq", "heads", "qkv"))  # [B, T, nh, 3*hd]
             q, k, v = jnp.split(qkv, 3, axis=-1)  # each [B, T, nh, hd]
@@ -67,12 +69,13 @@ class MLPBlock(nn.Module):
 
     config: ModelConfig
     train: bool
+    names_backward_reads = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("mlp"):
-            h = whole_sequence(layer_norm(cfg, "pre_norm")(x))  # [B, T, H]
+            h = whole_sequence(checkpoint_name(layer_norm(cfg, "pre_norm")(x), "mlp_norm"))  # [B, T, H]
             h = checkpoint_name(dense(cfg.mlp_width, ("embed", "mlp"), cfg, "up")(h), "mlp_up")  # [B, T, F]
             h = constrain(checkpoint_name(nn.gelu(h), "mlp_hidden"), ("batch", "seq", "mlp"))  # F = 4H by default
             h = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down")(h)

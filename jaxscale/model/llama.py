@@ -2,7 +2,8 @@
 
 No biases and no position table. bf16 compute with fp32 params; the reference attention keeps fp32 logits and
 softmax; the rotation runs in float32. Remat targets (MLP, Attn, Block), their policies and the
-`checkpoint_name` tags (`query_proj`, `key_proj`, `value_proj`; `context` on the attention output, `out_proj`;
+`checkpoint_name` tags (`attn_norm` and `mlp_norm` on the two RMSNorms' outputs; `query_proj`, `key_proj`,
+`value_proj`, and `query_rotated`, `key_rotated` after the rotation; `context` on the attention output, `out_proj`;
 `mlp_gate`, `mlp_up`, `mlp_hidden` on the down projection's input, `mlp_down`), the layer
 scan, the attention kernels and the logical axis names with their activation constraints are those of the
 GPT (jaxscale.model.stack, .attention, .axes), so the mesh rules split both families alike.
@@ -77,13 +78,14 @@ class LlamaAttention(nn.Module):
 
     config: ModelConfig
     train: bool
+    names_backward_reads = True  # every tensor its backward reads is tagged (jaxscale.model.stack.keeps_closed_form)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
         with jax.named_scope("attn"):
-            h = whole_sequence(rms_norm(cfg, "pre_norm")(x))  # [B, T, H]
+            h = whole_sequence(checkpoint_name(rms_norm(cfg, "pre_norm")(x), "attn_norm"))  # [B, T, H]
             q = dense((heads, head_dim), ("embed", "heads", "head_dim"), cfg, "q", use_bias=False)(h)
             k = dense((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg, "k", use_bias=False)(h)
             v = dense((kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), cfg, "v", use_bias=False)(h)
@@ -93,8 +95,8 @@ class LlamaAttention(nn.Module):
             if cfg.qk_norm != "none":  # Qwen3 and OLMoE normalize q and k before the rotation
                 q, k = qk_norm(cfg, "q_norm", "heads")(q), qk_norm(cfg, "k_norm", "kv_heads")(k)
             positions = sequence_positions(x.shape[1])  # [T]: arange, or the context-parallel ring's order
-            q = rotary_embedding(q, positions, cfg.rope_theta)
-            k = rotary_embedding(k, positions, cfg.rope_theta)
+            q = checkpoint_name(rotary_embedding(q, positions, cfg.rope_theta), "query_rotated")
+            k = checkpoint_name(rotary_embedding(k, positions, cfg.rope_theta), "key_rotated")
             h = checkpoint_name(attention(q, k, v, cfg), "context")
             h = constrain(h, ("batch", "seq", "heads", "head_dim"))  # [B, T, nh, hd]
             h = dense(cfg.hidden_size, ("heads", "head_dim", "embed"), cfg, "out", axis=(-2, -1), use_bias=False)(h)
@@ -117,12 +119,13 @@ class SwiGLU(nn.Module):
 
     config: ModelConfig
     train: bool
+    names_backward_reads = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("mlp"):
-            h = whole_sequence(rms_norm(cfg, "pre_norm")(x))  # [B, T, H]
+            h = whole_sequence(checkpoint_name(rms_norm(cfg, "pre_norm")(x), "mlp_norm"))  # [B, T, H]
             return branch_output(cfg, swiglu(cfg, h, cfg.mlp_width), self.train)  # [B, T, H]
 
 

@@ -360,7 +360,7 @@ class MoE(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         with jax.named_scope("mlp"):
-            h = whole_sequence(rms_norm(cfg, "pre_norm")(x))  # [B, T, H]
+            h = whole_sequence(checkpoint_name(rms_norm(cfg, "pre_norm")(x), "mlp_norm"))  # [B, T, H]
             router = nn.Dense(cfg.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=jnp.float32,
                               kernel_init=partitioned(nn.initializers.lecun_normal(), ("embed", "expert")),
                               name="router")  # fmt: skip

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxscale.config.remat_policies import remat_policy
+from jaxscale.config import remat_policies
 from jaxscale.config.spec import ModelConfig
 from jaxscale.model import fp8, lora, nf4, precision, ring_attention
 from jaxscale.model.axes import Initializer, constrain, mesh_axis_size, partitioned
@@ -19,16 +19,33 @@ from jaxscale.model.axes import Initializer, constrain, mesh_axis_size, partitio
 
 def maybe_remat(module: type[nn.Module], target: str, cfg: ModelConfig) -> type[nn.Module]:
     """Wraps `module` in nn.remat when `target` is in cfg.remat, with the policy
-    jaxscale.config.remat_policies names cfg.remat_policy (the table the FLOP and memory models read too).
+    jaxscale.config.remat_policies names cfg.remat_policy (the table the FLOP and memory models read too); a
+    sub-block no remat target covers (`keeps_closed_form`) in nn.remat with remat_policies.CLOSED_FORM, which keeps
+    exactly the tensors its backward pass reads and recomputes only elementwise work.
 
     prevent_cse: outside nn.scan it must be True, or XLA's common-subexpression elimination merges the
     backward pass's recomputation with the forward pass and silently undoes the remat. Inside nn.scan
     the loop boundary already stops that merge, and True would only add optimization barriers that
     block fusion (the JAX and Flax docs advise False there), so it is `not cfg.scan_layers`.
     """
-    if target not in cfg.remat:
+    if target in cfg.remat:
+        policy = cfg.remat_policy
+    elif keeps_closed_form(module, target, cfg):
+        policy = remat_policies.CLOSED_FORM_NAME
+    else:
         return module
-    return nn.remat(module, prevent_cse=not cfg.scan_layers, policy=remat_policy(cfg.remat_policy, cfg.family))
+    return nn.remat(module, prevent_cse=not cfg.scan_layers, policy=remat_policies.remat_policy(policy, cfg.family))
+
+
+def keeps_closed_form(module: type[nn.Module], target: str, cfg: ModelConfig) -> bool:
+    """Whether the sub-block `module` ("Attn" or "MLP") keeps the closed form (remat_policies.CLOSED_FORM) for its
+    backward pass: `target` is one of remat_policies.closed_form_units (model.residuals=closed_form, no remat target
+    covering it, an attention kernel that names its residuals) and the module tags every tensor its backward reads
+    (`names_backward_reads`: the dense MLPs and the attentions; a mixture of experts' routing does not). Otherwise
+    JAX's autodiff decides what it keeps (inside nn.scan, every intermediate its backward reads, float32 ones
+    included, as loop outputs: docs/measurements.md)."""
+    units = remat_policies.closed_form_units(cfg, mesh_axis_size("context"))
+    return target in units and getattr(module, "names_backward_reads", False)
 
 
 class ResidualBlock(nn.Module):

@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale import compile_cache, train
 from jaxscale.cli import Usage, fail, print_help, wants_help
-from jaxscale.config import mesh_shape
-from jaxscale.measure import collectives, expert_flops, kernels, memory
+from jaxscale.config import RunSpec, mesh_shape
+from jaxscale.measure import collectives, expert_flops, kernels, layer_loop, memory
 from jaxscale.plan import targets
 from jaxscale.train import offload, sharding
 from jaxscale.train.step import param_columns
@@ -183,7 +183,14 @@ def compile_for_target(
         _emit(cached["stderr"])
         seconds = time.perf_counter() - start
         saved = max(0.0, cached["result"]["compile_s"] - seconds)
-        return {**cached["result"], "compile_s": seconds, "compile_cache_hit": True, "compile_cache_saved_s": saved}
+        result = {**cached["result"], "compile_s": seconds, "compile_cache_hit": True, "compile_cache_saved_s": saved}
+        if "compiled_scan_saved_bytes" not in result:  # an entry written before the column was
+            try:
+                with gzip.open(compile_cache.plan_hlo_path(key), "rt") as handle:
+                    result.update(_loop_columns(handle.read(), config))
+            except OSError:  # kept without its program
+                result["compiled_scan_saved_bytes"] = None
+        return result
     with captured_stderr() as stderr:
         compiled = lowered.compile(compiler_options=options)
     seconds = time.perf_counter() - start
@@ -192,6 +199,7 @@ def compile_for_target(
         **memory.compiled_memory(compiled, text),
         **collectives.collective_columns(text),
         **expert_flops.compiled_columns(text),
+        **_loop_columns(text, config),
         "compile_s": seconds,
         **param_columns(inputs[0]),
         "device_kind": device.device_kind,
@@ -206,6 +214,17 @@ def compile_for_target(
     compile_cache.write_plan(key, result, stderr[0])  # the plan and XLA's warnings, for the next compile
     _emit(stderr[0])
     return {**result, "compile_cache_hit": False if compile_cache.enabled() else None, "compile_cache_saved_s": None}
+
+
+def _loop_columns(text: str, config: ml_collections.ConfigDict) -> dict[str, int | None]:
+    """compiled_scan_saved_bytes: what the scanned layers' forward loop writes out for the backward pass, one device's
+    (jaxscale.measure.layer_loop; None with unrolled layers)."""
+    run = RunSpec.of(config)
+    if not run.model.scan_layers:
+        return {"compiled_scan_saved_bytes": None}
+    seq = run.seq_len // run.mesh.context
+    return {"compiled_scan_saved_bytes": layer_loop.saved_bytes(text, run.model.num_layers, run.minibatch_per_device,
+                                                                seq)}  # fmt: skip
 
 
 def _write_gzipped(text: str, path: pathlib.Path) -> None:

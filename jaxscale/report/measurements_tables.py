@@ -1,8 +1,10 @@
-"""docs/measurements.md's tables, written from the committed rows of the CPU seed-table sweeps."""
+"""docs/measurements.md's tables, written from committed rows: the CPU seed-table sweeps' (the allocator), and
+experiments/layer_bytes.py's H100 plans (what one layer keeps, beside the closed form)."""
 
 from __future__ import annotations
 
 import pathlib
+import re
 import statistics
 import string
 
@@ -42,4 +44,63 @@ def allocator_table(*sweeps: pathlib.Path) -> str:
         steps = [[m[variant] for _, m in found] for found in (before, after)]
         change = statistics.median(steps[1]) / statistics.median(steps[0]) - 1
         lines.append((variant, *(" / ".join(f"{x:.3f}" for x in s) for s in steps), f"{change:+.0%}"))
+    return markdown(header, lines)
+
+
+_PROBE_NAME = re.compile(r"^(?P<keep>.+)_L(?P<layers>\d+)_(?P<seq>\d+)k$")
+
+
+def layer_slopes(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per way of keeping (the variant's name without its `_L<layers>_<seq>k`), from its four plans (two layer counts
+    at two sequence lengths, experiments/layer_bytes.py): `kept`, the bytes one layer keeps per token (the per-token
+    slopes' difference over the layer counts'), `working`, the per-token bytes of neither (the slope at the most layers
+    less their kept bytes), and the largest plan's row (`largest`). A way with other than four ok plans is left out.
+
+    Args:
+      rows: one sweep's rows.
+    """
+    groups: dict[str, dict[tuple[int, int], dict]] = {}
+    for row in rows:
+        found = _PROBE_NAME.match(row["variant"])
+        if found and row.get("status") == "ok":
+            size = (int(found["layers"]), row["config.data.seq_len"])
+            groups.setdefault(found["keep"], {})[size] = row
+    ways = {}
+    for keep, plans in groups.items():
+        layers, seqs = sorted({n for n, _ in plans}), sorted({s for _, s in plans})
+        if len(plans) != 4 or len(layers) != 2 or len(seqs) != 2:
+            continue
+        tokens = (seqs[1] - seqs[0]) * plans[layers[0], seqs[0]]["config.data.batch_size"]
+        slopes = [(plans[n, seqs[1]]["compiled_temp_bytes"] - plans[n, seqs[0]]["compiled_temp_bytes"]) / tokens
+                  for n in layers]  # fmt: skip
+        kept = (slopes[1] - slopes[0]) / (layers[1] - layers[0])
+        ways[keep] = {"kept": kept, "working": slopes[1] - layers[1] * kept, "largest": plans[layers[1], seqs[1]]}
+    return ways
+
+
+def layer_bytes_table(*sweeps: pathlib.Path) -> str:
+    """What one layer keeps per token, compiled (layer_slopes) beside the memory model's count and the closed form
+    (what the layer's backward pass reads), in bytes per token per layer over the hidden size h, and the working set
+    (per token, over h) and predicted step of the largest plan; one block of rows per family (sweep).
+
+    Args:
+      sweeps: results.jsonl of experiments/layer_bytes.py's sweeps, one per preset.
+
+    Returns:
+      The markdown table.
+    """
+    header = ("model", "layers", "keeps", "compiled (h)", "memory model (h)", "closed form (h)", "compiled / closed",
+              "working set (h)", "predicted step (ms)")  # fmt: skip
+    lines = []
+    for path in sweeps:
+        for keep, way in layer_slopes(read_rows(path)).items():
+            row = way["largest"]
+            h, tokens = row["config.model.hidden_size"], row["config.data.seq_len"] * row["config.data.batch_size"]
+            analytic = row["analytic_activation_per_layer_bytes"] / tokens
+            closed = row["analytic_closed_form_per_layer_bytes"] / tokens
+            scan, _, name = keep.partition("_")
+            lines.append((row["config.preset"], "scanned" if scan == "scan" else "unrolled", name,
+                          f"{way['kept'] / h:.1f}", f"{analytic / h:.1f}", f"{closed / h:.1f}",
+                          f"{way['kept'] / closed:.2f}", f"{way['working'] / h:.1f}",
+                          f"{row['predicted_step_s'] * 1000:.0f}"))  # fmt: skip
     return markdown(header, lines)

@@ -13,11 +13,11 @@ does this module:
 - `train.offload_params`: the trained parameters live in `pinned_host`; the step marks them for the device at its
   start and sends the updated ones back (`offloaded_step`). What XLA compiles of that for a GPU (the H100 plans,
   tests/measure/test_host_memory.py by hand): no copy of the parameters to the device at all. Every kernel that
-  needs a weight reads it from host memory in place (a GPU kernel may read pinned host memory): the casts to the
-  compute dtype in each minibatch's forward pass (again in the backward pass for layers it recomputes, under remat
-  or nn.scan), a few small tensors in the backward pass's reductions, and the optimizer's update (with the state,
-  when that is offloaded too); the updated parameters go back to the host once (a device-to-host copy). So the
-  device holds no float32 copy of them, only the compute-dtype casts of the layers in flight (the analytic model
+  needs a weight reads it from host memory in place (a GPU kernel may read pinned host memory): the casts to the compute
+  dtype in each minibatch's forward pass (again in the backward pass for layers it recomputes, under remat, nn.scan or
+  model.residuals=closed_form), a few small tensors in the backward pass's reductions, and the optimizer's update (with
+  the state, when that is offloaded too); the updated parameters go back to the host once (a device-to-host copy). So
+  the device holds no float32 copy of them, only the compute-dtype casts of the layers in flight (the analytic model
   leaves their 4 bytes out of the device peak: jaxscale.measure.memory), and the host link carries them several
   times a step (jaxscale.measure.kernels prices each read). MaxText streams each scanned layer's weights by
   explicit copies instead; that is not built.

@@ -89,16 +89,18 @@ def test_an_offloaded_activation_crosses_the_link_one_layer_slice_at_a_time():
 @needs_extra
 def test_offloaded_parameters_are_read_in_place_once_a_minibatch_and_written_back_once():
     """The one account of train.offload_params (jaxscale.train.offload), held to the H100 plan of the tiny GPT
-    (unrolled, no remat, 2 minibatches; P = 4 x TINY_PARAMS bytes of float32 parameters, S = TINY_ADAM_BYTES): the
-    program has no host-to-device transfer (the parameters are never copied to the device whole); the new parameters
-    and state go back to the host once (device_to_host transfers of P + S); and the kernels that read host memory in
-    place read P + S once (the optimizer's update) and P once a minibatch (each minibatch's forward pass casts the
-    weights to bf16 from host memory; its backward pass reuses the casts), within 2% of P: the backward pass's
-    reductions also read a few small tensors in place (the LayerNorms' 64-wide vectors, the embeddings' gradient
-    fusion: 5,116 bytes, 1.1% of P, read from the compiled kernels). Reading the weights twice a minibatch would be
+    (unrolled, no remat, autodiff's residuals, 2 minibatches; P = 4 x TINY_PARAMS bytes of float32 parameters, S =
+    TINY_ADAM_BYTES): the program has no host-to-device transfer (the parameters are never copied to the device whole);
+    the new parameters and state go back to the host once (device_to_host transfers of P + S); and the kernels that read
+    host memory in place read P + S once (the optimizer's update) and P once a minibatch (each minibatch's forward pass
+    casts the weights to bf16 from host memory; its backward pass reuses the casts), within 2% of P: the backward pass's
+    reductions also read a few small tensors in place (the LayerNorms' 64-wide vectors, the embeddings' gradient fusion:
+    5,116 bytes, 1.1% of P, read from the compiled kernels). Reading the weights twice a minibatch would be
     100% of P more."""
+    config = _config(True, True)
+    config.model.residuals = "autodiff"  # closed_form would recompute the MLP, reading its weights again (docs)
     text = targets.target_config_text(targets.get_target("h100"))
-    result = target_compile.compile_for_target(_config(True, True), text, 1, "cublas")
+    result = target_compile.compile_for_target(config, text, 1, "cublas")
     params, state = 4 * TINY_PARAMS, TINY_ADAM_BYTES
     assert result["compiled_host_argument_bytes"] == result["compiled_host_output_bytes"] == params + state
     found = [k for k in kernels.from_dicts(result["kernels"]) if k.host_bytes]
