@@ -75,7 +75,7 @@ class Dims:
     t: int = 1  # tensor-parallel degree (mesh.tensor): heads, K/V heads, MLP width and vocabulary split t ways
     sp: int = 1  # ways the residual stream's positions are split (t under sequence parallelism, else 1)
     c: int = 0  # positions per chunk of the output head and loss (train.loss_chunk_len); 0: the whole sequence
-    moe: MoEDims | None = None  # a mixture of experts' sizes: its layers' MLP is memory.moe_mlp_residuals
+    moe: MoEDims | None = None  # a mixture of experts' sizes: its layers' MLP is layer_memory.moe_mlp_residuals
     # the sub-blocks that keep the closed form (remat_policies.closed_form_units: model.residuals=closed_form)
     closed: frozenset[str] = frozenset()
 

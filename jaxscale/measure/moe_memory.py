@@ -25,7 +25,7 @@ jax.ad_checkpoint.print_saved_residuals of the MoE module): silu's three interme
 copy of the router's input, the capacity dispatch's one-hot slots [b, s, k, E, C] (from which unrolled XLA recomputes
 the masks inside its fusions), the dense dispatch's float32 one-hot [N, k, E], and the experts' compute-dtype weight
 copies 3·(E / expert)·H·F·p. Tensor parallelism splits the F-wide tensors (the experts' "mlp" axis) t ways; the
-shared experts and the RMSNorm are memory.llama_mlp_residuals' (a dense SwiGLU of num_shared_experts x F).
+shared experts and the RMSNorm are layer_memory.llama_mlp_residuals' (a dense SwiGLU of num_shared_experts x F).
 
 The sizes are jaxscale.measure.activation_dims' (Dims, its MoEDims in d.moe); memory imports this module, not the
 other way round.
@@ -46,7 +46,7 @@ def _expert_rows(d: Dims) -> int:
 
 def routed_residuals(d: Dims, scanned: bool) -> dict[str, int]:
     """Bytes the router and the routed experts keep for the backward pass, per MoE layer, by tensor (the module
-    docstring); the RMSNorm and the shared experts are memory.moe_mlp_residuals'."""
+    docstring); the RMSNorm and the shared experts are layer_memory.moe_mlp_residuals'."""
     m, n, rows = d.moe, d.b * d.s, _expert_rows(d)
     wide = d.p * rows * m.f // d.t  # one F-wide tensor of the experts
     out_rows = n * m.k if m.dispatch == "scatter" else rows  # scatter keeps its outputs gathered back to the choices

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, load_config
 
 from jaxscale import run
-from jaxscale.measure import flops, memory, params
+from jaxscale.measure import flops, layer_memory, memory, params
 from jaxscale.measure.activation_dims import Dims
 from jaxscale.plan import gpu_plan
 from jaxscale.report import docs_tables
@@ -97,14 +97,14 @@ def test_the_check_above_fails_without_a_term_of_the_model(drop, monkeypatch):
     """The band is narrow enough to notice a missing term: without the scanned layers' float32 LayerNorm
     intermediates or the GELU intermediates, a variant leaves it."""
     function, term = drop
-    original = getattr(memory, function)
+    original = getattr(layer_memory, function)
 
     def without(*args, **kwargs):
         terms = original(*args, **kwargs)
         terms.pop(term, None)
         return terms
 
-    monkeypatch.setattr(memory, function, without)
+    monkeypatch.setattr(layer_memory, function, without)
     ratios = {name: _estimate_over_notebook(name) for name in NOTEBOOK_PEAK_GIB}
     assert any(not _band(name)[0] <= ratio <= _band(name)[1] for name, ratio in ratios.items()), ratios
 
@@ -252,7 +252,7 @@ NAMED_POLICY_BYTES = [
 
 @pytest.mark.parametrize("family, attention, policy, expected", NAMED_POLICY_BYTES)
 def test_named_policies_keep_the_bytes_of_the_tensors_they_save(family, attention, policy, expected):
-    saved = memory._policy_saved(_tiny_dims(family, attention), policy)
+    saved = layer_memory._policy_saved(_tiny_dims(family, attention), policy)
     assert (saved["Attn"], saved["MLP"], saved["Block"]) == expected
 
 
@@ -264,21 +264,21 @@ def test_fused_kernels_keep_no_attention_matrix_and_a_chunked_loss_one_chunk_of_
     dots_saveable keeps the kernels' output and log-sum-exp (128 + 64) where the reference keeps its logits
     and AV output (4·64 + 128). A chunked loss of C=2 positions keeps 2p·b·C·v = 2·2·2·2·16 = 256 bytes of
     logits instead of 2p·b·s·v = 512."""
-    attn = memory.residual_functions(family)[0]
+    attn = layer_memory.residual_functions(family)[0]
     reference = attn(_tiny_dims(family), False)
     assert reference["softmax_exp"] + reference["softmax_weights"] == 4 * 64 + 2 * 64
     for kernel in ("chunked", "flash"):
         kept = attn(_tiny_dims(family, kernel), False)
         assert "softmax_exp" not in kept and kept["logsumexp"] == 4 * 2 * 4 * 2
         assert kept == attn(_tiny_dims(family, "cudnn"), False)
-        saved = memory._policy_saved(_tiny_dims(family, kernel), "dots_saveable")
-        projections = memory._policy_saved(_tiny_dims(family, kernel), "dots_with_no_batch_dims_saveable")
+        saved = layer_memory._policy_saved(_tiny_dims(family, kernel), "dots_saveable")
+        projections = layer_memory._policy_saved(_tiny_dims(family, kernel), "dots_with_no_batch_dims_saveable")
         assert saved["Attn"] - projections["Attn"] == 128 + 64
-    saved = memory._policy_saved(_tiny_dims(family), "dots_saveable")
-    projections = memory._policy_saved(_tiny_dims(family), "dots_with_no_batch_dims_saveable")
+    saved = layer_memory._policy_saved(_tiny_dims(family), "dots_saveable")
+    projections = layer_memory._policy_saved(_tiny_dims(family), "dots_with_no_batch_dims_saveable")
     assert saved["Attn"] - projections["Attn"] == 4 * 64 + 128
-    whole = memory.head_residuals(_tiny_dims(family), causal_mask=False)["logits"]
-    chunked = memory.head_residuals(dataclasses.replace(_tiny_dims(family), c=2), causal_mask=False)["logits"]
+    whole = layer_memory.head_residuals(_tiny_dims(family), causal_mask=False)["logits"]
+    chunked = layer_memory.head_residuals(dataclasses.replace(_tiny_dims(family), c=2), causal_mask=False)["logits"]
     assert (whole, chunked) == (512, 256)
 
 

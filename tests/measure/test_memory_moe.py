@@ -13,7 +13,7 @@ from conftest import REPO, load_config
 from jaxscale import run
 from jaxscale.config.defaults import load_config_file
 from jaxscale.config.spec import capacity
-from jaxscale.measure import memory, moe_memory
+from jaxscale.measure import layer_memory, memory, moe_memory
 from jaxscale.measure.activation_dims import Dims, MoEDims
 from jaxscale.plan import gpu_plan
 
@@ -50,9 +50,9 @@ HAND_COUNT = {"dense": 544 + 1728, "capacity": 544 + 2016, "ragged": 544 + 1216,
 
 @pytest.mark.parametrize("dispatch", sorted(HAND_COUNT))
 def test_moe_layer_terms_by_hand(dispatch):
-    assert sum(memory.moe_mlp_residuals(_dims(dispatch), scanned=False).values()) == HAND_COUNT[dispatch]
+    assert sum(layer_memory.moe_mlp_residuals(_dims(dispatch), scanned=False).values()) == HAND_COUNT[dispatch]
     # One shared expert of width 6: a dense SwiGLU's gate, up and hidden [8, 6], 2·48 = 96 bytes each.
-    shared = memory.moe_mlp_residuals(_dims(dispatch, shared=6), scanned=False)
+    shared = layer_memory.moe_mlp_residuals(_dims(dispatch, shared=6), scanned=False)
     assert sum(shared.values()) == HAND_COUNT[dispatch] + 3 * 96
 
 
@@ -62,20 +62,20 @@ def test_moe_scanned_terms_policies_and_exchange_by_hand():
     of its input and statistic (128 + 32); with bf16 compute on float32 weights, the experts' bf16 copies 3·(4·8·6)·2
     = 1,152 and the router's float32 input [8, 8] (256). Expert parallelism over 2 devices keeps 2 experts' copies
     (576) and adds the exchange's second [2, 4, 3, 8] copy, 384 bytes, to the working set."""
-    unrolled = sum(memory.moe_mlp_residuals(_dims("capacity"), scanned=False).values())
-    scanned = sum(memory.moe_mlp_residuals(_dims("capacity"), scanned=True).values())
+    unrolled = sum(layer_memory.moe_mlp_residuals(_dims("capacity"), scanned=False).values())
+    scanned = sum(layer_memory.moe_mlp_residuals(_dims("capacity"), scanned=True).values())
     assert scanned == unrolled + 3 * 288 + 384 + 3 * 256 - 128 - 32
     casts = dataclasses.replace(_dims("capacity"), kernel_casts=True)
-    assert sum(memory.moe_mlp_residuals(casts, scanned=True).values()) == scanned + 1152 + 256
+    assert sum(layer_memory.moe_mlp_residuals(casts, scanned=True).values()) == scanned + 1152 + 256
     split = dataclasses.replace(casts, moe=dataclasses.replace(casts.moe, ep=2))
-    assert sum(memory.moe_mlp_residuals(split, scanned=True).values()) == scanned + 576 + 256
+    assert sum(layer_memory.moe_mlp_residuals(split, scanned=True).values()) == scanned + 576 + 256
     assert (moe_memory.all_to_all_bytes(split), moe_memory.all_to_all_bytes(casts)) == (384, 0)
     # Policies by name keep the experts' gate and up (minimal_flash: 2·384 in dense) and outputs (512); by dot type,
     # dots_with_no_batch_dims_saveable keeps the router's float32 logits (128) and, of the dispatches, only the dense
     # one's einsums (no batch dims): gate, up, outputs; capacity's batch over sequence or expert, ragged_dot is none.
-    assert memory._policy_saved(_dims("dense"), "minimal_flash")["MLP"] == 2 * 384 + 512
-    assert memory._policy_saved(_dims("capacity"), "minimal_flash")["MLP"] == 2 * 288 + 384
-    no_batch = {d: memory._policy_saved(_dims(d), "dots_with_no_batch_dims_saveable")["MLP"] for d in HAND_COUNT}
+    assert layer_memory._policy_saved(_dims("dense"), "minimal_flash")["MLP"] == 2 * 384 + 512
+    assert layer_memory._policy_saved(_dims("capacity"), "minimal_flash")["MLP"] == 2 * 288 + 384
+    no_batch = {d: layer_memory._policy_saved(_dims(d), "dots_with_no_batch_dims_saveable")["MLP"] for d in HAND_COUNT}
     assert no_batch == {"dense": 128 + 2 * 384 + 512, "capacity": 128, "ragged": 128, "scatter": 128}
 
 
