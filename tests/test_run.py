@@ -92,12 +92,14 @@ def test_tiny_llama_runs_and_learns(tmp_path, optimizer):
     assert 0.5 < row["compiled_to_analytic_peak_ratio"] < 3.0
 
 
-def test_reference_plan_on_cpu_reports_the_reference_param_count(tmp_path):
-    proc = run_cli(
-        "jaxscale.run", "--config", "configs/bf16_remat.py:seed", "--plan", "--output_root", str(tmp_path), "--quiet"
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    row = _result(proc.stdout)
+def test_reference_plan_on_cpu_reports_the_reference_param_count(tmp_path, capsys):
+    # in this process (the command's own main): a real process's start is test_bad_input_from_a_real_process's and
+    # test_tiny_run_writes_a_result_row_and_a_trace's to check
+    code = run.main(["jaxscale.run", "--config", str(REPO / "configs/bf16_remat.py:seed"), "--plan", "--output_root",
+                     str(tmp_path), "--quiet"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    row = _result(out)
     assert row["params"] == 155_877_376 and row["tokens_per_step"] == 64 * 512
     assert row["plan_only"] and row["status"] == "ok" and row["trace_dir"] is None
     assert row["compiled_temp_bytes"] > 0 and row["compiled_peak_bytes"] > row["compiled_temp_bytes"]

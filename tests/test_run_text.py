@@ -49,20 +49,22 @@ def trace_event_names(run_dir: pathlib.Path) -> set[str]:
 
 
 def test_a_tiny_model_learns_real_text_and_the_row_scalars_and_trace_show_it(pydoc_bytes, tmp_path):
-    config = text_config("bf16", "tiny", pydoc_bytes, steps=200, warmup_steps=1, eval_every=100)
+    # 120 steps (the validation loss, every 20 steps on this CPU: 3.70, 3.23, 3.03, 2.95, 2.88, 2.83 at step 120, 2.74
+    # at 200 against the held-out bytes' unigram entropy of 3.14) end 0.11 nats under the bound below
+    config = text_config("bf16", "tiny", pydoc_bytes, steps=120, warmup_steps=1, eval_every=60)
     row = run.run(config, tmp_path / "tiny_text", "tiny_text", progress=False)
     assert row["status"] == "ok", row["error"]
     entropy = unigram_entropy(pydoc_bytes)
     assert 2.5 < entropy < 4.0  # English bytes: about 4.5 bits
     assert math.isclose(row["data_validation_unigram_entropy_nats"], entropy, rel_tol=1e-9)
-    assert row["validation_steps"] == [100, 200, 202]  # and after the profiled step
+    assert row["validation_steps"] == [60, 120, 122]  # and after the profiled step
     assert row["validation_loss"] < entropy - 0.2, (row["validation_loss_all"], entropy)
     assert row["validation_loss_all"][0] > row["validation_loss"] and row["loss_first"] > math.log(256) - 0.5
-    assert len(row["input_wait_s_all"]) == len(row["step_s_all"]) == 200
+    assert len(row["input_wait_s_all"]) == len(row["step_s_all"]) == 120
     assert row["input_wait_s_total"] == pytest.approx(sum(row["input_wait_s_all"]))
-    assert len(row["loss_all"]) == 202  # warm-up, timed and profiled steps
+    assert len(row["loss_all"]) == 122  # warm-up, timed and profiled steps
     series = scalars(tmp_path / "tiny_text")
-    assert [step for step, _ in series["loss/train"]] == list(range(1, 203))
+    assert [step for step, _ in series["loss/train"]] == list(range(1, 123))
     np.testing.assert_allclose([v for _, v in series["loss/train"]], row["loss_all"], rtol=1e-6)
     assert [s for s, _ in series["loss/validation"]] == row["validation_steps"]
     np.testing.assert_allclose([v for _, v in series["loss/validation"]], row["validation_loss_all"], rtol=1e-6)
@@ -108,13 +110,14 @@ def test_a_stopped_run_resumes_from_its_last_checkpoint_on_the_same_loss_curve(p
 
 
 def _offloaded_text_args(pydoc_bytes: pathlib.Path, output: pathlib.Path) -> list[str]:
-    """A tiny text run with Adam's state and the parameters in host memory, checkpointed and validated every 4 of 40
-    steps, each batch held back 20 ms on the host (so that a kill lands between two checkpoints)."""
+    """A tiny text run with Adam's state and the parameters in host memory, checkpointed and validated every 4 of 20
+    steps, each batch held back 50 ms on the host (so that a kill lands between two checkpoints: the 12 steps after
+    step 8's checkpoint wait 0.6 s for their batches, as 32 steps of 20 ms did when the run was 40 steps long)."""
     return ["--config", "configs/bf16.py:tiny", "--config.data.source=text", f"--config.data.path={pydoc_bytes}",
             "--config.model.vocab_size=256", "--config.optimizer.offload_state=True",
-            "--config.train.offload_params=True", "--config.train.steps=40", "--config.train.warmup_steps=1",
+            "--config.train.offload_params=True", "--config.train.steps=20", "--config.train.warmup_steps=1",
             "--config.train.checkpoint_every=4", "--config.train.eval_every=4", "--config.profile.steps=0",
-            "--config.data.host_delay_s=0.02", "--output_root", str(output), "--name", "offloaded",
+            "--config.data.host_delay_s=0.05", "--output_root", str(output), "--name", "offloaded",
             "--quiet"]  # fmt: skip
 
 
@@ -146,9 +149,9 @@ def test_an_offloaded_run_killed_by_sigkill_resumes_from_its_checkpoint_on_the_s
     resumed = run_cli("jaxscale.run", *args)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     row = json.loads((killed_root / "traces" / "offloaded" / "result.json").read_text())
-    assert row["status"] == "ok" and row["resumed_from_step"] >= 8 and row["checkpoint_steps"][-1] == 40
+    assert row["status"] == "ok" and row["resumed_from_step"] >= 8 and row["checkpoint_steps"][-1] == 20
 
-    config = text_config("bf16", "tiny", pydoc_bytes, steps=40, warmup_steps=1, checkpoint_every=4, eval_every=4)
+    config = text_config("bf16", "tiny", pydoc_bytes, steps=20, warmup_steps=1, checkpoint_every=4, eval_every=4)
     config.optimizer.offload_state, config.train.offload_params = True, True
     config.profile.steps, config.data.host_delay_s = 0, 0.0
     compiled, placement, _, _ = run.compile_step(config)

@@ -25,17 +25,17 @@ RUN_NAME = "tb_tiny"
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory, pydoc_bytes) -> pathlib.Path:
     """traces/ with one run of the bf16 config (layers scanned, no remat) on text with validation every step,
-    captured by `python -m jaxscale.run`."""
+    captured by `python -m jaxscale.run`'s main in this process (the server, not the run's process, is tested here)."""
+    from jaxscale import run
+
     root = tmp_path_factory.mktemp("tensorboard")
-    command = [
-        sys.executable, "-m", "jaxscale.run", "--config", "configs/bf16.py:tiny",
+    argv = [
+        "jaxscale.run", "--config", str(REPO / "configs/bf16.py:tiny"),
         "--config.train.steps=1", "--config.train.warmup_steps=0", "--output_root", str(root), "--name", RUN_NAME,
         "--config.data.source=text", f"--config.data.path={pydoc_bytes}", "--config.model.vocab_size=256",
         "--config.train.eval_every=1", "--quiet",
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert run.main(argv) == 0
     return root / "traces"
 
 

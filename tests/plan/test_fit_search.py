@@ -270,7 +270,20 @@ def test_local_planner_judges_xlas_remat_warning_without_the_host_state_as_the_t
     """XLA's "Can't reduce memory use below ..." estimate counts arrays in host memory as the device's
     (gpu_plan.device_warning, measured on H100 plans): on a local GPU with Adam's state offloaded, a warning whose
     "reached" exceeds the limit by less than the host arguments is no verdict against the plan; by more it is. A
-    warning is injected in place of the compiler's stderr (this CPU's compiler never warns)."""
+    warning is injected in place of the compiler's stderr (this CPU's compiler never warns). The planner's three calls
+    on the offloaded config lower the same program: it is compiled once and the executable handed back to the later
+    two (each still judges its own injected warning against the compiled host arguments)."""
+    import jax
+
+    compiled, compile_lowered = {}, jax.stages.Lowered.compile
+
+    def compile_once(lowered, *args, **kwargs):
+        key = lowered.as_text()
+        if key not in compiled:
+            compiled[key] = compile_lowered(lowered, *args, **kwargs)
+        return compiled[key]
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_once)
     config = base_config("tiny", "fit")
     config.optimizer.offload_state = True
     host = fit_search.local_planner(config)["compiled_host_argument_bytes"]
@@ -290,6 +303,7 @@ def test_local_planner_judges_xlas_remat_warning_without_the_host_state_as_the_t
     config.optimizer.offload_state = False  # nothing on the host: the warning stands as it is
     warned(limit + 1)
     assert fit_search.local_planner(config)["plan_fits"] is False
+    assert len(compiled) == 2  # the offloaded program and the one without host state
 
 
 @pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
