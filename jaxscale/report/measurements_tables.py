@@ -79,9 +79,10 @@ def layer_slopes(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def layer_bytes_table(*sweeps: pathlib.Path) -> str:
-    """What one layer keeps per token, compiled (layer_slopes) beside the memory model's count and the closed form
-    (what the layer's backward pass reads), in bytes per token per layer over the hidden size h, and the working set
-    (per token, over h) and predicted step of the largest plan; one block of rows per family (sweep).
+    """What one layer keeps per token, compiled (layer_slopes; and for scanned layers the largest plan's forward loop
+    outputs, compiled_scan_saved_bytes) beside the memory model's count and the closed form (what the layer's backward
+    pass reads), in bytes per token per layer over the hidden size h, and the working set (per token, over h) and
+    predicted step of the largest plan; one block of rows per family (sweep).
 
     Args:
       sweeps: results.jsonl of experiments/layer_bytes.py's sweeps, one per preset.
@@ -89,8 +90,8 @@ def layer_bytes_table(*sweeps: pathlib.Path) -> str:
     Returns:
       The markdown table.
     """
-    header = ("model", "layers", "keeps", "compiled (h)", "memory model (h)", "closed form (h)", "compiled / closed",
-              "working set (h)", "predicted step (ms)")  # fmt: skip
+    header = ("model", "layers", "keeps", "compiled, slope (h)", "compiled, scan loop (h)", "memory model (h)",
+              "closed form (h)", "slope / closed", "working set (h)", "predicted step (ms)")  # fmt: skip
     lines = []
     for path in sweeps:
         for keep, way in layer_slopes(read_rows(path)).items():
@@ -98,9 +99,11 @@ def layer_bytes_table(*sweeps: pathlib.Path) -> str:
             h, tokens = row["config.model.hidden_size"], row["config.data.seq_len"] * row["config.data.batch_size"]
             analytic = row["analytic_activation_per_layer_bytes"] / tokens
             closed = row["analytic_closed_form_per_layer_bytes"] / tokens
+            loop = row.get("compiled_scan_saved_bytes")
+            loop = "-" if loop is None else f"{loop / (row['config.model.num_layers'] * tokens * h):.1f}"
             scan, _, name = keep.partition("_")
             lines.append((row["config.preset"], "scanned" if scan == "scan" else "unrolled", name,
-                          f"{way['kept'] / h:.1f}", f"{analytic / h:.1f}", f"{closed / h:.1f}",
+                          f"{way['kept'] / h:.1f}", loop, f"{analytic / h:.1f}", f"{closed / h:.1f}",
                           f"{way['kept'] / closed:.2f}", f"{way['working'] / h:.1f}",
                           f"{row['predicted_step_s'] * 1000:.0f}"))  # fmt: skip
     return markdown(header, lines)

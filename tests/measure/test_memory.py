@@ -354,3 +354,17 @@ def test_docs_allocator_table_holds_the_committed_sweeps():
     ratio = [m["bf16_remat_batch64"] / m["bf16_remat_1minibatch"] for m in (glibc[0], tcmalloc[0])]
     assert (f"With glibc the 64-sequence step took {ratio[0]:.1f}x the 16-sequence one (`bf16_remat_1minibatch`) "
             f"for 4x the tokens (sweep A); with tcmalloc {ratio[1]:.1f}x (sweep D)") in text  # fmt: skip
+
+
+@pytest.mark.parametrize("preset,elements", [("llama3.1-8b", 17), ("gpt2", 16)])
+def test_closed_form_is_what_the_backward_reads_by_hand(preset, elements):
+    """docs/measurements.md's closed form per token per layer: Llama 3.1 8B 17h elements (the attention's input and
+    norm output 2h, q h, k and v h/4 each, its output h; the MLP's input and norm output 2h, gate, up and the down
+    input 3 x 3.5h), the GPT at the same width 16h (q, k, v 3h, up and the down input 2 x 4h), 2 bytes each, plus a
+    float32 log-sum-exp a head (32 heads)."""
+    config = load_config("bf16_remat", preset)
+    config.model.update(hidden_size=4096, head_dim=128, attention="flash", remat=())
+    config.data.update(batch_size=1, seq_len=1024)
+    config.train.num_minibatches = 1
+    per_token = memory.analytic_memory(config)["analytic_closed_form_per_layer_bytes"] / 1024
+    assert per_token == 2 * elements * 4096 + 4 * 32

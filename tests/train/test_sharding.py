@@ -180,12 +180,12 @@ def test_analytic_activations_split_by_batch_and_tensor():
 
 def test_sequence_parallelism_splits_korthikantis_replicated_10sbh_by_t():
     """Korthikanti et al. 2022, Sec. 4.2.2: with tensor parallelism alone 10sbh bytes per layer stay replicated
-    (16-bit activations, 1-byte dropout masks: the two LayerNorms' inputs 4sbh and outputs 4sbh, the two
-    dropout masks 2sbh), and sequence parallelism splits them t ways too, all of a layer's activations then being
-    sbh(34/t + 5as/(ht)). Hand count for the unrolled GPT without remat, autodiff's residuals (plus the LayerNorms' float32 mean and
-    rstd, 2 x 2 x 4sb, which the paper leaves out): the difference between the two layouts is
-    (10sbh + 16sb)(1 - 1/t), and the layer under sequence parallelism is the one-device layer divided by t
-    whatever the kernel."""
+    (16-bit activations, 1-byte dropout masks: the two LayerNorms' inputs 4sbh and outputs 4sbh, the two dropout
+    masks 2sbh), and sequence parallelism splits them t ways too, all of a layer's activations then being sbh(34/t +
+    5as/(ht)). Hand count for the unrolled GPT without remat, autodiff's residuals (plus the LayerNorms' float32
+    mean and rstd, 2 x 2 x 4sb, which the paper leaves out): the difference between the two layouts is (10sbh +
+    16sb)(1 - 1/t), and the layer under sequence parallelism is the one-device layer divided by t whatever the
+    kernel."""
     t = 4
 
     def per_layer(mesh, sp, attention="reference"):
