@@ -5,14 +5,18 @@
   quantization.
 - `nf4_map`: the 16 values of the 4-bit NormalFloat data type (Dettmers et al. 2023, "QLoRA: Efficient Finetuning
   of Quantized LLMs", arXiv 2305.14314, section 3), the frozen base's codes (jaxscale.model.nf4).
+- `moment_blocks`, `absmax_layout`: where the 8-bit Adam's blocks lie in a moment of a given shape, and the shape and
+  logical names of its absmax: the optimizer (jaxscale.train.quantized_state), the layout (jaxscale.train.sharding)
+  and the analytic memory model (jaxscale.measure.memory) read the one rule from here.
 
-Tables only (NumPy, float32, read-only), with the block sizes QLoRA quantizes in: the model, the train step and
-the analytic memory model read them from here.
+Tables only (NumPy, float32, read-only), with the block sizes QLoRA quantizes in, and the blocks' layout: the model,
+the train step and the analytic memory model read them from here.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 
 import numpy as np
@@ -80,3 +84,36 @@ def nf4_map() -> np.ndarray:
     code = values / values.max()
     code.setflags(write=False)
     return code
+
+
+def moment_blocks(shape: tuple[int, ...], block_size: int) -> int | None:
+    """The first axis of the blocks of an 8-bit moment of `shape`: the start of the smallest trailing run of axes whose
+    elements are a whole number of blocks of `block_size` (len(shape) - 1 where the last axis is), or None where no
+    run is (the moment is stored flat, the last block partial).
+
+    The blocks are cut along that run, row-major, and the axes before it (the prefix) index whole runs: the blocks
+    are exactly those of the flattened tensor cut every `block_size` elements, while the codes keep the parameter's
+    shape and the prefix its axes, so a mesh splits them as it splits the parameter (jaxscale.train.quantized_state).
+    """
+    elements = 1
+    for start in range(len(shape) - 1, -1, -1):
+        elements *= shape[start]
+        if elements % block_size == 0:
+            return start
+    return None
+
+
+def absmax_layout(
+    shape: tuple[int, ...], names: tuple[str | None, ...], block_size: int
+) -> tuple[tuple[int, ...], tuple[str | None, ...]] | None:
+    """(shape, logical names) of the absmax of an 8-bit moment of a parameter of `shape` named `names`: the prefix's
+    axes and names (moment_blocks) and one axis of the run's blocks, unnamed; None where the moment is flat.
+
+    The blocks' axis is unnamed (whole on every device that holds a share of the prefix): a split of it would need
+    the mesh's ways to divide the number of blocks, which a logical name cannot promise for every mesh. It is 4 bytes
+    per `block_size` elements of the codes (1/512 of float32 moments' bytes at 2048)."""
+    start = moment_blocks(shape, block_size)
+    if start is None:
+        return None
+    names = tuple(names) + (None,) * (len(shape) - len(names))
+    return (*shape[:start], math.prod(shape[start:]) // block_size), (*names[:start], None)

@@ -24,7 +24,7 @@ import ml_collections
 
 from jaxscale.config import finetune, layout_rules
 from jaxscale.config.defaults import INT8_BLOCK_SIZE, INT8_MIN_SIZE
-from jaxscale.config.quantization import ABSMAX_BLOCK_SIZE, NF4_BLOCK_SIZE
+from jaxscale.config.quantization import ABSMAX_BLOCK_SIZE, NF4_BLOCK_SIZE, absmax_layout
 from jaxscale.config.spec import ModelConfig, RunSpec
 from jaxscale.measure import host_memory, params
 from jaxscale.measure.activation_dims import Dims
@@ -199,9 +199,9 @@ def optimizer_state_bytes(run: RunSpec) -> int:
     """Bytes of the optimizer's state on one device, for the parameters that train (T = trained_param_count):
     Adam/AdamW a first moment of `optimizer.state_dtype` and a float32 second moment, (2 or 4) · T + 4 · T; SGD
     its momentum, (2 or 4) · T; Adam/AdamW at state_dtype int8 _int8_adam_state_bytes (about 2 · (1 + 4/2048) · T,
-    unsplit); Adafactor 4 × (its factored second moments, params.adafactor_state_elements:
-    n/d1 + n/d2 per matrix whose two largest dims are >= 128, n for every other parameter, each split like the
-    parameter axes it keeps)."""
+    split like the parameters but for the flat moments of odd shapes); Adafactor 4 × (its factored second moments,
+    params.adafactor_state_elements: n/d1 + n/d2 per matrix whose two largest dims are >= 128, n for every other
+    parameter, each split like the parameter axes it keeps)."""
     rules = state_tables(run)["optimizer"]
     if run.state_dtype == "int8":
         return _int8_adam_state_bytes(run, rules)
@@ -215,21 +215,38 @@ def optimizer_state_bytes(run: RunSpec) -> int:
 
 
 def int8_moment_bytes(elements: int, block_size: int = INT8_BLOCK_SIZE) -> int:
-    """Bytes of one moment of a tensor of `elements` stored 8-bit (jaxscale.train.quantized_state): a uint8 code per
-    element and a float32 absmax per block of `block_size` (the last one partial): n + 4 · ceil(n / block_size)."""
+    """Bytes of one moment of a tensor of `elements` stored 8-bit (jaxscale.train.quantized_state), whole: a uint8 code
+    per element and a float32 absmax per block of `block_size` (the last one partial): n + 4 · ceil(n / block_size)."""
     return elements + _FLOAT32 * -(-elements // block_size)
+
+
+def int8_moment_shard_bytes(
+    shape: tuple[int, ...],
+    names: tuple,
+    sizes: dict | None = None,
+    rules: tuple = layout_rules.RULES,
+    block: int = INT8_BLOCK_SIZE,
+) -> int:
+    """Bytes one device holds of one 8-bit moment of a parameter of `shape` named `names`, on a mesh of `sizes` (mesh
+    axis name -> size) under the rules table `rules`: blocked (jaxscale.config.quantization.absmax_layout), the codes
+    split like the parameter (params.shard_shape, a byte an element) and the absmax split by its prefix's names (4
+    bytes a block); flat, int8_moment_bytes whole (the layout replicates it). `block`: the block size."""
+    layout = absmax_layout(shape, names, block)
+    if layout is None:
+        return int8_moment_bytes(math.prod(shape), block)
+    codes = math.prod(params.shard_shape(shape, names, sizes, rules))
+    return codes + _FLOAT32 * math.prod(params.shard_shape(*layout, sizes, rules))
 
 
 def _int8_adam_state_bytes(run: RunSpec, rules: tuple) -> int:
     """Adam's two moments at optimizer.state_dtype=int8 on one device: per trained parameter of at least
-    INT8_MIN_SIZE elements 2 · int8_moment_bytes (2 x (1 + 4/2048) bytes per element), whole on every device (the
-    layout replicates the flat codes and absmax, see jaxscale.train.quantized_state); per smaller one two float32
-    moments split like the parameter under the optimizer state's table `rules`, 2 · 4 bytes per element it holds."""
+    INT8_MIN_SIZE elements 2 · int8_moment_shard_bytes (2 x (1 + 4/2048) bytes per element, split like the
+    parameter's optimizer state under the table `rules`: the codes by every name, the absmax by its prefix's); per
+    smaller one two float32 moments split like the parameter, 2 · 4 bytes per element it holds."""
     total, sizes = 0, run.mesh._asdict()
     for shape, names in trained_table(run).values():
-        elements = math.prod(shape)
-        if elements >= INT8_MIN_SIZE:
-            total += 2 * int8_moment_bytes(elements)
+        if math.prod(shape) >= INT8_MIN_SIZE:
+            total += 2 * int8_moment_shard_bytes(shape, names, sizes, rules)
         else:
             total += 2 * _FLOAT32 * math.prod(params.shard_shape(shape, names, sizes, rules))
     return total
@@ -304,7 +321,7 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         state axes (state_tables, zero_splits). The gradients and the optimizer state are split over expert as
         their parameters are.
       optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; split over the state axes at every
-        ZeRO stage; Adam's 8-bit moments at state_dtype int8 about 2 × (1 + 4/2048)·N, whole on every device).
+        ZeRO stage; Adam's 8-bit moments at state_dtype int8 about 2 × (1 + 4/2048)·N, split alike).
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1 (with
         optimizer.in_backward one layer's at a time instead: in_backward_grads_bytes)
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop);

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.config.defaults import INT8_BLOCK_SIZE
-from jaxscale.config.quantization import dynamic_map
+from jaxscale.config.quantization import dynamic_map, moment_blocks
 from jaxscale.model.stack import Transformer
 from jaxscale.train import bf16_weights, quantized_state
 from jaxscale.train.quantized_state import QuantizedMoment
@@ -126,25 +126,20 @@ def _with(tree: dict, path: tuple[str, ...], value: Any) -> dict:
 
 def _by_layer(leaf: Any, param: jax.Array, signed: bool) -> Any:
     """A stacked optimizer-state leaf with its layers on a leading axis, for a loop over the layers: an array as it is
-    ([L, ...]); an 8-bit moment whose layers are whole blocks as [L, n / L] codes and [L, blocks / L] scales; an 8-bit
-    moment whose layers are not (a small stacked bias or norm: under 2048 elements a layer) dequantized to float32 like
-    its parameter `param` (the update dequantizes it anyway; `_flat` quantizes it back, block for block as the whole
-    tree's step does). `signed`: the first moment's map (True) or the second's."""
-    if not isinstance(leaf, QuantizedMoment):
+    ([L, ...]); an 8-bit moment whose layers are whole blocks as it is too (its blocks start after the layers' axis,
+    jaxscale.config.quantization.moment_blocks, so its codes and absmax are [L, ...] and layer l's are a layer's
+    8-bit moment); an 8-bit moment whose layers are not (a small stacked bias or norm: under 2048 elements a layer)
+    dequantized to float32 like its parameter `param` (the update dequantizes it anyway; `_stacked` quantizes it
+    back, block for block as the whole tree's step does). `signed`: the first moment's map (True) or the second's."""
+    if not isinstance(leaf, QuantizedMoment) or (moment_blocks(param.shape, INT8_BLOCK_SIZE) or 0) > 0:
         return leaf
-    layers = param.shape[0]
-    per_layer = param.size // layers
-    if per_layer % INT8_BLOCK_SIZE:
-        return quantized_state.dequantize_blockwise(leaf, dynamic_map(signed), param.shape)
-    return QuantizedMoment(leaf.codes.reshape(layers, per_layer), leaf.absmax.reshape(layers, -1))
+    return quantized_state.dequantize_blockwise(leaf, dynamic_map(signed), param.shape)
 
 
-def _flat(leaf: Any, before: Any, signed: bool) -> Any:
+def _stacked(leaf: Any, before: Any, signed: bool) -> Any:
     """_by_layer's inverse (`before`: the leaf as the state held it)."""
-    if not isinstance(before, QuantizedMoment):
+    if not isinstance(before, QuantizedMoment) or isinstance(leaf, QuantizedMoment):
         return leaf
-    if isinstance(leaf, QuantizedMoment):
-        return QuantizedMoment(leaf.codes.reshape(-1), leaf.absmax.reshape(-1))
     return quantized_state.quantize_blockwise(leaf, dynamic_map(signed))
 
 
@@ -293,7 +288,7 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable, p
             reverse=True,
         )  # fmt: skip
     layer_nodes = pages if paged else carried
-    layer_nodes = [jax.tree_util.tree_map(lambda before, leaf, signed=signed: _flat(leaf, before, signed),
+    layer_nodes = [jax.tree_util.tree_map(lambda before, leaf, signed=signed: _stacked(leaf, before, signed),
                                           _get(node, STACK), new, is_leaf=_is_moment)
                    for node, new, signed in zip(parts.nodes, layer_nodes, parts.signed, strict=True)]  # fmt: skip
 

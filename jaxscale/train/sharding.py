@@ -48,7 +48,7 @@ from jaxscale.config import (
 from jaxscale.config.layout_rules import RULES, gradient_rules, rules  # the rules table: its one home
 from jaxscale.measure.params import removed_axis
 from jaxscale.model import nf4
-from jaxscale.train import fused_step, offload
+from jaxscale.train import fused_step, offload, quantized_state
 from jaxscale.train.step import (
     Batch,
     LocalAccumulation,
@@ -99,7 +99,9 @@ def state_specs(state: Any, param_names: Any) -> Any:
 
     The parameters take their own names; every optimizer-state leaf that sits under a copy of the parameter
     tree (the state of any optax optimizer: a parameter's path is a suffix of the leaf's path) takes the
-    names of its parameter (`_moment_spec`); the rest (step counters, the dropout key) is replicated.
+    names of its parameter (`_moment_spec`), and an 8-bit moment's codes and absmax theirs
+    (jaxscale.train.quantized_state.moment_specs: the codes the parameter's); the rest (step counters, the
+    dropout key) is replicated.
 
     Args:
       state: the train step's state.
@@ -109,14 +111,19 @@ def state_specs(state: Any, param_names: Any) -> Any:
     names = dict(jax.tree_util.tree_flatten_with_path(param_names, is_leaf=is_spec)[0])
     shapes = dict(jax.tree_util.tree_flatten_with_path(model_params(state.params, state.frozen))[0])
 
-    def spec(path: tuple, leaf: Any) -> PartitionSpec:
+    def spec(path: tuple, leaf: Any) -> Any:
         for start in range(len(path)):
             suffix = tuple(path[start:])
             if suffix in names:
+                if isinstance(leaf, quantized_state.QuantizedMoment):
+                    return quantized_state.moment_specs(leaf, shapes[suffix].shape, names[suffix])
                 return _moment_spec(leaf.shape, shapes[suffix].shape, names[suffix])
+        if isinstance(leaf, quantized_state.QuantizedMoment):  # not under a copy of the parameter tree
+            return quantized_state.QuantizedMoment(PartitionSpec(), PartitionSpec())
         return PartitionSpec()
 
-    return jax.tree_util.tree_map_with_path(spec, state)
+    is_moment = lambda x: isinstance(x, quantized_state.QuantizedMoment)  # noqa: E731
+    return jax.tree_util.tree_map_with_path(spec, state, is_leaf=is_moment)
 
 
 def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -16,6 +17,7 @@ import pytest
 from conftest import REPO, load_config
 
 from jaxscale import run
+from jaxscale.config.spec import RunSpec
 from jaxscale.measure import flops, layer_memory, memory, params
 from jaxscale.measure.activation_dims import Dims
 from jaxscale.plan import gpu_plan
@@ -170,6 +172,43 @@ def test_adafactor_state_is_factored_and_counted_per_shape():
     shapes = params.param_shapes(config.model)
     assert row["analytic_optimizer_bytes"] == 4 * params.adafactor_state_elements(shapes)
     assert row["analytic_optimizer_bytes"] < 0.1 * adam  # row and column second moments instead of two full copies
+
+
+# Mixtral 8x7B's tensors (params.param_table, scanned: [layers, ...]) whose 8-bit absmax is split by fsdp, read off
+# their shapes by hand: the blocks run along the smallest trailing run of axes that is whole 2048-element blocks, and
+# the absmax is split only where "embed" lies before that run. q [32, 4096, 32, 128]: run 32 x 128 = 2 blocks;
+# gate and up [32, 8, 4096, 14336]: run 14336 = 7 blocks. Every other tensor's run holds its embed axis, so its absmax
+# is whole on every device: k and v [32, 4096, 8, 128] (8 x 128 = 1024 is half a block: run 4096 x 1024), router
+# [32, 4096, 8], out [32, 32, 128, 4096] and down [32, 8, 14336, 4096] (run 4096), the embedding [32000, 4096] (run
+# 4096), the head [4096, 32000] (32000 = 15.6 blocks: the whole tensor), the norm scales [32, 4096] and [4096].
+MIXTRAL_ABSMAX_SPLIT = ("transformer/blocks/attn/q/kernel", "transformer/blocks/mlp/experts/gate",
+                        "transformer/blocks/mlp/experts/up")  # fmt: skip
+
+
+def test_int8_adam_state_of_mixtral_under_fsdp8_is_split_and_below_float32_adams():
+    """Mixtral 8x7B (46,702,792,704 parameters) at mesh.fsdp=8, ZeRO-3: the analytic 8-bit Adam state on one device
+    is 11,753,535,504 bytes (10.95 GiB), float32 Adam's 46,702,792,704 (43.50 GiB, 3.97x), each equal to a hand count
+    from the parameter shapes. Every tensor has 4096 x 2048 elements or more (none keeps float32 moments) and an embed
+    axis, split 8 ways (fsdp x context x expert = 8 x 1 x 1; the experts' expert axis takes mesh.expert = 1): per
+    moment 1 byte per element / 8 of codes, and 4 bytes per 2048-element block of absmax, / 8 where the blocks run
+    after the embed axis (MIXTRAL_ABSMAX_SPLIT), whole elsewhere (the 7,861,890 blocks of the other tensors, 31 MB a
+    moment on every device). Float32 Adam: 2 moments x 4 bytes per element / 8."""
+    config = load_config("bf16_remat", "mixtral-8x7b")
+    config.mesh.fsdp = 8
+    adam = memory.optimizer_state_bytes(RunSpec.from_config(config))
+    config.optimizer.state_dtype = "int8"
+    int8 = memory.optimizer_state_bytes(RunSpec.from_config(config))
+    table = params.param_table(config.model)
+    n = sum(math.prod(shape) for shape, _ in table.values())
+    assert n == 46_702_792_704 and min(math.prod(shape) for shape, _ in table.values()) == 4096
+    assert all("embed" in names and shape[names.index("embed")] % 8 == 0 for shape, names in table.values())
+    assert set(MIXTRAL_ABSMAX_SPLIT) <= set(table)
+    codes = n // 8
+    blocks = {path: math.prod(shape) // 2048 for path, (shape, _) in table.items()}  # every tensor whole blocks
+    absmax = 4 * sum(b // 8 if path in MIXTRAL_ABSMAX_SPLIT else b for path, b in blocks.items())
+    assert int8 == 2 * (codes + absmax) == 11_753_535_504
+    assert adam == 2 * 4 * n // 8 == 46_702_792_704
+    assert int8 < adam
 
 
 def _small_llama(**changes):

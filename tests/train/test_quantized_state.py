@@ -262,17 +262,17 @@ def _mesh_run(fsdp: int, steps: int = 3):
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices: run by test_fsdp_on_2_simulated_cpu_devices")
-def test_fsdp_int8_state_is_replicated_and_trains_as_one_device():
-    """Under mesh.fsdp=2 the parameters are split, the flat codes and absmax replicated (no parameter path ends
-    in a QuantizedMoment's fields), the small tensors' float32 moments laid out like their parameters; each
-    device holds what the memory model counts; the losses follow one device's within MESH_BAND."""
+def test_fsdp_int8_state_is_split_and_trains_as_one_device():
+    """Under mesh.fsdp=2 the parameters are split, and the codes like them (the absmax by the axes before the
+    blocks' run), the small tensors' float32 moments laid out like their parameters; each device holds what the
+    memory model counts; the losses follow one device's within MESH_BAND."""
     config, state, losses = _mesh_run(2)
     _, _, one = _mesh_run(1)
     np.testing.assert_allclose(losses, one, rtol=0, atol=MESH_BAND)
     moments, params = state.opt_state[0], state.params
     up = moments.mu["transformer"]["blocks"]["mlp"]["up"]
-    assert up["kernel"].codes.sharding.is_fully_replicated and up["kernel"].absmax.sharding.is_fully_replicated
-    assert not params["transformer"]["blocks"]["mlp"]["up"]["kernel"].sharding.is_fully_replicated
+    assert up["kernel"].codes.sharding == params["transformer"]["blocks"]["mlp"]["up"]["kernel"].sharding
+    assert not up["kernel"].codes.sharding.is_fully_replicated
     assert up["bias"].sharding == params["transformer"]["blocks"]["mlp"]["up"]["bias"].sharding
     held: dict[int, int] = {}
     for leaf in jax.tree_util.tree_leaves((moments.mu, moments.nu)):
@@ -281,18 +281,40 @@ def test_fsdp_int8_state_is_replicated_and_trains_as_one_device():
     assert held == {device.id: memory.optimizer_state_bytes(RunSpec.from_config(config)) for device in jax.devices()}
 
 
-def test_layout_replicates_the_codes_and_lays_small_moments_out_like_their_parameters():
-    """The layout's logical names (sharding.state_specs, what make_layout turns into NamedShardings on any mesh):
-    a quantized moment's codes and absmax none (replicated), a small tensor's float32 moment its parameter's."""
+def test_layout_splits_the_codes_like_their_parameters_and_small_moments_too():
+    """The layout's logical names (sharding.state_specs, what make_layout turns into NamedShardings on any mesh): a
+    quantized moment's codes its parameter's names, its absmax the names of the axes before the blocks' run and an
+    unnamed blocks' axis (the up kernel [2, 64, 256]: run 64 x 256, 8 blocks a layer); a flat moment (5 x 1000: no
+    run of whole blocks) replicated; a small tensor's float32 moment its parameter's."""
     config = load_config("bf16_remat", "tiny")
     config.optimizer.state_dtype = "int8"
     boxed = jax.eval_shape(train.make_init_fn(config, boxed=True))
     names = sharding.logical_specs(train.model_params(boxed.params, boxed.frozen))
     specs = sharding.state_specs(jax.eval_shape(train.make_init_fn(config)), names).opt_state[0]
     up, up_names = specs.mu["transformer"]["blocks"]["mlp"]["up"], names["transformer"]["blocks"]["mlp"]["up"]
-    assert up["kernel"] == q.QuantizedMoment(codes=PartitionSpec(), absmax=PartitionSpec())
-    assert up_names["kernel"] == PartitionSpec("layers", "embed", "mlp")  # the parameter itself is split
+    assert up_names["kernel"] == PartitionSpec("layers", "embed", "mlp")
+    assert up["kernel"] == q.QuantizedMoment(codes=up_names["kernel"], absmax=PartitionSpec("layers", None))
     assert up["bias"] == up_names["bias"] == PartitionSpec("layers", "mlp")
+    flat = q.quantize_blockwise(jnp.ones((5, 1000)), q.dynamic_map(True))
+    assert flat.codes.shape == (5000,) and flat.absmax.shape == (3,)
+    assert q.moment_specs(flat, (5, 1000), PartitionSpec("embed", "mlp")) == q.QuantizedMoment(
+        PartitionSpec(), PartitionSpec()
+    )
+
+
+def test_blocks_are_the_flattened_tensors_blocks_bit_for_bit():
+    """A blocked moment's codes and absmax, flattened, are those of the same elements quantized as one flat vector
+    (moment_blocks: the blocks are the flattened tensor's every 2048 elements), and two 8-bit Adam steps on a
+    [2, 64, 256] parameter equal those on its flattened copy bit for bit (updates, codes, absmax)."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 256))
+    shaped, flat = (q.quantize_blockwise(v, q.dynamic_map(True)) for v in (x, x.reshape(-1)))
+    assert shaped.codes.shape == (2, 64, 256) and shaped.absmax.shape == (2, 8)
+    np.testing.assert_array_equal(np.asarray(shaped.codes).reshape(-1), flat.codes)
+    np.testing.assert_array_equal(np.asarray(shaped.absmax).reshape(-1), flat.absmax)
+    tx = q.adam_8bit(1e-3, chunk_size=2**12)
+    a, b = _updates(tx, {"w": x}, 2)[1], _updates(tx, {"w": x.reshape(-1)}, 2)[1]
+    for m, n in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(m).reshape(-1), np.asarray(n).reshape(-1))
 
 
 @pytest.mark.slow  # a fresh process compiling two steps: tens of seconds; the layout test above is the fast check
@@ -301,7 +323,7 @@ def test_fsdp_on_2_simulated_cpu_devices():
     (XLA reads the flag when its CPU backend starts, so it cannot be set in this process)."""
     env = dict(os.environ, XLA_FLAGS=xla_flags_with("--xla_force_host_platform_device_count=2"), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))  # fmt: skip
-    selected = (str(pathlib.Path(__file__).resolve()), "-k", "test_fsdp_int8_state_is_replicated")
+    selected = (str(pathlib.Path(__file__).resolve()), "-k", "test_fsdp_int8_state_is_split")
     command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *selected]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -15,9 +15,11 @@ import pytest
 
 from jaxscale import train
 from jaxscale.config import base_config, validate
-from jaxscale.measure import memory
+from jaxscale.config.spec import RunSpec
+from jaxscale.measure import hlo, memory
 from jaxscale.measure.params import param_count
 from jaxscale.train import sharding
+from jaxscale.train.quantized_state import QuantizedMoment
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (see tests/train/test_sharding.py)")
 
@@ -737,3 +739,132 @@ def test_delayed_fp8_data_parallel_accumulation_takes_the_max_of_every_devices_r
     for x, *per_row in zip(*(jax.tree_util.tree_leaves(g.fp8_meta) for g in (grads, *rows)), strict=True):
         np.testing.assert_allclose(x, np.max(per_row, axis=0), rtol=1e-5, atol=0)
     _assert_close(grads.params, jax.tree_util.tree_map(lambda *g: np.mean(g, axis=0), *(r.params for r in rows)))
+
+
+# 8-bit Adam (optimizer.state_dtype=int8, jaxscale.train.quantized_state) at a step size that moves the tiny weights.
+INT8_ADAM = {"optimizer.name": "adam", "optimizer.state_dtype": "int8", "optimizer.learning_rate": 1e-2,
+             "model.scan_layers": True}  # fmt: skip
+_COLLECTIVE_OPS = tuple(f"{op}{end}" for op in hlo.COLLECTIVES for end in ("", "-start"))
+
+
+def _int8_steps(config, devices=None, steps: int = 2):
+    """(placement, state, per-step metrics, the compiled step's optimized HLO) after `steps` train steps on the
+    config's mesh, batch i drawn from key i (one compile: the step is lowered from its abstract inputs and run)."""
+    placement = sharding.placement(config, devices)
+    compiled = placement.step().lower(*placement.abstract_inputs()).compile()
+    state, metrics = placement.init_state(), []
+    for i in range(steps):
+        batch = train.make_batch(jax.random.PRNGKey(i), config.data.batch_size, config.data.seq_len,
+                                 config.model.vocab_size)  # fmt: skip
+        state, sums = compiled(state, placement.init_metrics(), placement.place_batch(batch))
+        metrics.append(jax.device_get(sums))
+    return placement, state, metrics, compiled.as_text()
+
+
+@functools.cache
+def _int8_one_device():
+    """One device's _int8_steps of INT8_ADAM (shared by the meshes' tests): (final params, metrics, optimizer state)."""
+    _, state, metrics, _ = _int8_steps(_config((1, 1, 1), **INT8_ADAM))
+    return jax.device_get(state.params), metrics, jax.device_get(state.opt_state)
+
+
+# Adam divides each moment by its own root mean square, and 8-bit moments round to the nearest of 256 codes: an element
+# whose gradient is near zero, or whose moment lies near the midpoint between two codes, turns the gradients' sum-order
+# differences into a larger difference of its update (float32 moments too). So the 8-bit parameters are NOT held to
+# _assert_close's sum-order bound, only to this band. Measured over 2 steps at step size 1e-2 against one device, on
+# the 8-bit tensors (6 tensors, 114,688 elements), in the tests' environment: 100 elements beyond _assert_close's
+# bound under fsdp=8 (ZeRO-3) and 86 under data=2 x fsdp=4 (ZeRO-1), in every one of the 6 tensors; the largest
+# difference 1.55e-4 (0.016 steps) and 1.41e-4 (0.014 steps), both in the fused qkv kernel. The band, 1/10 of a step
+# (1e-3), is 6.4x the larger; a wrong block or shard moves an element by about a whole step.
+STEP_BAND = 1 / 10
+
+
+def _assert_within_a_step_band(params, one_params, mu, step_size: float):
+    """Every parameter with 8-bit moments (`mu`: the optimizer's first moments) within STEP_BAND x `step_size` of one
+    device's. The rest take optax's float32 Adam, whose division by the root mean square makes a gradient that is
+    zero but for rounding (the key bias's: softmax ignores a constant added to a row's logits) anything."""
+    quantized = jax.tree_util.tree_map(lambda _, m: isinstance(m, QuantizedMoment), params, mu)
+    for x, y, q in zip(*(jax.tree_util.tree_leaves(t) for t in (params, one_params, quantized)), strict=True):
+        if q:
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=STEP_BAND * step_size)
+
+
+def _uint8_collectives(hlo_text: str) -> list[str]:
+    """The collectives of an optimized HLO module with a uint8 array among their operands or results."""
+    module, found = hlo.parse(hlo_text), []
+    for computation in module.computations.values():
+        for op in computation.values():
+            uint8 = hlo.shape_bytes(op.shape, "u8") + hlo.operand_bytes(op, computation, "u8")
+            if op.opcode in _COLLECTIVE_OPS and uint8:
+                found.append(f"{op.name} {op.shape}")
+    return found
+
+
+@pytest.mark.parametrize("mesh,stage", [((1, 8, 1), 3), ((2, 4, 1), 1)], ids=["fsdp8_zero3", "dp2_fsdp4_zero1"])
+def test_int8_adam_state_is_split_like_its_parameters_and_trains_as_one_device(mesh, stage):
+    """8-bit Adam on a mesh against one device, after 2 steps.
+
+    Exact claims: each step's loss sum, token and accuracy counts are one device's within _assert_close's
+    sum-order bound (measured: at most 0.0082 of the bound at both meshes); the codes
+    are laid out like float32 moments (the parameter's names under the optimizer state's rules: at ZeRO-3 the
+    parameter's own sharding, at ZeRO-1 split over the state axes while the parameter is whole); each device holds
+    exactly the analytic model's bytes of the state (memory.optimizer_state_bytes), less than half the whole state.
+
+    Looser: the parameters with 8-bit moments are compared only within STEP_BAND (1/10) of a step, not to the
+    sum-order bound, which about 1 in 1,000 of their elements exceeds (measured figures at STEP_BAND; the update on
+    its own, from the same state and gradients, is test_int8_update_on_a_mesh_is_one_devices_bit_for_bit). The
+    parameters with float32 moments (biases, norms, positions: optax's Adam) are not compared: the fused qkv bias,
+    whose key part's gradient is zero but for rounding, differs by 0.18 (fsdp=8) and 0.15 (data=2 x fsdp=4) of a
+    step. Not ruled out either: the compiled step all-gathers the codes of two tensors whose blocks straddle the
+    devices' shares (see the comment at the end)."""
+    config = _config(mesh, **{**INT8_ADAM, "mesh.zero_stage": stage})
+    placement, state, metrics, text = _int8_steps(config, jax.devices()[: int(np.prod(mesh))])
+    one_params, one_metrics, _ = _int8_one_device()
+    _assert_close(metrics, one_metrics)  # each step's loss sum, token and accuracy counts
+    _assert_within_a_step_band(
+        jax.device_get(state.params), one_params, state.opt_state[0].mu, config.optimizer.learning_rate
+    )
+    adam = state.opt_state[0]
+    moment = adam.mu["transformer"]["blocks"]["mlp"]["up"]["kernel"]
+    param = state.params["transformer"]["blocks"]["mlp"]["up"]["kernel"]
+    assert moment.codes.dtype == jnp.uint8 and moment.codes.shape == param.shape
+    assert tuple(moment.codes.sharding.spec) == (None, ("fsdp", "context", "expert"), "tensor")  # [layers, embed, mlp]
+    assert tuple(param.sharding.spec) == tuple(moment.codes.sharding.spec if stage == 3 else (None, None, "tensor"))
+    analytic = memory.optimizer_state_bytes(RunSpec.from_config(config))
+    held = _bytes_per_device((adam.mu, adam.nu))
+    assert held == {device.id: analytic for device in jax.devices()[: int(np.prod(mesh))]}
+    whole = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves((adam.mu, adam.nu)))
+    assert analytic < whole / 2, (analytic, whole)
+    # Open (issue 41, 4b): the compiled step still all-gathers the codes of tensors whose blocks straddle the devices'
+    # shares. Measured (as 1699fa9 measured on the older main): at both meshes two all-gathers of u8[2,32,4,48], the
+    # fused qkv kernel, whose 64 x 192 run splits into fsdp shares of 1536 elements, not whole blocks; and two of
+    # u8[1,2,8,128] (fsdp8) / u8[1,2,16,128] (dp2_fsdp4), by their shape chunks of the output kernel [64, 128] (not
+    # traced further). At real sizes the shares are whole blocks. Any other tensor's codes gathered fails here.
+    gathered = {found.split()[1].split("{")[0] for found in _uint8_collectives(text)}
+    assert gathered <= {"u8[2,32,4,48]", "u8[1,2,8,128]", "u8[1,2,16,128]"}, gathered
+
+
+def test_int8_update_on_a_mesh_is_one_devices_bit_for_bit():
+    """The 8-bit update alone (the optimizer's, state.tx), on the same state (one device's after 2 steps) and
+    gradients: under FSDP over 8, the codes split like the parameters, the new codes are one device's bit for bit
+    (asserted) and the absmax and the update within rtol 1e-6 (asserted; the blocks do not depend on the mesh, a
+    block's absmax is a maximum, exact in any order). Measured on this branch: every leaf bit for bit, the absmax
+    and the update too, whether this test ran alone or after the other 8-bit steps in the same process; commit
+    1699fa9 on an older main measured an ulp on 8% of one tensor's update when the other tests ran before (XLA
+    fusing a multiply-add apart), hence the float tolerance."""
+    config = _config((1, 8, 1), **INT8_ADAM)
+    placement = sharding.placement(config, jax.devices()[:8])
+    layout, state = placement.layout, placement.init_state()
+    params, _, opt_state = _int8_one_device()
+    keys = iter(jax.random.split(jax.random.PRNGKey(3), len(jax.tree_util.tree_leaves(params))))
+    grads = jax.tree_util.tree_map(lambda p: 1e-2 * jax.random.normal(next(keys), p.shape), params)
+    one = jax.device_get(jax.jit(state.tx.update)(grads, opt_state, params))
+    inputs = jax.device_put((grads, opt_state, params), (layout.grads, layout.state.opt_state, layout.state.params))
+    update = jax.jit(state.tx.update, out_shardings=(layout.grads, layout.state.opt_state))
+    with layout.activate():
+        many = jax.device_get(update(*inputs))
+    for x, y in zip(jax.tree_util.tree_leaves(many), jax.tree_util.tree_leaves(one), strict=True):
+        if x.dtype == np.uint8:
+            np.testing.assert_array_equal(x, y)  # the codes
+        else:  # the absmax (exact, measured) and the update: an ulp where a multiply-add fused apart (measured)
+            np.testing.assert_allclose(x, y, rtol=1e-6, atol=0)
