@@ -31,7 +31,8 @@ KEEPS = (
     ("mlp_attn", {"model.remat": ("MLP", "Attn"), "model.remat_policy": "nothing_saveable"}),
     ("block_nothing", {"model.remat": ("Block",), "model.remat_policy": "nothing_saveable"}),
     ("block_minimal_flash", {"model.remat": ("Block",), "model.remat_policy": "minimal_flash"}),
-    ("block_save_dot_except_mlp", {"model.remat": ("Block",), "model.remat_policy": "save_dot_with_context_except_mlp"}),
+    ("block_save_dot_except_mlp",
+     {"model.remat": ("Block",), "model.remat_policy": "save_dot_with_context_except_mlp"}),
 )
 PROBE = {"layers": (4, 8), "seqs": (8192, 16384)}
 

@@ -306,6 +306,10 @@ def in_backward_grads_bytes(run: RunSpec) -> int:
     return max(head, one_layer, weight * size("embed/", "pos_emb"))
 
 
+def _total(terms: dict[str, int]) -> int:
+    return sum(terms.values())
+
+
 def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, int]:
     """Analytic peak memory of one train step on one device, in bytes, broken down for the result row.
 
@@ -388,7 +392,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,
         # what one layer's backward pass reads (closed_form_residuals), whatever the layer keeps: the docs' yardstick
-        "analytic_closed_form_per_layer_bytes": sum(sum(t.values()) for t in closed_form_residuals(d).values()),
+        # (none for a mixture of experts, whose MLP keeps autodiff's)
+        "analytic_closed_form_per_layer_bytes": None if d.moe else sum(map(_total, closed_form_residuals(d).values())),
         "analytic_fsdp_gather_bytes": gather,
     }
     # Host offload (jaxscale.train.offload): the offloaded parts live in host memory, out of the device's peak.
