@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from conftest import with_default_cpu_codegen
 
 from jaxscale import train
 from jaxscale.config import base_config, validate
@@ -31,9 +32,13 @@ def _kinds(tree) -> set[str]:
 
 
 @pytest.mark.parametrize("offload_params", [False, True])
-def test_the_offloaded_step_equals_the_device_step_and_keeps_its_state_on_the_host(offload_params):
+def test_the_offloaded_step_equals_the_device_step_and_keeps_its_state_on_the_host(offload_params, request):
     """This CPU offers pinned_host memory (jax.devices()[0].addressable_memories()): the offloaded state really lives
-    there between steps, and two steps give bit for bit the device-resident step's parameters and moments."""
+    there between steps, and two steps give bit for bit the device-resident step's parameters and moments (with
+    XLA's default CPU emitters, as a run compiles them: with the legacy ones the suite uses, the two programs fuse
+    differently and 107 of 8,192 elements of a kernel differ by an ulp)."""
+    if not with_default_cpu_codegen(request):
+        return
     assert "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}
     device, _ = _two_steps()
     offloaded, text = _two_steps(offload_state=True, offload_params=offload_params)
