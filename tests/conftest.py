@@ -52,7 +52,8 @@ def with_default_cpu_codegen(request) -> bool:
     repo = pathlib.Path(__file__).resolve().parents[1]
     path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", request.node.nodeid],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "slow or not slow",
+         request.node.nodeid],
         cwd=repo, env=dict(default_cpu_codegen_env(), PYTHONPATH=path), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]

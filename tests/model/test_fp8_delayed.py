@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import load_config, train_losses
+from conftest import load_config, train_losses, with_default_cpu_codegen
 
 from jaxscale import train
 from jaxscale.config import ConfigError, validate
@@ -102,10 +102,15 @@ def _step(config, steps: int = 2):
 
 
 @pytest.mark.parametrize("accumulate", ["scan", pytest.param("loop", marks=pytest.mark.slow)])
-def test_accumulated_minibatches_combine_gradients_by_mean_and_scaling_states_by_max(accumulate):
+def test_accumulated_minibatches_combine_gradients_by_mean_and_scaling_states_by_max(request, accumulate):
     """From a state one step in (histories filled), two accumulated minibatches give the mean of the gradients each
     half of the batch gives alone, and the elementwise max of the scaling states each half returns alone: the
-    histories' newest amax is the batch's, the scales (from the old history) are each half's."""
+    histories' newest amax is the batch's, the scales (from the old history) are each half's. The Python loop's
+    case compiles with XLA's default CPU emitters, as a run does (conftest.with_default_cpu_codegen): with the
+    suite's legacy ones its halves fuse differently from the accumulated step, FP8 roundings flip, and 39 of 8,192
+    elements of a kernel's gradient move by 4e-7 (0.4% of themselves), above the 1e-6-of-max tolerance."""
+    if accumulate == "loop" and not with_default_cpu_codegen(request):
+        return
     config = _config(**{"model.dtype": "float32", "train.num_minibatches": 1})
     state = jax.device_put(_step(config, steps=1))
     batch = train.make_batch(jax.random.PRNGKey(7), config.data.batch_size, config.data.seq_len,
