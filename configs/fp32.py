@@ -11,4 +11,7 @@ def get_config(preset=None):
     # no remat as the reference notebook runs it: each layer keeps what JAX's autodiff saves (model.residuals;
     # closed_form, the lab's default, keeps only what the backward pass reads: docs/measurements.md)
     config.model.residuals = "autodiff"
+    # and each minibatch's whole gradient made, then added (train.grad_accumulation; in_backward, the lab's default
+    # for scanned layers, adds the layers' gradients into the accumulator inside the backward pass)
+    config.train.grad_accumulation = "after_backward"
     return config

@@ -55,6 +55,8 @@ def get_config(preset=None):
     # The notebook's program: without remat each layer keeps what JAX's autodiff saves, not the lab's default
     # closed form (model.residuals; docs/measurements.md), so the planned peaks stay comparable with its table.
     config.model.residuals = "autodiff"
+    # and each minibatch's whole gradient made, then added (train.grad_accumulation), as JAX's autodiff does
+    config.train.grad_accumulation = "after_backward"
     if config.preset == "cpu":
         config.train.steps = 6  # 7 variants, batch-4x among them, within 10 minutes on 2 shared cores
         config.profile.steps = 1

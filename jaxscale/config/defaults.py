@@ -49,6 +49,8 @@ REMAT_POLICIES = tuple(remat_policies.POLICIES)  # what each keeps, with its sou
 RESIDUALS = ("closed_form", "autodiff")  # model.residuals: what a sub-block no remat covers keeps (model/stack.py)
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "chunked", "flash")
 ACCUMULATE_METHODS = ("scan", "loop")
+# train.grad_accumulation: where a minibatch's gradient joins the accumulator (jaxscale.train.backward_accumulation)
+GRAD_ACCUMULATIONS = ("auto", "in_backward", "after_backward")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 STATE_DTYPES = ("float32", "bfloat16", "int8")  # optimizer.state_dtype (int8: jaxscale/train/quantized_state.py)
 FROZEN_DTYPES = ("float32", "bfloat16", "nf4")  # finetune.frozen_dtype (nf4: jaxscale/model/nf4.py, QLoRA)
@@ -167,6 +169,9 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict()
     c.train.num_minibatches = 4  # gradient accumulation: minibatches per step (1 = none)
     c.train.accumulate = "scan"  # accumulation form: scan (lax.scan) or loop (unrolled Python loop)
+    # in_backward: each scanned layer's gradient added into the accumulator inside the backward pass (one gradient
+    # held, not two); after_backward: each minibatch's whole gradient, then added; auto: in_backward where it applies
+    c.train.grad_accumulation = "auto"
     c.train.loss_chunk_len = 0  # positions per chunk of the output head + loss (no [B, T, V] logits); 0: whole
     c.train.steps = 10  # timed steps (median and p90 are taken over these)
     c.train.warmup_steps = 2  # untimed steps run before timing, after the ahead-of-time compile

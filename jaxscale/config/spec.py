@@ -246,6 +246,31 @@ def accumulates_locally(config: ml_collections.ConfigDict) -> bool:
     return config.train.num_minibatches > 1 and mesh.batch_split > 1 and mode == "step"
 
 
+def why_not_in_backward_accumulation(config: ml_collections.ConfigDict) -> str | None:
+    """Why the step cannot add each layer's gradient into the accumulator inside the backward pass
+    (jaxscale.train.backward_accumulation) for `config`, one clause naming the field; None where it can: the
+    layers are one nn.scan stack, several minibatches are accumulated (train.accumulate=scan), every parameter
+    trains, and no layer sows state a loss or the step reads (a mixture of experts' router losses, delayed FP8)."""
+    m, t = config.model, config.train
+    reasons = (
+        (t.num_minibatches <= 1, "train.num_minibatches is 1 (nothing is accumulated)"),
+        (not m.scan_layers, "model.scan_layers is False (the layers are not one nn.scan stack)"),
+        (t.accumulate != "scan", f"train.accumulate is {t.accumulate} (the reference loop adds whole gradients)"),
+        (bool(m.num_experts), "model.num_experts > 0 (the router's losses are sown per layer)"),
+        (m.fp8 == "delayed", "model.fp8 is delayed (its scaling state is sown per layer)"),
+        (FinetuneSpec.from_config(config).mode != "all", "finetune.train leaves parameters frozen"),
+    )
+    return next((why for cond, why in reasons if cond), None)
+
+
+def accumulates_in_backward(config: ml_collections.ConfigDict) -> bool:
+    """Whether the step adds each scanned layer's gradient into the minibatches' accumulator inside the backward
+    pass (train.grad_accumulation "in_backward", or "auto" where why_not_in_backward_accumulation finds no reason
+    against): the one rule the step and the analytic memory model read."""
+    mode = config.train.grad_accumulation
+    return mode != "after_backward" and why_not_in_backward_accumulation(config) is None
+
+
 def sequence_parallel(config: ml_collections.ConfigDict) -> bool:
     """Megatron sequence parallelism: with mesh.tensor > 1, the residual stream split along its sequence too."""
     return bool(config.mesh.sequence_parallel) and mesh_shape(config).tensor > 1
@@ -295,6 +320,7 @@ class RunSpec:
     batch_size: int  # data.batch_size: sequences per optimizer step, every minibatch and device together
     num_minibatches: int  # train.num_minibatches
     accumulate: str  # train.accumulate: scan | loop
+    accumulates_in_backward: bool  # each layer's gradient added into the accumulator in the backward pass
     loss_chunk_len: int  # train.loss_chunk_len (0: the whole sequence)
     minibatch_per_device: int  # sequences one device holds per minibatch (minibatch_per_device)
     sequence_parallel: bool  # the residual stream split along its sequence too (sequence_parallel)
@@ -326,6 +352,7 @@ class RunSpec:
             batch_size=config.data.batch_size,
             num_minibatches=config.train.num_minibatches,
             accumulate=config.train.accumulate,
+            accumulates_in_backward=accumulates_in_backward(config),
             loss_chunk_len=config.train.loss_chunk_len,
             minibatch_per_device=minibatch_per_device(config),
             sequence_parallel=sequence_parallel(config),

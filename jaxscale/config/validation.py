@@ -17,6 +17,7 @@ from jaxscale.config.defaults import (
     FAMILIES,
     FP8_MODES,
     FROZEN_DTYPES,
+    GRAD_ACCUMULATIONS,
     MOE_BALANCE_SCOPES,
     MOE_DISPATCHES,
     MOE_ROUTINGS,
@@ -30,7 +31,7 @@ from jaxscale.config.defaults import (
     STATE_DTYPES,
     ConfigError,
 )
-from jaxscale.config.spec import ModelConfig, mesh_shape, mesh_text
+from jaxscale.config.spec import ModelConfig, mesh_shape, mesh_text, why_not_in_backward_accumulation
 
 
 def _check(ok: bool, field: str, message: str) -> None:
@@ -173,6 +174,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_attention(m, d.seq_len)
     _check(0.0 <= m.dropout_rate < 1.0, "model.dropout_rate", f"must be in [0, 1), got {m.dropout_rate}")
     _one_of(t.accumulate, ACCUMULATE_METHODS, "train.accumulate")
+    _one_of(t.grad_accumulation, GRAD_ACCUMULATIONS, "train.grad_accumulation")
+    # one minibatch accumulates nothing, so in_backward asks nothing of it there
+    asked = t.grad_accumulation == "in_backward" and t.num_minibatches > 1
+    refusal = why_not_in_backward_accumulation(config) if asked else None
+    _check(refusal is None, "train.grad_accumulation", f"in_backward: {refusal}; allowed here: auto, after_backward")
     _validate_loss_chunk(t.loss_chunk_len, d.seq_len)
     _validate_data_and_eval(d, t)
     _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")

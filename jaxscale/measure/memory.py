@@ -103,6 +103,7 @@ def host_allocator(maps: str | None = None) -> str | None:
 # Analytic estimate: bytes of named tensors, per config (see docs/measurements.md for the derivation); a layer's
 # activations are jaxscale.measure.layer_memory's.
 
+STACK_PREFIX = "transformer/blocks/"  # nn.scan's stacked layer parameters in params.param_table's paths
 _FLOAT32 = 4  # params, gradients, optimizer state and LayerNorm statistics are float32
 
 
@@ -306,6 +307,21 @@ def in_backward_grads_bytes(run: RunSpec) -> int:
     return max(head, one_layer, weight * size("embed/", "pos_emb"))
 
 
+def in_backward_accumulation_count(run: RunSpec, rules: tuple) -> int:
+    """Gradient elements one device makes besides the accumulator when each scanned layer's gradient is added into
+    it inside the backward pass (jaxscale.train.backward_accumulation; RunSpec.accumulates_in_backward): one layer's
+    (its share of the stacked gradient, laid out with `rules`) and the parameters' outside the layer stack, made
+    whole and then added (an unchunked head's; the chunked head's is added into the accumulator chunk by chunk, each
+    chunk's gradient whole before its add), but for an untied token table's, whose scatter-add XLA folds into the
+    accumulator (the compiled plans)."""
+    table = trained_table(run)
+    stacked = {k: v for k, v in table.items() if k.startswith(STACK_PREFIX)}
+    folded = set() if run.model.tie_embeddings else {"embed/embedding"}
+    outside = {k: v for k, v in table.items() if k not in stacked and k not in folded}
+    sizes = run.mesh._asdict()
+    return _held(outside, sizes, rules) + _held(stacked, sizes, rules) // run.model.num_layers
+
+
 def _total(terms: dict[str, int]) -> int:
     return sum(terms.values())
 
@@ -327,7 +343,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
       optimizer: optimizer_state_bytes (Adam 2 × 4·N; Adafactor factored; split over the state axes at every
         ZeRO stage; Adam's 8-bit moments at state_dtype int8 about 2 × (1 + 4/2048)·N, split alike).
       grads: 4·N for the minibatch's gradients, plus 4·N for the accumulator when num_minibatches > 1 (with
-        optimizer.in_backward one layer's at a time instead: in_backward_grads_bytes)
+        optimizer.in_backward one layer's at a time instead: in_backward_grads_bytes; accumulated inside the
+        backward pass, the minibatch's only outside the layer stack and one layer's: in_backward_accumulation_count)
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop);
         split like the optimizer state at every ZeRO stage (the step constrains them so: reduce-scatters), and
         whole where the step accumulates them on each device (accumulates_locally).
@@ -382,6 +399,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
     weight = _weight_itemsize(run)
     minibatch_grads = weight * trained_param_count(run, tables["params" if local else "grads"])
     accumulator = minibatch_grads if run.num_minibatches > 1 else 0
+    if run.accumulates_in_backward:  # the stacked layers' gradients go into the accumulator a layer at a time
+        minibatch_grads = weight * in_backward_accumulation_count(run, tables["params" if local else "grads"])
     if run.in_backward:  # no whole gradient: one phase's at a time (one device, one minibatch: validation)
         minibatch_grads = in_backward_grads_bytes(run)
     row = {

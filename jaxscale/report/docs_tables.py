@@ -168,6 +168,9 @@ TABLES: tuple[DocTable, ...] = (
              tuple(f"{RESULTS}/layer_bytes_{preset}_plan_h100_cublas/results.jsonl"
                    for preset in ("llama3.1-8b", "gpt2", "olmoe-1b-7b")),
              measurements_tables.layer_bytes_table),  # fmt: skip
+    DocTable("accumulation-h100", "docs/measurements.md",
+             (f"{RESULTS}/accumulation_memory_llama3.1-8b_plan_h100_cublas_x8/results.jsonl",),
+             measurements_tables.accumulation_table),  # fmt: skip
     DocTable("cpu-allocator", "docs/measurements.md",
              tuple(_cpu(name) for name in ("calibrate_a", "calibrate_b", "calibrated_bf16_remat_batch64", "tcmalloc_d",
                                            "tcmalloc_e", "tcmalloc_f", "calibrated_bf16_scan_remat_mlp_attn")),

@@ -109,3 +109,34 @@ def layer_bytes_table(*sweeps: pathlib.Path) -> str:
                           "-" if closed is None else f"{way['kept'] / closed:.2f}", f"{way['working'] / h:.1f}",
                           f"{row['predicted_step_s'] * 1000:.0f}"))  # fmt: skip
     return markdown(header, lines)
+
+
+def accumulation_table(sweep: pathlib.Path) -> str:
+    """What accumulating four minibatches adds to one minibatch's step, per layout, with each minibatch's whole
+    gradient made and then added (after4) and with the layers' and the chunked head's gradients added into the
+    accumulator inside the backward pass (in4): the compiled plans' temporaries and peaks per GPU, the memory
+    model's peak and the predicted step (experiments/accumulation_memory.py's rows, `<layout>_<mode>`).
+
+    Args:
+      sweep: results.jsonl of experiments/accumulation_memory.py's sweep.
+
+    Returns:
+      The markdown table.
+    """
+    rows = {row["variant"]: row for row in read_rows(sweep)}
+    header = ("layout (GPUs)", "temp, 1 minibatch (GB)", "temp, 4 after (GB)", "temp, 4 inside (GB)",
+              "added: after / inside (GB)", "peak: after / inside (GiB)", "memory model: after / inside (GiB)",
+              "fits: after / inside", "predicted step: after / inside (s)")  # fmt: skip
+    lines = []
+    for layout in dict.fromkeys(name.rpartition("_")[0] for name in rows):
+        one, after, inside = (rows[f"{layout}_{mode}"] for mode in ("mb1", "after4", "in4"))
+        temp = [row["compiled_temp_bytes"] / 1e9 for row in (one, after, inside)]
+        devices = one["config.mesh.data"] * one["config.mesh.fsdp"]
+        stage = f", ZeRO-{one['config.mesh.zero_stage']}" if one["config.mesh.fsdp"] > 1 else ""
+        lines.append((f"{layout} ({devices}{stage})", f"{temp[0]:.1f}", f"{temp[1]:.1f}", f"{temp[2]:.1f}",
+                      f"{temp[1] - temp[0]:.1f} / {temp[2] - temp[0]:.1f}",
+                      f"{after['compiled_peak_bytes'] / 2**30:.1f} / {inside['compiled_peak_bytes'] / 2**30:.1f}",
+                      f"{after['analytic_peak_bytes'] / 2**30:.1f} / {inside['analytic_peak_bytes'] / 2**30:.1f}",
+                      f"{'yes' if after['plan_fits'] else 'no'} / {'yes' if inside['plan_fits'] else 'no'}",
+                      f"{after['predicted_step_s']:.2f} / {inside['predicted_step_s']:.2f}"))  # fmt: skip
+    return markdown(header, lines)

@@ -29,7 +29,7 @@ from jaxscale.train.step import model_params, split_params
 # Fields that change the loss curve: a checkpoint resumes only a run whose config agrees on all of them.
 _CURVE_GROUPS = ("model", "optimizer", "finetune")
 _CURVE_FIELDS = ("data.batch_size", "data.seq_len", "data.seed", "data.source", "train.num_minibatches",
-                 "train.accumulate", "train.seed")  # fmt: skip
+                 "train.accumulate", "train.grad_accumulation", "train.seed")  # fmt: skip
 # Fields that change what a text run's saved data position means. grain's iterator state is per worker
 # process: with data.workers = N > 0 it holds N positions, worker i's within its slice (batches i, i + N, ...),
 # so it cannot be set on another number of workers (grain raises, or silently resumes at other batches); with

@@ -18,11 +18,12 @@ from flax.training import train_state
 
 from jaxscale import model as models
 from jaxscale.config import finetune, step_model
+from jaxscale.config.spec import accumulates_in_backward
 from jaxscale.data.batch import Batch as Batch  # the batch type is the data package's; re-exported
 from jaxscale.data.batch import make_batch as make_batch  # as train.Batch and train.make_batch
 from jaxscale.model import axes as model_axes
 from jaxscale.model import fp8, nf4
-from jaxscale.train import bf16_weights, fused_step, offload, quantized_state
+from jaxscale.train import backward_accumulation, bf16_weights, fused_step, offload, quantized_state
 
 Metrics = dict[str, jax.Array]  # {"loss_sum", "correct", "tokens"}: float32 scalars, summed
 
@@ -221,8 +222,14 @@ def _scored(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]
     return loss, (jnp.argmax(logits, axis=-1) == labels).sum().astype(jnp.float32)
 
 
-def next_token_loss(params: Any, apply_fn: Callable, batch: Batch, rng: jax.Array) -> tuple[jax.Array, Metrics]:
-    """Mean cross-entropy of predicting batch.labels, and the summed metrics of this minibatch."""
+def next_token_loss(
+    params: Any, apply_fn: Callable, batch: Batch, rng: jax.Array, into: backward_accumulation.Into | None = None
+) -> tuple[jax.Array, Metrics]:
+    """Mean cross-entropy of predicting batch.labels, and the summed metrics of this minibatch. `into`: the
+    minibatches' accumulator, which the backward pass adds the layers' and the embedding's gradients into
+    (jaxscale.train.backward_accumulation); None: plain."""
+    if into is not None:
+        apply_fn = backward_accumulation.accumulating(apply_fn, into)
     # [B, T, V] float32; `sown`: a mixture of experts' weighted router losses, added to the loss (none: dense)
     logits, sown = apply_fn({"params": params}, batch.inputs, rngs={"dropout": rng}, mutable=[models.AUX_LOSS])
     loss, correct = _scored(logits, batch.labels)  # [B, T], a scalar
@@ -237,6 +244,7 @@ def chunked_next_token_loss(
     rng: jax.Array,
     head_fn: Callable[[Any, jax.Array], jax.Array],
     chunk_len: int,
+    into: backward_accumulation.Into | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """next_token_loss with the output head and the loss computed over chunks of `chunk_len` positions.
 
@@ -244,8 +252,12 @@ def chunked_next_token_loss(
     of the batch, so the batch's layout on a mesh is kept), computes its [B, C, V] float32 logits, their
     log-softmax and cross-entropy, and sums them. Each chunk is under jax.checkpoint, so the backward pass
     recomputes its logits instead of keeping them: no [B, T, V] array is ever alive, only one [B, C, V]
-    chunk (torchtitan's chunked loss, MaxText's vocabulary tiling). Same function as next_token_loss.
+    chunk (torchtitan's chunked loss, MaxText's vocabulary tiling). Same function as next_token_loss. `into`: as
+    next_token_loss's, the head's gradient added into it too (backward_accumulation.chunks_into).
     """
+    if into is not None:
+        into.chunked_head = True
+        apply_fn = backward_accumulation.accumulating(apply_fn, into)
     features, sown = apply_fn(
         {"params": params}, batch.inputs, features_only=True, rngs={"dropout": rng}, mutable=[models.AUX_LOSS]
     )  # [B, T, H]; sown: as next_token_loss's
@@ -266,7 +278,13 @@ def chunked_next_token_loss(
 
     zero = jnp.zeros((), jnp.float32)
     with jax.named_scope("chunked_loss"):
-        (loss_sum, correct), _ = jax.lax.scan(body, (zero, zero), (xs, labels))
+        if into is None:
+            (loss_sum, correct), _ = jax.lax.scan(body, (zero, zero), (xs, labels))
+        else:  # the head's parameters alone differentiated in the loop (head_logits reads "embed" or "output")
+            path = ("embed",) if "output" not in params else ("output",)
+            loss_sum, correct = backward_accumulation.chunks_into(
+                into, path, lambda head, x, y: chunk_sums({path[0]: head}, x, y), params[path[0]], xs, labels
+            )
     tokens = rows * seq
     metrics = {"loss_sum": loss_sum, "correct": correct, "tokens": jnp.asarray(tokens, jnp.float32)}
     return models.add_aux_losses(loss_sum / tokens, sown), metrics
@@ -301,6 +319,7 @@ def accumulate_gradients(
     num_minibatches: int,
     method: str = "scan",
     constrain_grads: Callable[[Any], Any] | None = None,
+    into: bool = False,
 ) -> tuple[Any, Metrics]:
     """Splits the batch into minibatches, averages their gradients and sums their metrics.
 
@@ -314,6 +333,9 @@ def accumulate_gradients(
         the reference; XLA may keep every minibatch's activations alive at once).
       constrain_grads: on a mesh, pins the gradient accumulator to the parameters' layout (FSDP keeps it
         sharded); None off a mesh.
+      into: grad_fn takes the accumulator as a fourth argument and returns it with the minibatch's gradient added
+        (jaxscale.train.backward_accumulation: inside the backward pass); with None there, the minibatch's
+        gradient alone. Only the scan method's body passes it.
     Returns:
       (grads averaged over minibatches, metrics summed over minibatches); with delayed FP8 scaling (Fp8Gradients)
       the new scaling state is the minibatches' maximum (`_accumulate`).
@@ -336,7 +358,8 @@ def accumulate_gradients(
         minibatches = jax.tree_util.tree_map(lambda x: x.reshape(num_minibatches, minibatch_size, *x.shape[1:]), batch)
         minibatches = constrain_batch(minibatches, leading=(None,))  # on a mesh each minibatch spans every device
         first = jax.tree_util.tree_map(lambda x: x[0], minibatches)
-        carry_shape = jax.eval_shape(grad_fn, params, first, rng)  # size the accumulator without running
+        # size the accumulator without running
+        carry_shape = jax.eval_shape(grad_fn, params, first, rng, *((None,) if into else ()))
         carry = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), carry_shape)
         if constrain_grads is not None:
             carry = (constrain_grads(carry[0]), carry[1])
@@ -344,7 +367,11 @@ def accumulate_gradients(
         def body(carry, xs):
             index, minibatch = xs
             with jax.named_scope("minibatch"):
-                grads, metrics = grad_fn(params, minibatch, jax.random.fold_in(rng, index))
+                key = jax.random.fold_in(rng, index)
+                if into:  # the accumulator comes back with this minibatch's gradient in it
+                    grads, metrics = grad_fn(params, minibatch, key, carry[0])
+                    return (grads, _tree_add(carry[1], metrics)), None
+                grads, metrics = grad_fn(params, minibatch, key)
                 return (_accumulate(carry[0], grads), _tree_add(carry[1], metrics)), None
 
         (grads, metrics), _ = jax.lax.scan(body, carry, (jnp.arange(num_minibatches), minibatches))
@@ -387,13 +414,14 @@ def _per_group(grad_fn: Callable, local: LocalAccumulation) -> Callable:
     groups' vmap axis is named (GROUP_AXIS, in jaxscale.model.axes.device_groups while it traces), so that a
     statistic of the whole minibatch (a mixture of experts' load balance) can be averaged over the groups."""
 
-    def grouped(params, minibatch, minibatch_rng):
+    def grouped(params, minibatch, minibatch_rng, *acc):  # acc: accumulate_gradients' `into` accumulator [count, ...]
         # [B, T] -> [count, B / count, T]: group g holds the rows of the g-th batch-splitting device.
         groups = jax.tree_util.tree_map(lambda x: x.reshape(local.count, -1, *x.shape[1:]), minibatch)
         keys = jax.vmap(lambda g: jax.random.fold_in(minibatch_rng, g))(jnp.arange(local.count))
-        per_group = jax.vmap(grad_fn, in_axes=(None, 0, 0), axis_name=GROUP_AXIS, spmd_axis_name=local.axes)
+        axes = (None, 0, 0, *(0 if a is not None else None for a in acc))
+        per_group = jax.vmap(grad_fn, in_axes=axes, axis_name=GROUP_AXIS, spmd_axis_name=local.axes)
         with nn.logical_axis_rules(local.rules), model_axes.device_groups(GROUP_AXIS):
-            grads, metrics = per_group(params, groups, keys)
+            grads, metrics = per_group(params, groups, keys, *acc)
         return _on_params(functools.partial(jax.lax.with_sharding_constraint, shardings=local.carry), grads), metrics
 
     return grouped
@@ -408,9 +436,13 @@ def batch_gradients(
     grad_shardings: Any = None,
     loss_fn: LossFn = next_token_loss,
     local: LocalAccumulation | None = None,
+    in_backward: bool = False,
 ) -> tuple[Any, Metrics]:
     """Gradients of the mean next-token loss over `batch` (accumulated over its minibatches) and the summed
     metrics: the train step's work before the optimizer.
+
+    `in_backward` (jaxscale.config.spec.accumulates_in_backward): with several minibatches, each scanned layer's
+    gradient is added into the accumulator inside the backward pass (jaxscale.train.backward_accumulation).
 
     `grad_shardings` (on a mesh: the parameters' NamedShardings, see jaxscale.train.sharding) pins every
     minibatch's gradients and their accumulator to the parameters' layout; None off a mesh. With `local` and
@@ -435,19 +467,35 @@ def batch_gradients(
         )
         return grads, step_metrics
 
-    def constrained_grad_fn(params, minibatch, minibatch_rng):
-        grads, step_metrics = grad_fn(params, minibatch, minibatch_rng)
+    def grad_into_fn(params, minibatch, minibatch_rng, acc=None):
+        """grad_fn whose layers' backward adds their gradient into `acc` (None: grad_fn's gradient alone)."""
+        if acc is None:
+            return grad_fn(params, minibatch, minibatch_rng)
+        into = backward_accumulation.Into(acc)
+
+        def loss_into(trained, mb, r):
+            return loss_fn(model_params(trained, state.frozen), state.apply_fn, mb, r, into=into)
+
+        (_, step_metrics), grads = jax.value_and_grad(loss_into, has_aux=True)(
+            params, constrain_batch(minibatch), minibatch_rng
+        )
+        return into.join(grads), step_metrics
+
+    def constrained_grad_fn(params, minibatch, minibatch_rng, *acc):
+        grads, step_metrics = (grad_into_fn if in_backward else grad_fn)(params, minibatch, minibatch_rng, *acc)
         return constrain_grads(grads), step_metrics
 
     trained = Fp8Gradients(state.params, state.fp8_meta) if state.fp8_meta else state.params
+    into = in_backward and num_minibatches > 1 and accumulate == "scan"
     if local is None or num_minibatches == 1:
         return accumulate_gradients(
-            constrained_grad_fn, trained, batch, rng, num_minibatches, accumulate, constrain_grads
+            constrained_grad_fn, trained, batch, rng, num_minibatches, accumulate, constrain_grads, into
         )
     carry = functools.partial(_on_params, functools.partial(jax.lax.with_sharding_constraint, shardings=local.carry))
     grads, metrics = accumulate_gradients(
-        _per_group(grad_fn, local), trained, batch, rng, num_minibatches, accumulate, carry
-    )
+        _per_group(grad_into_fn if into else grad_fn, local), trained, batch, rng, num_minibatches, accumulate,
+        carry, into,
+    )  # fmt: skip
     with jax.named_scope("reduce_gradients"):  # the step's one sum over the devices that split the batch
         # each group's gradient is of its own rows' mean loss: the batch's is their mean (equal groups); each
         # group's delayed-scaling state saw its own rows: the batch's is their maximum
@@ -469,15 +517,17 @@ def train_step(
     grad_shardings: Any = None,
     loss_fn: LossFn = next_token_loss,
     local: LocalAccumulation | None = None,
+    in_backward: bool = False,
 ):
     """One optimizer step over `batch`; metrics are added to the running sums (no host sync).
 
-    `grad_shardings`, `loss_fn`, `local`: see batch_gradients (None off a mesh; the whole-logits loss).
+    `grad_shardings`, `loss_fn`, `local`, `in_backward`: see batch_gradients (None off a mesh; the whole-logits
+    loss; accumulation after each minibatch's backward).
     """
     rng, step_rng = jax.random.split(state.rng)
     with jax.named_scope("accumulate"):
         grads, step_metrics = batch_gradients(
-            state, batch, step_rng, num_minibatches, accumulate, grad_shardings, loss_fn, local
+            state, batch, step_rng, num_minibatches, accumulate, grad_shardings, loss_fn, local, in_backward
         )
     with jax.named_scope("optimizer"):
         # a delayed FP8 scaling state is replaced, never optimized (as flax.training.train_state does)
@@ -494,6 +544,7 @@ def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
         num_minibatches=config.train.num_minibatches,
         accumulate=config.train.accumulate,
         loss_fn=make_loss_fn(config),
+        in_backward=accumulates_in_backward(config),
     )
 
 

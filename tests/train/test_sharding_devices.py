@@ -251,6 +251,25 @@ def test_zero_stages_1_and_2_equal_one_device(stage):
     _assert_same_function((2, 4, 1), step=True, preset="tiny-llama", **{"mesh.zero_stage": stage, **LLAMA_STEP})
 
 
+@pytest.mark.parametrize("mesh,stage", [
+    ((8, 1, 1), 3),  # data parallel: each device accumulates its own rows (local accumulation, under jax.vmap)
+    pytest.param((2, 4, 1), 1, marks=pytest.mark.slow),
+    pytest.param((2, 4, 1), 2, marks=pytest.mark.slow),
+    pytest.param((1, 8, 1), 3, marks=pytest.mark.slow),
+])  # fmt: skip
+def test_accumulation_inside_the_backward_pass_on_a_mesh_equals_one_devices_plain_accumulation(mesh, stage):
+    """Two minibatches whose layers' gradients are added into the accumulator inside the backward pass
+    (train.grad_accumulation=in_backward, jaxscale.train.backward_accumulation) on data parallelism, ZeRO-1, ZeRO-2
+    and FSDP: the gradients and the parameters after a whole step equal one device's plain accumulation's."""
+    changes = {**LLAMA_STEP, "mesh.zero_stage": stage}  # two minibatches (_config)
+    one = _one_device("tiny-llama", tuple(sorted({**changes, "train.grad_accumulation": "after_backward"}.items())),
+                      True)  # fmt: skip
+    config = _config(mesh, "tiny-llama", **changes, **{"train.grad_accumulation": "in_backward"})
+    many = _everything(config, jax.devices(), True)
+    _assert_close(many[1], one[1])
+    _assert_close(many[2], one[2])
+
+
 def test_local_accumulation_with_dropout_is_each_devices_own_rows_and_key():
     """Data parallel x ZeRO-1 with 2 minibatches and dropout: each device accumulates the gradients of its own rows
     and reduces them once a step (sharding.local_accumulation), drawing its dropout masks from the minibatch's
