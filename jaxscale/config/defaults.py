@@ -170,8 +170,8 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.train.num_minibatches = 4  # gradient accumulation: minibatches per step (1 = none)
     c.train.accumulate = "scan"  # accumulation form: scan (lax.scan) or loop (unrolled Python loop)
     # in_backward: each scanned layer's gradient added into the accumulator inside the backward pass (one gradient
-    # held, not two); after_backward: each minibatch's whole gradient, then added; auto: in_backward where it applies
-    c.train.grad_accumulation = "auto"
+    # held, not two); after_backward: each minibatch's whole gradient, then added
+    c.train.grad_accumulation = "auto"  # in_backward (where it applies: docs/measurements.md) or after_backward
     c.train.loss_chunk_len = 0  # positions per chunk of the output head + loss (no [B, T, V] logits); 0: whole
     c.train.steps = 10  # timed steps (median and p90 are taken over these)
     c.train.warmup_steps = 2  # untimed steps run before timing, after the ahead-of-time compile
