@@ -169,7 +169,9 @@ def _policy_saved(d: Dims, policy: str) -> dict[str, int]:
     mlp = up + (whole if "down" in kept and f else 0)
     if d.moe:
         mlp += moe_memory.saved_bytes(d, kept, by_type, with_batch_dims="logits" in kept)
-    out = d.p * sbh // d.sp if "out" in kept and not by_type else 0  # the out projection's, kept under Block only
+    # the out and down projections' outputs a name policy saves, kept under Block only (under Attn or MLP remat each is
+    # its checkpoint's output)
+    out = d.p * sbh // d.sp * (("out" in kept) + ("down" in kept and bool(f))) if not by_type else 0
     return {"Attn": attn, "MLP": mlp, "Block": attn + mlp + out}
 
 
