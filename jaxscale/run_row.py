@@ -13,7 +13,7 @@ import ml_collections
 
 from jaxscale import compile_cache, hosts
 from jaxscale.config import flatten, mesh_shape, mesh_text
-from jaxscale.config.spec import layout_text, tokens_per_step
+from jaxscale.config.spec import accumulates_in_backward, layout_text, tokens_per_step
 from jaxscale.measure import columns, flops, memory, params
 from jaxscale.plan import calibrate, gpu_plan, predict
 from jaxscale.run_steps import RunError, execute
@@ -36,6 +36,9 @@ def base_row(config: ml_collections.ConfigDict, name: str, run_dir: pathlib.Path
         "host_allocator": memory.host_allocator(),
         "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "tokens_per_step": tokens_per_step(config),
+        # where each minibatch's gradient joins the accumulator (train.grad_accumulation resolved; None: one minibatch)
+        "grad_accumulation": (None if config.train.num_minibatches == 1 else
+                              "in_backward" if accumulates_in_backward(config) else "after_backward"),  # fmt: skip
         "mesh": mesh_text(config),  # data x fsdp x tensor (x context); every memory column is per device
         "mesh_devices": mesh_shape(config).devices,
         "mesh_layout": layout_text(config),  # e.g. "dp2 zero1x4 tp2+sp cp2"

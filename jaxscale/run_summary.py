@@ -28,6 +28,11 @@ def summary(row: dict) -> str:
             + _cache_text(row)
         )
         lines += [line for line in [finetune.summary_line(row)] if line]  # what trains (and what is frozen)
+        if row.get("grad_accumulation"):
+            where = {"in_backward": "each layer's gradient added into the accumulator inside the backward pass",
+                     "after_backward": "each minibatch's whole gradient made, then added"}[row["grad_accumulation"]]
+            lines.append(f"  accumulation: {row['config.train.num_minibatches']} minibatches, {where} "
+                         f"(train.grad_accumulation={row['config.train.grad_accumulation']})")  # fmt: skip
         lines.append(
             f"  compiled plan ({row['compiled_backend']}): peak {_gib(row['compiled_peak_bytes'])} = "
             f"args {_gib(row['compiled_argument_bytes'])} + out {_gib(row['compiled_output_bytes'])} - "

@@ -102,6 +102,8 @@ def test_reference_plan_on_cpu_reports_the_reference_param_count(tmp_path, capsy
     row = _result(out)
     assert row["params"] == 155_877_376 and row["tokens_per_step"] == 64 * 512
     assert row["plan_only"] and row["status"] == "ok" and row["trace_dir"] is None
+    # a dense model, scanned, every parameter trained, 4 minibatches: the layers' gradients go into the accumulator
+    assert row["grad_accumulation"] == "in_backward" and row["config.train.grad_accumulation"] == "auto"
     assert row["compiled_temp_bytes"] > 0 and row["compiled_peak_bytes"] > row["compiled_temp_bytes"]
     assert "step_s_median" not in row  # nothing ran, so nothing was timed
 
