@@ -56,8 +56,8 @@ class Into:
     """A minibatch's accumulator (a tree like the trained parameters) and the parts of it the backward pass has
     taken to add its gradients into (`take`, at trace time); `join` makes the new accumulator."""
 
-    def __init__(self, acc: Any, chunked_head: bool = False):
-        self.acc, self.chunked_head, self.taken = acc, chunked_head, set()
+    def __init__(self, acc: Any):
+        self.acc, self.taken = acc, set()
 
     def take(self, path: tuple[str, ...]) -> Any:
         """The accumulator's part at `path`, which the caller adds its gradient into (the gradient at `path` that

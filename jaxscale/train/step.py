@@ -256,7 +256,6 @@ def chunked_next_token_loss(
     next_token_loss's, the head's gradient added into it too (backward_accumulation.chunks_into).
     """
     if into is not None:
-        into.chunked_head = True
         apply_fn = backward_accumulation.accumulating(apply_fn, into)
     features, sown = apply_fn(
         {"params": params}, batch.inputs, features_only=True, rngs={"dropout": rng}, mutable=[models.AUX_LOSS]
