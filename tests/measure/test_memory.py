@@ -337,8 +337,10 @@ def test_fused_kernels_keep_no_attention_matrix_and_a_chunked_loss_one_chunk_of_
 @pytest.mark.parametrize("policy", ["save_qkv_proj", "save_dot_with_context_except_mlp"])
 def test_policy_bytes_against_the_compiled_plan(policy):
     """gpt, float32, scanned Block remat on this machine's compiler: the plan's peak grows over nothing_saveable's
-    by exactly the analytic estimate's growth for the policies keeping the attention's tensors (measured equal;
-    for the policies that keep MLP tensors the CPU plan's peak moves elsewhere and the two differ)."""
+    by the analytic estimate's growth for the policies keeping the attention's tensors, within 64 bytes, one buffer's
+    alignment on XLA's CPU (measured: equal with each minibatch's gradient added after the backward pass; 64 bytes
+    over in both cases with the layers' gradients added into the accumulator inside it, train.grad_accumulation's
+    default here; for the policies that keep MLP tensors the CPU plan's peak moves elsewhere and the two differ)."""
     peaks = {}
     for name in ("nothing_saveable", policy):
         config = load_config("bf16_remat_block")
@@ -349,7 +351,7 @@ def test_policy_bytes_against_the_compiled_plan(policy):
         compiled_peak = memory.compiled_memory(compiled)["compiled_peak_bytes"]
         peaks[name] = (compiled_peak, memory.analytic_memory(config)["analytic_peak_bytes"])
     (compiled_0, analytic_0), (compiled_1, analytic_1) = peaks["nothing_saveable"], peaks[policy]
-    assert compiled_1 - compiled_0 == analytic_1 - analytic_0 > 0
+    assert abs((compiled_1 - compiled_0) - (analytic_1 - analytic_0)) <= 64 and analytic_1 > analytic_0
 
 
 def test_the_host_allocator_is_the_malloc_library_mapped_into_the_process():
