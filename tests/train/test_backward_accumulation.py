@@ -43,7 +43,7 @@ def _gradients(config, in_backward: bool):
 
 @pytest.mark.parametrize("preset, changes", [
     ("tiny-llama", {"model.remat": (), "model.attention": "flash"}),  # the closed form under jax.vjp
-    ("tiny", {"model.remat": ("Block",)}),  # a residual that is the layer's own parameter: read, not kept
+    pytest.param("tiny", {"model.remat": ("Block",)}, marks=pytest.mark.slow),  # a residual that is a parameter
     pytest.param("tiny", {"model.remat": ("MLP", "Attn"), "train.loss_chunk_len": 16}, marks=pytest.mark.slow),
     pytest.param("tiny-llama", {"model.remat": ("Block",), "model.remat_policy": "minimal_flash",
                                 "model.attention": "flash"}, marks=pytest.mark.slow),
