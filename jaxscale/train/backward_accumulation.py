@@ -42,14 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.model.stack import Transformer, maybe_remat
-
-STACK = ("transformer", "blocks")  # where nn.scan's stacked layer parameters live in the params tree
-
-
-def _get(tree: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
+from jaxscale.train.fused_step import STACK, is_stack_call, subtree
 
 
 class Into:
@@ -64,7 +57,7 @@ class Into:
         comes back is then the accumulator's plus the minibatch's)."""
         assert path not in self.taken, f"{'/'.join(path)} is already accumulated into"
         self.taken.add(path)
-        return _get(self.acc, path)
+        return subtree(self.acc, path)
 
     def join(self, grads: Any) -> Any:
         """The new accumulator: the parts taken as they came back in `grads`, every other leaf added to the old."""
@@ -139,8 +132,8 @@ def accumulating(apply_fn: Callable, into: Into) -> Callable:
 
     def apply(variables: Any, *args: Any, **kwargs: Any) -> Any:
         def interceptor(next_fun, call_args, call_kwargs, context):
-            module, method = context.module, context.method_name
-            if isinstance(module, Transformer) and method == "__call__":
+            if is_stack_call(context):
+                module = context.module
                 params, layers = module.variables["params"]["blocks"], module.config.num_layers
                 key = module.make_rng("dropout") if module.train else jax.random.PRNGKey(0)
                 with jax.named_scope("blocks"):

@@ -54,7 +54,8 @@ class _StackInput(Exception):
         self.x, self.module = x, module
 
 
-def _is_stack(context: Any) -> bool:
+def is_stack_call(context: Any) -> bool:
+    """Whether an interceptor's `context` is the model calling its layer stack (Transformer.__call__)."""
     return isinstance(context.module, Transformer) and context.method_name == "__call__"
 
 
@@ -63,7 +64,7 @@ def embed_forward(apply_fn: Callable, outer: Any, inputs: jax.Array, rng: jax.Ar
     train flag), by running the model until it calls the stack (a method interceptor stops it there)."""
 
     def interceptor(next_fun, args, kwargs, context):
-        if _is_stack(context):
+        if is_stack_call(context):
             raise _StackInput(args[0], context.module)
         return next_fun(*args, **kwargs)
 
@@ -81,7 +82,7 @@ def with_stack_output(apply_fn: Callable, stack_output: jax.Array) -> Callable:
 
     def apply(variables: Any, *args: Any, **kwargs: Any) -> Any:
         def interceptor(next_fun, call_args, call_kwargs, context):
-            return stack_output if _is_stack(context) else next_fun(*call_args, **call_kwargs)
+            return stack_output if is_stack_call(context) else next_fun(*call_args, **call_kwargs)
 
         with nn.intercept_methods(interceptor):
             return apply_fn(variables, *args, **kwargs)
@@ -104,7 +105,8 @@ def _mirrors(treedef: Any) -> Callable[[Any], bool]:
     return test
 
 
-def _get(tree: Any, path: tuple[str, ...]) -> Any:
+def subtree(tree: Any, path: tuple[str, ...]) -> Any:
+    """The part of a nested dict `tree` at `path` (STACK: the stacked layers')."""
     for key in path:
         tree = tree[key]
     return tree
@@ -198,7 +200,7 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable, p
     dropout = jax.random.fold_in(step_rng, 0)  # the one minibatch's key, as accumulate_gradients draws it
     update_key = jax.random.fold_in(state.rng, 0x5EED)  # the step's rounding key, as TrainState.apply_gradients's
     tx, rounding, params = state.tx, state.bf16_rounding, state.params
-    stacked, outer = _get(params, STACK), _without(params, STACK)
+    stacked, outer = subtree(params, STACK), _without(params, STACK)
     layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
     embed_names = tuple(name for name in outer if name in EMBED_READS)
     head_names = tuple(name for name in outer if name not in EMBED_READS)
@@ -276,11 +278,11 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable, p
         return (cot, _put(layer_params, new_p, index), nodes, layer_compensation), new_nodes if paged else None
 
     def by_layer(node: Any, signed: bool) -> Any:
-        return jax.tree_util.tree_map(lambda leaf, p: _by_layer(leaf, p, signed), _get(node, STACK), stacked,
+        return jax.tree_util.tree_map(lambda leaf, p: _by_layer(leaf, p, signed), subtree(node, STACK), stacked,
                                       is_leaf=_is_moment)  # fmt: skip
 
     layer_nodes = [by_layer(node, signed) for node, signed in zip(parts.nodes, parts.signed, strict=True)]
-    layer_compensation = None if compensation is None else _get(compensation, STACK)
+    layer_compensation = None if compensation is None else subtree(compensation, STACK)
     carried, streamed = ([], layer_nodes) if paged else (layer_nodes, None)
     with jax.named_scope("layers_backward"):
         (cotangent, new_stack, carried, layer_compensation), pages = jax.lax.scan(
@@ -289,7 +291,7 @@ def fused_train_step(state: Any, metrics: dict, batch: Any, loss_fn: Callable, p
         )  # fmt: skip
     layer_nodes = pages if paged else carried
     layer_nodes = [jax.tree_util.tree_map(lambda before, leaf, signed=signed: _stacked(leaf, before, signed),
-                                          _get(node, STACK), new, is_leaf=_is_moment)
+                                          subtree(node, STACK), new, is_leaf=_is_moment)
                    for node, new, signed in zip(parts.nodes, layer_nodes, parts.signed, strict=True)]  # fmt: skip
 
     # 4. the embedding's gradient (with the head's share of a tied table) and its parameters' update

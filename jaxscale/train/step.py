@@ -332,9 +332,9 @@ def accumulate_gradients(
         the reference; XLA may keep every minibatch's activations alive at once).
       constrain_grads: on a mesh, pins the gradient accumulator to the parameters' layout (FSDP keeps it
         sharded); None off a mesh.
-      into: grad_fn takes the accumulator as a fourth argument and returns it with the minibatch's gradient added
-        (jaxscale.train.backward_accumulation: inside the backward pass); with None there, the minibatch's
-        gradient alone. Only the scan method's body passes it.
+      into: grad_fn takes the accumulator as an optional fourth argument and returns it with the minibatch's
+        gradient added (jaxscale.train.backward_accumulation: inside the backward pass); without it, the
+        minibatch's gradient alone. Only the scan method's body passes it.
     Returns:
       (grads averaged over minibatches, metrics summed over minibatches); with delayed FP8 scaling (Fp8Gradients)
       the new scaling state is the minibatches' maximum (`_accumulate`).
@@ -357,8 +357,7 @@ def accumulate_gradients(
         minibatches = jax.tree_util.tree_map(lambda x: x.reshape(num_minibatches, minibatch_size, *x.shape[1:]), batch)
         minibatches = constrain_batch(minibatches, leading=(None,))  # on a mesh each minibatch spans every device
         first = jax.tree_util.tree_map(lambda x: x[0], minibatches)
-        # size the accumulator without running
-        carry_shape = jax.eval_shape(grad_fn, params, first, rng, *((None,) if into else ()))
+        carry_shape = jax.eval_shape(grad_fn, params, first, rng)  # size the accumulator without running
         carry = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), carry_shape)
         if constrain_grads is not None:
             carry = (constrain_grads(carry[0]), carry[1])
@@ -417,7 +416,7 @@ def _per_group(grad_fn: Callable, local: LocalAccumulation) -> Callable:
         # [B, T] -> [count, B / count, T]: group g holds the rows of the g-th batch-splitting device.
         groups = jax.tree_util.tree_map(lambda x: x.reshape(local.count, -1, *x.shape[1:]), minibatch)
         keys = jax.vmap(lambda g: jax.random.fold_in(minibatch_rng, g))(jnp.arange(local.count))
-        axes = (None, 0, 0, *(0 if a is not None else None for a in acc))
+        axes = (None, 0, 0, *(0,) * len(acc))
         per_group = jax.vmap(grad_fn, in_axes=axes, axis_name=GROUP_AXIS, spmd_axis_name=local.axes)
         with nn.logical_axis_rules(local.rules), model_axes.device_groups(GROUP_AXIS):
             grads, metrics = per_group(params, groups, keys, *acc)
@@ -454,47 +453,36 @@ def batch_gradients(
             return grads
         return _on_params(functools.partial(jax.lax.with_sharding_constraint, shardings=grad_shardings), grads)
 
-    def loss_of_trained(trained, minibatch, minibatch_rng):  # the frozen params are constants here
+    def loss_of_trained(trained, minibatch, minibatch_rng, into):  # the frozen params are constants here
         apply_fn, params = state.apply_fn, trained
         if isinstance(trained, Fp8Gradients):  # delayed FP8 scaling: its state differentiated beside the params
             apply_fn, params = fp8.with_state(apply_fn, trained.fp8_meta), trained.params
-        return loss_fn(model_params(params, state.frozen), apply_fn, minibatch, minibatch_rng)
+        accumulating = {} if into is None else {"into": into}
+        return loss_fn(model_params(params, state.frozen), apply_fn, minibatch, minibatch_rng, **accumulating)
 
-    def grad_fn(params, minibatch, minibatch_rng):
+    def grad_fn(params, minibatch, minibatch_rng, acc=None):
+        """The minibatch's gradient; given the accumulator `acc` (accumulate_gradients' `into`), the accumulator
+        with it added, the layers' inside the backward pass (jaxscale.train.backward_accumulation)."""
+        into = None if acc is None else backward_accumulation.Into(acc)
         (_, step_metrics), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(
-            params, constrain_batch(minibatch), minibatch_rng
+            params, constrain_batch(minibatch), minibatch_rng, into
         )
-        return grads, step_metrics
-
-    def grad_into_fn(params, minibatch, minibatch_rng, acc=None):
-        """grad_fn whose layers' backward adds their gradient into `acc` (None: grad_fn's gradient alone)."""
-        if acc is None:
-            return grad_fn(params, minibatch, minibatch_rng)
-        into = backward_accumulation.Into(acc)
-
-        def loss_into(trained, mb, r):
-            return loss_fn(model_params(trained, state.frozen), state.apply_fn, mb, r, into=into)
-
-        (_, step_metrics), grads = jax.value_and_grad(loss_into, has_aux=True)(
-            params, constrain_batch(minibatch), minibatch_rng
-        )
-        return into.join(grads), step_metrics
+        return (grads if into is None else into.join(grads)), step_metrics
 
     def constrained_grad_fn(params, minibatch, minibatch_rng, *acc):
-        grads, step_metrics = (grad_into_fn if in_backward else grad_fn)(params, minibatch, minibatch_rng, *acc)
+        grads, step_metrics = grad_fn(params, minibatch, minibatch_rng, *acc)
         return constrain_grads(grads), step_metrics
 
     trained = Fp8Gradients(state.params, state.fp8_meta) if state.fp8_meta else state.params
-    into = in_backward and num_minibatches > 1 and accumulate == "scan"
+    into = in_backward and num_minibatches > 1 and accumulate == "scan"  # grad_fn given the accumulator
     if local is None or num_minibatches == 1:
         return accumulate_gradients(
             constrained_grad_fn, trained, batch, rng, num_minibatches, accumulate, constrain_grads, into
         )
     carry = functools.partial(_on_params, functools.partial(jax.lax.with_sharding_constraint, shardings=local.carry))
     grads, metrics = accumulate_gradients(
-        _per_group(grad_into_fn if into else grad_fn, local), trained, batch, rng, num_minibatches, accumulate,
-        carry, into,
-    )  # fmt: skip
+        _per_group(grad_fn, local), trained, batch, rng, num_minibatches, accumulate, carry, into
+    )
     with jax.named_scope("reduce_gradients"):  # the step's one sum over the devices that split the batch
         # each group's gradient is of its own rows' mean loss: the batch's is their mean (equal groups); each
         # group's delayed-scaling state saw its own rows: the batch's is their maximum
