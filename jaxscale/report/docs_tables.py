@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 from absl import flags
 
 from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, wants_help
-from jaxscale.report import gpu_tables, measurements_tables, mesh_tables, models_tables, moe_tables, predict_tables
+from jaxscale.report import (
+    gpu_tables,
+    measurements_tables,
+    mesh_tables,
+    models_tables,
+    moe_tables,
+    predict_tables,
+    published_memory,
+)
 from jaxscale.sweep.results import read_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -101,6 +109,7 @@ TABLES: tuple[DocTable, ...] = (
     DocTable("mesh-h100", "docs/mesh.md", _sweep("mesh_seed_plan_h100_x8", "experiments/mesh.py:seed"),
              mesh_tables.gpu_mesh_table),  # fmt: skip
     DocTable("published", "docs/published.md", _PUBLISHED, _published),
+    DocTable("published-memory", "docs/published.md", _PUBLISHED, published_memory.published_memory_table),
     DocTable("fp8-h200", "docs/fp8.md", tuple(f"{RESULTS}/fp8_{model}_{kind}h200/results.jsonl"
                                               for model in ("seed", "llama3.2-1b") for kind in ("plan_", "")),
              gpu_tables.fp8_table),  # fmt: skip
