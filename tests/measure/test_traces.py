@@ -21,7 +21,7 @@ def _row(name: str, tmp: pathlib.Path) -> dict:
     config = load_config(name)
     # Ops of a few milliseconds, so that the profiler's cost per op event stays small beside them.
     config.model.update(hidden_size=256, head_dim=64, max_seq_len=128)
-    config.data.update(seq_len=128, batch_size=16)
+    config.data.update(seq_len=128, batch_size=8)
     config.train.update(steps=4, warmup_steps=1)
     config.profile.steps = 3
     row = run.run(config, tmp / name, name, progress=False)
