@@ -4,13 +4,13 @@ replanned as their setups stand, each beside its framework's own memory accounti
 The frameworks' accounting, per GPU, as they write it (N parameters, d the ranks the optimizer state is split over,
 s the sequence a GPU holds, b its microbatch, h the hidden size, L the layers, V the vocabulary):
 
-- Megatron-Core's distributed optimizer (docs/source/api-guide/dist_optimizer.md, and
-  megatron/training/theoretical_memory_usage.py's `compute_weight_and_optimizer_memory`): bf16 parameters (2 bytes)
-  and float32 main gradients (4) on every rank, float32 main parameters and Adam's two moments (12) split over d:
-  6 + 12/d bytes a parameter; with gradients reduced in bf16 (`grad_reduce_in_fp32=False`), 4 + 16/d (the float32
-  main gradient joins the split state). For an MoE model the experts' parameters are split over the expert axis and
-  their state over the expert-data-parallel ranks (d / EP); Megatron's function has no expert term, so that split is
-  the lab's reading of the distributed optimizer's, and is said so in the table.
+- Megatron-Core's distributed optimizer (NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md @ 50b073cc,
+  and megatron/training/theoretical_memory_usage.py's `compute_weight_and_optimizer_memory` @ 00caa53a): bf16
+  parameters (2 bytes) and float32 main gradients (4) on every rank, float32 main parameters and Adam's two moments
+  (12) split over d: 6 + 12/d bytes a parameter; with gradients reduced in bf16 (`grad_reduce_in_fp32=False`),
+  4 + 16/d (the float32 main gradient joins the split state). For an MoE model the experts' parameters are split over
+  the expert axis and their state over the expert-data-parallel ranks (d / EP); Megatron's function has no expert
+  term, so that split is the lab's reading of the distributed optimizer's, and is said so in the table.
 - Megatron FSDP (Megatron-Bridge's `use_megatron_fsdp`): the distributed optimizer's bytes, each split over d (the
   lab's reading: Megatron's function has no FSDP term).
 - Megatron-Core's activations without sequence parallelism (`compute_activation_memory_without_sp`, tensor and
