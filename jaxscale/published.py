@@ -196,13 +196,27 @@ def excluded(published: dict, row: dict) -> str | None:
     below it, the plan's not fitting the target says nothing of the run's card: it is counted."""
     if published.get("exclude"):
         return published["exclude"]
-    card, peak = published.get("gpu_memory_gib"), row.get("compiled_peak_bytes")
-    if card and peak and peak / GIB < card:  # a larger card than the lab's target (a 96 GB H100): it had the room
-        return None
-    if row.get("plan_fits") is False:
+    peak = row.get("compiled_peak_bytes")
+    if not plan_fitted_card(published, peak / GIB if peak else None, row.get("plan_fits")):
         return (f"the lab's nearest program does not fit the {published['gpu']} the run used "
                 f"({row.get('plan_fits_reason')}); the run fitted, so the lab has not posed it as it ran")  # fmt: skip
     return None
+
+
+def plan_fitted_card(published: dict, peak_gib: float | None, plan_fits: bool | None) -> bool:
+    """Whether a plan of the run (its peak in GiB, its `plan_fits` on the lab's target) fitted the card the run used:
+    it fitted the target, or the run's card had more memory than the target (`gpu_memory_gib`, e.g. torchtitan's 96 GB
+    H100s against the 80 GB target) and the peak is below it."""
+    card = published.get("gpu_memory_gib")
+    if card and peak_gib and peak_gib < card:  # a larger card than the lab's target: it had the room
+        return True
+    return plan_fits is not False
+
+
+def first_sight_fitted(published: dict) -> bool:
+    """Whether the plan registered with the run's first sight fitted the card the run used (plan_fitted_card)."""
+    first = published.get("first_sight") or {}
+    return plan_fitted_card(published, first.get("plan_peak_gib"), first.get("plan_fits"))
 
 
 def excluded_at_first_sight(published: dict) -> bool:
@@ -210,12 +224,7 @@ def excluded_at_first_sight(published: dict) -> bool:
     registered with it not fitting the card the run used (excluded's rule, applied to the first sight's own plan). A
     later plan that fits does not add the run to the first-sight error: a first-sight figure and the summary over
     them are never rewritten; the run is counted apart (format_table)."""
-    if published.get("exclude"):
-        return True
-    first, card = published.get("first_sight") or {}, published.get("gpu_memory_gib")
-    if card and first.get("plan_peak_gib") and first["plan_peak_gib"] < card:
-        return False
-    return first.get("plan_fits") is False
+    return bool(published.get("exclude")) or not first_sight_fitted(published)
 
 
 def compare(published: dict, row: dict) -> dict[str, Any]:

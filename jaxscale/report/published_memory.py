@@ -29,7 +29,6 @@ optimizer state, activations) and the compiled plan's peak beside it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 from jaxscale.report.models_tables import markdown
@@ -109,15 +108,11 @@ def framework_accounting(published: dict, row: dict) -> Accounting | None:
 
 
 def selected(runs: list[dict]) -> list[dict]:
-    """The runs whose first-sight plan did not fit the card they ran on (a larger card than the lab's target, as
-    torchtitan's 96 GB H100s, with the plan below it, is not one)."""
-    chosen = []
-    for published in runs:
-        first = published.get("first_sight") or {}
-        card = published.get("gpu_memory_gib")
-        if first.get("plan_fits") is False and not (card and first["plan_peak_gib"] < card):
-            chosen.append(published)
-    return chosen
+    """The registered runs whose first-sight plan did not fit the card they ran on (jaxscale.published's rule: a
+    larger card than the lab's target, as torchtitan's 96 GB H100s, with the plan below it, is not one)."""
+    from jaxscale import published as runs_file  # imports JAX: only when this table is written
+
+    return [run for run in runs if run.get("first_sight") and not runs_file.first_sight_fitted(run)]
 
 
 def _gib(value: float | None) -> str:
@@ -140,7 +135,9 @@ def published_memory_table(rows_path: pathlib.Path, runs_path: pathlib.Path) -> 
               "activations", "framework: weights / gradients / optimizer / activations", "framework total",
               "framework's accounting")  # fmt: skip
     lines = []
-    for published in selected(json.loads(pathlib.Path(runs_path).read_text())):
+    from jaxscale import published as runs_file  # imports JAX: only when this table is written
+
+    for published in selected(runs_file.load_runs(runs_path)):
         row = rows[published["id"]]
         theirs = framework_accounting(published, row)
         lab = " / ".join(_gib(row[f"analytic_{name}_bytes"]) for name in ("params", "grads", "optimizer", "activation"))
