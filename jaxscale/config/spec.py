@@ -250,13 +250,13 @@ def why_not_in_backward_accumulation(config: ml_collections.ConfigDict) -> str |
     """Why the step cannot add each layer's gradient into the accumulator inside the backward pass
     (jaxscale.train.backward_accumulation) for `config`, one clause naming the field; None where it can: the
     layers are one nn.scan stack, several minibatches are accumulated (train.accumulate=scan), every parameter
-    trains, and no layer sows state a loss or the step reads (a mixture of experts' router losses, delayed FP8)."""
+    trains, and no layer sows state the step reads back (delayed FP8's scaling; a mixture of experts' router losses,
+    a scalar sum, go through the stack's output)."""
     m, t = config.model, config.train
     reasons = (
         (t.num_minibatches <= 1, "train.num_minibatches is 1 (nothing is accumulated)"),
         (not m.scan_layers, "model.scan_layers is False (the layers are not one nn.scan stack)"),
         (t.accumulate != "scan", f"train.accumulate is {t.accumulate} (the reference loop adds whole gradients)"),
-        (bool(m.num_experts), "model.num_experts > 0 (the router's losses are sown per layer)"),
         (m.fp8 == "delayed", "model.fp8 is delayed (its scaling state is sown per layer)"),
         (FinetuneSpec.from_config(config).mode != "all", "finetune.train leaves parameters frozen"),
     )

@@ -26,10 +26,15 @@ positions, an unchunked head) is added after the backward pass as before
 different draw of the same distribution; without dropout the function is the same, which
 tests/train/test_backward_accumulation.py checks against the plain step's gradients.
 
+A mixture of experts' layers sow their router losses (jaxscale.model.moe): each layer under `jax.vjp` returns its
+output and the sum of what it sowed, the stack returns the layers' sum beside its output and sows it once, so the
+train step adds it to the loss as it adds nn.scan's per-layer leaves, and the backward pass gives each layer the
+sum's cotangent with its output's.
+
 Where it applies (jaxscale.config.spec.accumulates_in_backward, the rule the analytic memory model reads too):
-nn.scan's stacked layers, several minibatches under train.accumulate=scan, every parameter trained, no sown state (a
-mixture of experts' router losses, delayed FP8 scaling); elsewhere, or with train.grad_accumulation=after_backward,
-each minibatch's whole gradient is made and then added.
+nn.scan's stacked layers, several minibatches under train.accumulate=scan, every parameter trained, no sown state
+the step reads back (delayed FP8 scaling); elsewhere, or with train.grad_accumulation=after_backward, each
+minibatch's whole gradient is made and then added.
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxscale.model.stack import Transformer, maybe_remat
+from jaxscale.model.stack import SOWN_COLLECTIONS, Transformer, maybe_remat
 from jaxscale.train.fused_step import STACK, is_stack_call, subtree
+
+AUX_LOSS = SOWN_COLLECTIONS[0]  # the collection whose leaves the train step adds to the loss
 
 
 class Into:
@@ -69,42 +76,52 @@ class Into:
         return jax.tree_util.tree_map_with_path(leaf, self.acc, grads)
 
 
-def _layer_fn(module: Transformer) -> Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]:
-    """(layer params, input [B, T, H], dropout key, layer index) -> the layer's output: nn.scan's body, one layer."""
+def _layer_fn(module: Transformer) -> Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """(layer params, input [B, T, H], dropout key, layer index) -> (the layer's output, the sum of the losses it
+    sowed into the "aux_loss" collection, a float32 scalar: 0 for a layer that sows none): nn.scan's body, one
+    layer."""
     block = maybe_remat(module.block, "Block", module.config)(module.config, module.train)
 
-    def layer(p: Any, h: jax.Array, key: jax.Array, index: jax.Array) -> jax.Array:
-        return block.apply({"params": p}, h, None, rngs={"dropout": jax.random.fold_in(key, index)})[0]
+    def layer(p: Any, h: jax.Array, key: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+        (y, _), sown = block.apply(
+            {"params": p}, h, None, rngs={"dropout": jax.random.fold_in(key, index)}, mutable=[AUX_LOSS]
+        )
+        losses = jax.tree_util.tree_leaves(sown.get(AUX_LOSS, {}))
+        layer.sows = bool(losses)  # known at trace time: whether the stack has losses to sow
+        return y, sum(losses, jnp.zeros((), jnp.float32))
 
     return layer
 
 
 def _stack_vjp(layer: Callable, layers: int) -> Callable:
-    """The layer stack as a custom_vjp function (params [L, ...], accumulator [L, ...], x, key) -> output, whose
-    backward adds each layer's parameter gradient into the accumulator and returns it as the params' cotangent."""
+    """The layer stack as a custom_vjp function (params [L, ...], accumulator [L, ...], x, key) -> (output, the
+    layers' sown losses summed), whose backward adds each layer's parameter gradient into the accumulator and
+    returns it as the params' cotangent."""
     spec: dict = {}  # the residuals' tree structure and which leaves are the layer's own parameters (trace time)
 
     def forward_scan(params: Any, x: jax.Array, key: jax.Array):
-        def body(h, xs):
+        def body(carry, xs):
+            h, losses = carry
             p, index = xs
-            y, pullback = jax.vjp(lambda p_, h_: layer(p_, h_, key, index), p, h)
+            (y, loss), pullback = jax.vjp(lambda p_, h_: layer(p_, h_, key, index), p, h)
             leaves, spec["tree"] = jax.tree_util.tree_flatten(pullback)
             own = {id(leaf): n for n, leaf in enumerate(jax.tree_util.tree_leaves(p))}
             spec["own"] = [own.get(id(leaf)) for leaf in leaves]  # a residual that is parameter n: read, not kept
-            return y, [leaf for leaf, n in zip(leaves, spec["own"], strict=True) if n is None]
+            return (y, losses + loss), [leaf for leaf, n in zip(leaves, spec["own"], strict=True) if n is None]
 
-        return jax.lax.scan(body, x, (params, jnp.arange(layers)))
+        return jax.lax.scan(body, (x, jnp.zeros((), jnp.float32)), (params, jnp.arange(layers)))
 
     @jax.custom_vjp
-    def stack(params: Any, acc: Any, x: jax.Array, key: jax.Array) -> jax.Array:
+    def stack(params: Any, acc: Any, x: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
         return forward_scan(params, x, key)[0]
 
     def stack_fwd(params, acc, x, key):
-        y, kept = forward_scan(params, x, key)
-        return y, (params, acc, kept)
+        out, kept = forward_scan(params, x, key)
+        return out, (params, acc, kept)
 
-    def stack_bwd(residuals, cotangent):
+    def stack_bwd(residuals, cotangents):
         params, acc, kept = residuals
+        ct_loss = cotangents[1]  # each layer's sown losses enter the sum with the same cotangent
 
         def body(carry, xs):
             ct, total = carry
@@ -112,14 +129,14 @@ def _stack_vjp(layer: Callable, layers: int) -> Callable:
             own = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda a: a[index], params))
             kept_i = iter(kept_i)
             leaves = [next(kept_i) if n is None else own[n] for n in spec["own"]]
-            grads, ct = jax.tree_util.tree_unflatten(spec["tree"], leaves)(ct)
+            grads, ct = jax.tree_util.tree_unflatten(spec["tree"], leaves)((ct, ct_loss))
             total = jax.tree_util.tree_map(
                 lambda a, g: jax.lax.dynamic_update_index_in_dim(a, a[index] + g.astype(a.dtype), index, 0),
                 total, grads,
             )  # fmt: skip
             return (ct, total), None
 
-        (ct_x, total), _ = jax.lax.scan(body, (cotangent, acc), (jnp.arange(layers), kept), reverse=True)
+        (ct_x, total), _ = jax.lax.scan(body, (cotangents[0], acc), (jnp.arange(layers), kept), reverse=True)
         return total, None, ct_x, None
 
     stack.defvjp(stack_fwd, stack_bwd)
@@ -136,8 +153,12 @@ def accumulating(apply_fn: Callable, into: Into) -> Callable:
                 module = context.module
                 params, layers = module.variables["params"]["blocks"], module.config.num_layers
                 key = module.make_rng("dropout") if module.train else jax.random.PRNGKey(0)
+                layer = _layer_fn(module)
                 with jax.named_scope("blocks"):
-                    return _stack_vjp(_layer_fn(module), layers)(params, into.take(STACK), call_args[0], key)
+                    y, losses = _stack_vjp(layer, layers)(params, into.take(STACK), call_args[0], key)
+                if layer.sows:  # the layers' losses (a mixture of experts' router losses), summed over layers
+                    module.sow(AUX_LOSS, "blocks", losses)
+                return y
             return next_fun(*call_args, **call_kwargs)
 
         with nn.intercept_methods(interceptor):

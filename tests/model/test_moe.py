@@ -380,6 +380,7 @@ def test_analytic_state_under_expert_parallelism_is_the_layouts_shards(mesh, fie
     config.mesh.update({k.split(".")[1]: v for k, v in fields.items() if "." in k})
     config.mesh.update(dict(zip(("data", "fsdp", "tensor", "context", "expert"), mesh, strict=True)))
     config.optimizer.name, config.data.batch_size = "adam", 16
+    config.train.grad_accumulation = "after_backward"  # two whole gradients, laid out as the layout's (below)
     validate(config)
     shape = sharding.mesh_shape(config).physical
     init_fn = train.make_init_fn(config)

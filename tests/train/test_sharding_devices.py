@@ -15,7 +15,7 @@ import pytest
 
 from jaxscale import train
 from jaxscale.config import base_config, validate
-from jaxscale.config.spec import RunSpec
+from jaxscale.config.spec import RunSpec, accumulates_in_backward
 from jaxscale.measure import hlo, memory
 from jaxscale.measure.params import param_count
 from jaxscale.train import sharding
@@ -565,7 +565,10 @@ def _balance_config(mesh, **changes):
 @pytest.mark.parametrize(
     "mesh, changes",
     [
-        ((8, 1, 1), {}),  # data parallelism
+        # data parallelism, the layers scanned: accumulated inside the backward pass (the default, "auto"), the router
+        # losses through the stack's output (jaxscale.train.backward_accumulation); unrolled, after it
+        ((8, 1, 1), {"model.scan_layers": True}),
+        pytest.param((8, 1, 1), {}, marks=pytest.mark.slow),
         pytest.param((1, 8, 1), {"mesh.zero_stage": 1}, marks=pytest.mark.slow),  # ZeRO-1: the same accumulation
         pytest.param((8, 1, 1), {"model.moe_dispatch": "ragged"}, marks=pytest.mark.slow),  # reduced every minibatch
         pytest.param((8, 1, 1), {"model.moe_balance_scope": "sequence"}, marks=pytest.mark.slow),
@@ -577,13 +580,17 @@ def test_moe_balance_loss_reduced_once_a_step_equals_one_device(mesh, changes):
     loss, gradients and the stepped parameters equal one device's at the float32 tolerance. With f of each device's
     own row (main at 52030f3, the scatter dispatch) 8,185 of a leaf's 8,192 gradients were beyond it (up to 0.027
     off), and the then default ragged dispatch raised NotImplementedError under the per-device jax.vmap; it now
-    reduces every minibatch instead (auto) and is the same function too."""
+    reduces every minibatch instead (auto) and is the same function too. The reference is one device's plain
+    accumulation (each minibatch's whole gradient, then added), so the scanned case holds the accumulation inside the
+    backward pass to it."""
     from jaxscale.config import accumulates_locally
 
     config = _balance_config(mesh, **changes)
     assert accumulates_locally(config) is (changes.get("model.moe_dispatch") != "ragged")
+    assert accumulates_in_backward(config) is config.model.scan_layers
     assert config.model.moe_dispatch == changes.get("model.moe_dispatch", "scatter")  # the preset's default
-    one = _one_device("tiny-moe", tuple(sorted({**BALANCE, **changes}.items())), True)
+    plain = {**BALANCE, **changes, "train.grad_accumulation": "after_backward"}  # one device's plain accumulation
+    one = _one_device("tiny-moe", tuple(sorted(plain.items())), True)
     many = _everything(config, jax.devices()[:8], True)
     _assert_close(many[1], one[1])
     _assert_close(many[2], one[2])
