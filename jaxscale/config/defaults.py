@@ -67,7 +67,7 @@ MOE_ROUTINGS = ("topk_softmax", "softmax_topk", "softmax_topk_norm")  # model.mo
 MOE_DISPATCHES = ("ragged", "capacity", "scatter", "dense")  # model.moe_dispatch (jaxscale.model.moe)
 MOE_BALANCE_SCOPES = ("minibatch", "device", "sequence")  # model.moe_balance_scope (jaxscale.model.moe)
 PARAM_DTYPES = ("float32", "bfloat16")  # model.param_dtype: the trained weights' storage
-BF16_ROUNDINGS = ("nearest", "stochastic", "kahan")  # optimizer.bf16_rounding (jaxscale.train.bf16_weights)
+BF16_ROUNDINGS = ("nearest", "stochastic", "kahan", "master")  # optimizer.bf16_rounding (jaxscale.train.bf16_weights)
 
 
 def all_presets() -> dict[str, dict[str, dict[str, object]]]:
@@ -138,7 +138,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.max_seq_len = 512  # rows of the learned positional embedding
     c.model.dropout_rate = 0.1  # dropout after embeddings, attention output and MLP output
     c.model.dtype = "bfloat16"  # compute dtype of activations and matmuls
-    c.model.param_dtype = "float32"  # trained weights stored in: float32, or bfloat16 (no master copy: bf16_rounding)
+    c.model.param_dtype = "float32"  # trained weights stored in: float32, or bfloat16 (the update: bf16_rounding)
     c.model.reduce_dtype = "float32"  # weight gradients summed over a mesh's devices in float32 or the compute dtype
     c.model.fp8 = "none"  # FP8 matmuls (docs/fp8.md): none, dynamic (torchtitan's tensorwise) or delayed (Flax's op)
     c.model.fp8_targets = ("attention", "mlp")  # projections in FP8: attention, mlp, all, head, or names (q, up, ...)
@@ -195,7 +195,8 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.optimizer.grad_clip_norm = 0.0  # clip gradients to this global norm; 0 disables clipping
     # int8 (adam/adamw only): both moments block-wise quantized to 8 bits (jaxscale/train/quantized_state.py)
     c.optimizer.state_dtype = "float32"  # dtype the optimizer's moments are stored in: float32, bfloat16 or int8
-    c.optimizer.bf16_rounding = "stochastic"  # update to bf16 weights (model.param_dtype): nearest, stochastic, kahan
+    c.optimizer.bf16_rounding = "stochastic"  # update to bf16 weights (model.param_dtype): nearest, stochastic, kahan,
+    # master (a float32 copy, split like the optimizer state)
     c.optimizer.offload_state = False  # optimizer state in pinned host memory, on the device only for the update
     c.optimizer.in_backward = False  # each scanned layer updated as its gradient is made; no whole gradient (fused_step)
 

@@ -215,6 +215,14 @@ def optimizer_state_bytes(run: RunSpec) -> int:
     return per_param * trained_param_count(run, rules)
 
 
+def bf16_buffer_bytes(run: RunSpec) -> int:
+    """Bytes one device holds beside bf16 weights (model.param_dtype=bfloat16) for optimizer.bf16_rounding: Kahan's
+    bf16 compensation (2 a trained weight) or the float32 master copy (4), laid out like the optimizer state (split
+    over the state axes at every ZeRO stage; on the device even where the state is offloaded); 0 otherwise."""
+    per_weight = {"kahan": 2, "master": _FLOAT32}.get(run.bf16_rounding, 0)
+    return per_weight * trained_param_count(run, state_tables(run)["optimizer"]) if per_weight else 0
+
+
 def int8_moment_bytes(elements: int, block_size: int = INT8_BLOCK_SIZE) -> int:
     """Bytes of one moment of a tensor of `elements` stored 8-bit (jaxscale.train.quantized_state), whole: a uint8 code
     per element and a float32 absmax per block of `block_size` (the last one partial): n + 4 · ceil(n / block_size)."""
@@ -331,8 +339,9 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
 
     Peak = params + gradients + optimizer state + activations, at the start of the (last minibatch's)
     backward pass, when every layer's saved activations are alive:
-      params: 4·N (float32; 2·N for bf16 weights without a master copy, model.param_dtype, whose gradients are bf16
-        too and whose Kahan buffers, optimizer.bf16_rounding=kahan, count 2·N with the optimizer state), N the
+      params: 4·N (float32; 2·N for bf16 weights, model.param_dtype, whose gradients are bf16 too and whose
+        buffers, bf16_buffer_bytes, count with the optimizer state: Kahan's 2, a float32 master copy's 4 a weight,
+        split like the state), N the
         parameters this device holds (sharded_param_count: all of them on one
         device or under pure data parallelism; ZeRO-3 / FSDP divides by the state axes mesh.fsdp x mesh.context x
         mesh.expert, Rajbhandari et al. 2020; tensor parallelism divides the split matrices by mesh.tensor, Shoeybi
@@ -406,8 +415,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
     row = {
         "analytic_params_bytes": weight * trained + frozen_bytes(run, n, trained),
         "analytic_grads_bytes": minibatch_grads + accumulator,
-        # optimizer state, and Kahan's bf16 compensation per trained weight (optimizer.bf16_rounding=kahan)
-        "analytic_optimizer_bytes": optimizer_state_bytes(run) + weight * trained * (run.bf16_rounding == "kahan"),
+        # optimizer state, and the bf16 weights' buffers (Kahan's compensation, the float32 master copy)
+        "analytic_optimizer_bytes": optimizer_state_bytes(run) + bf16_buffer_bytes(run),
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,
         # what one layer's backward pass reads (closed_form_residuals), whatever the layer keeps: the docs' yardstick
@@ -416,7 +425,7 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         "analytic_fsdp_gather_bytes": gather,
     }
     # Host offload (jaxscale.train.offload): the offloaded parts live in host memory, out of the device's peak.
-    row["analytic_host_offload_bytes"] = (row["analytic_optimizer_bytes"] * run.offload_state
+    row["analytic_host_offload_bytes"] = (optimizer_state_bytes(run) * run.offload_state
                                           + weight * trained * run.offload_params)  # fmt: skip
     row["analytic_peak_bytes"] = sum(row[f"analytic_{k}_bytes"] for k in ("params", "grads", "optimizer", "activation"))
     row["analytic_peak_bytes"] -= row["analytic_host_offload_bytes"]

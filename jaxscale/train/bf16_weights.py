@@ -13,8 +13,14 @@ BFloat16 Training", arXiv 2010.06192). Three ways to add an update `u` (float32,
 - "kahan": compensated summation with a bf16 buffer `c` per weight: y = c + u; w' = bf16(w + y); c' = bf16(y - (w' -
   w)): what rounding lost this step is added to the next (Kahan 1965; optimi's `kahan_sum`, TorchDistX's
   AnyPrecisionAdamW, after Zamirai et al.). 2 more bytes a weight.
+- "master": a float32 master copy `m` of each weight beside the bf16 one: m' = m + u; w' = bf16(m') (Micikevicius
+  et al. 2018, "Mixed Precision Training", arXiv 1710.03740; Megatron-Core's distributed optimizer keeps its float32
+  "main params" so). 4 more bytes a weight; the buffers are laid out like the optimizer state (split over the state
+  axes at every ZeRO stage, jaxscale.train.sharding), so with ZeRO-1 the weights are bf16 and whole and their float32
+  copy is split, Megatron's layout. The weights the model reads are then the master copy rounded to nearest, and no
+  update is lost.
 
-All arithmetic is float32; only what is stored is bf16.
+All arithmetic is float32; what is stored is bf16 but for the master copy.
 """
 
 from __future__ import annotations
@@ -53,16 +59,20 @@ def apply_updates(params: Any, updates: Any, rounding: str, key: jax.Array, comp
 
     Args:
       params, updates: trees of the same structure.
-      rounding: "nearest", "stochastic" (each leaf its own random bits, from `key`) or "kahan" (`compensation`: a
-        tree of bf16 buffers like params).
+      rounding: "nearest", "stochastic" (each leaf its own random bits, from `key`), "kahan" (`compensation`: a
+        tree of bf16 buffers like params) or "master" (`compensation`: the float32 master copies).
       key: the step's key (stochastic only).
-      compensation: kahan's buffers (init_compensation), None otherwise.
+      compensation: kahan's buffers or the master copies (init_compensation), None otherwise.
     """
     leaves, tree = jax.tree_util.tree_flatten(params)
     steps = tree.flatten_up_to(updates)
     if rounding == "kahan":
         pairs = [kahan_add(w, u, c) for w, u, c in zip(leaves, steps, tree.flatten_up_to(compensation), strict=True)]
         return tree.unflatten([p for p, _ in pairs]), tree.unflatten([c for _, c in pairs])
+    if rounding == "master":
+        masters = [m + u.astype(m.dtype) for m, u in zip(tree.flatten_up_to(compensation), steps, strict=True)]
+        weights = [m.astype(w.dtype) for w, m in zip(leaves, masters, strict=True)]
+        return tree.unflatten(weights), tree.unflatten(masters)
     if rounding == "stochastic":
         keys = jax.random.split(key, len(leaves))
         new = [stochastic_round(w.astype(jnp.float32) + u.astype(jnp.float32), k) if w.dtype == jnp.bfloat16
@@ -75,9 +85,14 @@ def apply_updates(params: Any, updates: Any, rounding: str, key: jax.Array, comp
     raise ValueError(f"optimizer.bf16_rounding: unknown {rounding!r}; allowed: {', '.join(ROUNDINGS)}")
 
 
-def init_compensation(params: Any) -> Any:
-    """Kahan's buffers: zeros like each parameter, in its dtype."""
-    return jax.tree_util.tree_map(jnp.zeros_like, params)
+def init_compensation(params: Any, rounding: str = "kahan") -> Any:
+    """The buffers `rounding` keeps beside the bf16 weights, made from the float32 initial `params`: Kahan's, zeros
+    like each weight in bf16; the master copies, the float32 weights themselves; none ({}) otherwise."""
+    if rounding == "kahan":
+        return jax.tree_util.tree_map(lambda p: jnp.zeros_like(p, jnp.bfloat16), params)
+    if rounding == "master":
+        return jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
+    return {}
 
 
 def optimizer_step(
@@ -95,7 +110,8 @@ def optimizer_step(
     Float32 weights (`rounding` ""): optax's update, then params + updates (flax's TrainState.apply_gradients). bf16
     weights without a master copy: the gradients in float32 into the optimizer (whose state was made for float32
     params), and its float32 update added to the bf16 weights by `rounding` (apply_updates; the stochastic rounding's
-    bits from `key`, Kahan's buffers `compensation`); compensation comes back None unless kahan.
+    bits from `key`, Kahan's buffers or the master copies `compensation`); compensation comes back None unless kahan
+    or master.
     """
     if not rounding:
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -204,7 +204,7 @@ def make_init_fn(config: ml_collections.ConfigDict, boxed: bool = False) -> Call
         if config.model.param_dtype == "bfloat16":  # no float32 master copy: jaxscale.train.bf16_weights
             rounding = config.optimizer.bf16_rounding
             weights = stored_params(params, config)
-            compensation = bf16_weights.init_compensation(weights) if rounding == "kahan" else {}
+            compensation = bf16_weights.init_compensation(params, rounding)
             state = state.replace(params=weights, bf16_rounding=rounding, compensation=compensation)
         return state if boxed else nf4.unbox(state)  # an NF4 kernel stays one (its own unbox is its use)
 

@@ -1,7 +1,9 @@
-"""jaxscale.train.bf16_weights: a float32 update added to bf16 weights by nearest, stochastic and Kahan rounding,
-against float64 sums and the bf16 grid computed with ml_dtypes in NumPy."""
+"""jaxscale.train.bf16_weights: a float32 update added to bf16 weights by nearest, stochastic and Kahan rounding and
+through a float32 master copy, against float64 sums and the bf16 grid computed with ml_dtypes in NumPy."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,22 +38,27 @@ def test_stochastic_rounding_goes_up_as_often_as_the_fraction_it_drops(fraction)
 
 def test_small_steps_vanish_to_nearest_rounding_and_add_up_under_kahan_and_stochastic():
     """1,000 steps of 1e-3 on 1,024 weights of 1.0: each below half of bf16's spacing at 1 (2^-7 / 2), so
-    round-to-nearest never moves a weight; Kahan's compensation reaches the float64 sum, 2.0, within half a spacing
-    at 2 (2^-7); stochastic rounding is unbiased: the weights' mean is 2.0 within 5 standard deviations of a mean of
-    1,024 random walks (each step's error has standard deviation 2^-7 x sqrt(f (1 - f)) below 2 and twice that above,
-    f the step's fraction of a spacing: at most 0.083 x 2 over 1,000 steps, measured 0.084)."""
+    round-to-nearest never moves a weight; the master copy is NumPy's float32 sum of the steps, rounded to bf16;
+    Kahan's compensation reaches the float64 sum, 2.0, within half a spacing at 2 (2^-7); stochastic rounding is
+    unbiased: the weights' mean is 2.0 within 5 standard deviations of a mean of 1,024 random walks (each step's error
+    has standard deviation 2^-7 x sqrt(f (1 - f)) below 2 and twice that above, f the step's fraction of a spacing: at
+    most 0.083 x 2 over 1,000 steps, measured 0.084)."""
     weights = {"w": jnp.ones((1024,), jnp.bfloat16)}
     step = {"w": jnp.full((1024,), 1e-3, jnp.float32)}
     results = {}
     for rounding in bf16_weights.ROUNDINGS:
         params = weights
-        compensation = bf16_weights.init_compensation(params) if rounding == "kahan" else None
+        compensation = bf16_weights.init_compensation(params, rounding) if rounding in ("kahan", "master") else None
         for i in range(1000):
             params, compensation = bf16_weights.apply_updates(params, step, rounding, jax.random.PRNGKey(i),
                                                               compensation)  # fmt: skip
         assert params["w"].dtype == jnp.bfloat16
         results[rounding] = np.asarray(params["w"], np.float64)
     np.testing.assert_array_equal(results["nearest"], 1.0)
+    exact = np.float32(1.0)
+    for _ in range(1000):  # the master copy: NumPy's float32 sum, rounded to bf16 once, at the end
+        exact = np.float32(exact + np.float32(1e-3))
+    np.testing.assert_array_equal(results["master"], float(exact.astype(ml_dtypes.bfloat16)))
     assert np.abs(results["kahan"] - 2.0).max() <= 2**-7
     walk = 2 * 2**-7 * np.sqrt(0.128 * 0.872) * np.sqrt(1000)  # a generous bound on one weight's spread
     assert abs(results["stochastic"].mean() - 2.0) <= 5 * walk / np.sqrt(1024)
@@ -130,6 +137,7 @@ def test_bf16_weights_train_like_float32_ones_with_stochastic_rounding_or_kahan_
     "changes",
     [
         pytest.param({"optimizer.bf16_rounding": "kahan"}, id="kahan"),
+        pytest.param({"optimizer.bf16_rounding": "master"}, id="master"),
         pytest.param({"model.lora_rank": 4}, id="lora", marks=pytest.mark.slow),
         pytest.param({"model.fp8": "dynamic"}, id="fp8", marks=pytest.mark.slow),
     ],
@@ -157,9 +165,9 @@ def test_a_step_keeps_bf16_weights_float32_moments_and_a_checkpoint_restores_the
     assert {w.dtype for w in weights} == {jnp.dtype(jnp.bfloat16)}
     moments = [m for m in jax.tree_util.tree_leaves(state.opt_state) if m.ndim]
     assert moments and {m.dtype for m in moments} == {jnp.dtype(jnp.float32)}
-    kahan = changes.get("optimizer.bf16_rounding") == "kahan"
-    assert [c.dtype for c in jax.tree_util.tree_leaves(state.compensation)] == ([jnp.dtype(jnp.bfloat16)] * len(weights)
-                                                                                if kahan else [])  # fmt: skip
+    buffer = {"kahan": jnp.bfloat16, "master": jnp.float32}.get(changes.get("optimizer.bf16_rounding"))
+    assert [c.dtype for c in jax.tree_util.tree_leaves(state.compensation)] == ([jnp.dtype(buffer)] * len(weights)
+                                                                                if buffer else [])  # fmt: skip
     # the analytic memory model counts the same bytes: 2 a trained weight, the frozen base, Adam's float32 moments and
     # Kahan's buffers (the arrays' own sizes; the step counters, scalars, are not counted)
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if x.ndim)  # noqa: E731
@@ -176,6 +184,9 @@ def test_a_step_keeps_bf16_weights_float32_moments_and_a_checkpoint_restores_the
         for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before), strict=True)
     ]
     assert any(moved)
+    if buffer == jnp.float32:  # the weights the model reads are the master copy rounded to nearest
+        for w, m in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(state.compensation), strict=True):
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(m).astype(ml_dtypes.bfloat16))
     checkpoints = Checkpoints(tmp_path, config)
     checkpoints.save(1, state, {})
     checkpoints.close()
@@ -185,3 +196,36 @@ def test_a_step_keeps_bf16_weights_float32_moments_and_a_checkpoint_restores_the
     for ours, theirs in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state), strict=True):
         assert ours.dtype == theirs.dtype
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_the_master_copy_is_split_like_the_optimizer_state_while_the_bf16_weights_stay_whole():
+    """optimizer.bf16_rounding=master under ZeRO-1 over fsdp 4 (Megatron's distributed optimizer: bf16 weights whole,
+    their float32 main copy split), laid out on an abstract mesh: each device holds every weight in bf16 (2 bytes
+    each, counted from the model's arrays) and a quarter of the float32 copy (tiny-llama: every parameter has an
+    embed axis of 64, split 4 ways), and the analytic memory model counts the same bytes."""
+    from conftest import load_config
+    from jax.sharding import AbstractMesh, AxisType
+
+    from jaxscale import train
+    from jaxscale.config import validate
+    from jaxscale.measure import memory
+    from jaxscale.model import count_params
+    from jaxscale.train import sharding
+
+    config = load_config("bf16", "tiny-llama")
+    config.model.param_dtype, config.optimizer.bf16_rounding = "bfloat16", "master"
+    config.mesh.update(fsdp=4, zero_stage=1)
+    validate(config)
+    init_fn = train.make_init_fn(config)
+    shape = sharding.mesh_shape(config).physical
+    mesh = AbstractMesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
+    state = sharding.abstract_inputs(config, sharding.make_layout(config, mesh, init_fn), init_fn)[0]
+    held = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # noqa: E731
+                            for x in jax.tree_util.tree_leaves(tree))  # fmt: skip
+    n = count_params(jax.eval_shape(init_fn).params)
+    assert held(state.params) == 2 * n
+    assert held(state.compensation) == 4 * n // 4
+    analytic = memory.analytic_memory(config)
+    assert analytic["analytic_params_bytes"] == held(state.params)
+    optimizer = held(state.opt_state) + held(state.compensation)
+    assert 0 <= optimizer - analytic["analytic_optimizer_bytes"] <= 16  # Adam's step counters

@@ -81,6 +81,7 @@ SLOW = [
     ("tiny", dict(optimizer__name="adamw", optimizer__weight_decay=0.1)),
     ("tiny", dict(optimizer__state_dtype="int8")),
     ("tiny-llama", dict(model__param_dtype="bfloat16", optimizer__bf16_rounding="nearest")),
+    ("tiny-llama", dict(model__param_dtype="bfloat16", optimizer__bf16_rounding="master")),  # float32 copies per layer
     ("tiny", dict(optimizer__name="sgd")),
     ("tiny", dict(train__loss_chunk_len=8)),
 ]
