@@ -41,8 +41,9 @@ _CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # 3: collective columns and the topology; 4: the kernel list's collectives parsed as the columns' are;
 # 5: fused attention calls, the Pallas flash and cuDNN fMHA kernels, costed by their shapes; 7: each async
 # collective's window of kernels between its start and its -done; 8: a scatter's bytes, in place: its updates;
-# 9: host memory, the host columns of the plan and each kernel's host-link bytes, a slice's for an in-place access).
-PLAN_FORMAT = 9
+# 9: host memory, the host columns of the plan and each kernel's host-link bytes, a slice's for an in-place access;
+# 10: compiled_scan_saved_bytes counts a mixture of experts' slot tensors).
+PLAN_FORMAT = 10
 
 
 def cache_root() -> pathlib.Path:

@@ -96,6 +96,11 @@ CLOSED_FORM = RematPolicy(
             "mlp_gate",
             "mlp_up",
             "mlp_hidden",
+            # a mixture of experts' MLP (jaxscale.model.moe): the router's float32 logits, the experts' tokens and the
+            # outputs the combine reads (the routing itself, integer work, is recomputed)
+            "router_logits",
+            "moe_dispatched",
+            "moe_outputs",
         ),
     },
 )
@@ -181,9 +186,9 @@ def per_activation(name: str) -> RematPolicy:
 def closed_form_units(model, context: int = 1) -> frozenset[str]:
     """The sub-blocks ("Attn", "MLP") of a layer that keep CLOSED_FORM: under model.residuals=closed_form those no
     remat target covers (neither they nor "Block" in model.remat), the attention only where its kernel names its
-    residuals (flash and chunked, not on a context-parallel ring of `context` > 1 devices). A mixture of experts'
-    MLP (its routing) names no closed form: the model (jaxscale.model.stack.keeps_closed_form) and the memory model
-    leave it to autodiff. The one rule both read.
+    residuals (flash and chunked, not on a context-parallel ring of `context` > 1 devices); a mixture of experts'
+    MLP as a dense one (it tags what its backward reads: router_logits, moe_dispatched, moe_outputs). The one rule
+    the model (jaxscale.model.stack.keeps_closed_form) and the memory model read.
 
     Args:
       model: the model config (jaxscale.config.spec.ModelConfig, or the config's `model` group).

@@ -27,22 +27,28 @@ def _forward_layer_loops(module: hlo.Module) -> list[hlo.Instruction]:
     ]  # fmt: skip
 
 
-def saved_bytes(text: str, layers: int, batch: int, seq: int) -> int | None:
+def saved_bytes(text: str, layers: int, batch: int, seq: int, slots: tuple[int, int] | None = None) -> int | None:
     """Bytes the forward layer loop of a compiled step writes out for the backward pass: its results shaped
-    [layers, batch, ...] with a dimension of `seq` positions among the rest (one per loop; None where there is no
-    such loop, or several).
+    [layers, batch, ...] with a dimension of `seq` positions among the rest, or a mixture of experts' slots [layers,
+    batch, experts, capacity, ...] (the capacity and scatter dispatches' tokens and the experts' intermediates, which
+    have no position dimension) (one per loop; None where there is no such loop, or several).
 
     Args:
       text: the optimized HLO (compiled.as_text()).
       layers: the layer count the loop runs over.
       batch: sequences per minibatch on one device.
       seq: positions per sequence on one device.
+      slots: (experts, capacity) of the slot tensors on one device, None for a model without them.
     """
     loops = _forward_layer_loops(hlo.parse(text))
     if len(loops) != 1:
         return None
+
+    def per_token(dims: tuple[int, ...]) -> bool:
+        return seq in dims[2:] or (slots is not None and tuple(dims[2:4]) == slots)
+
     return sum(
         hlo.DTYPE_BYTES[dtype] * math.prod(dims)
         for dtype, dims in hlo.arrays(loops[0].shape)
-        if len(dims) > 2 and dims[0] == layers and dims[1] == batch and seq in dims[2:]
+        if len(dims) > 2 and dims[0] == layers and dims[1] == batch and per_token(dims)
     )

@@ -205,8 +205,11 @@ def head_residuals(d: Dims, causal_mask: bool) -> dict[str, int]:
 
 
 # What the closed form leaves out of the unscanned terms: the dropout mask and the norm's float32 statistics, which
-# the backward pass recomputes (the mask from its random key, the statistics from the norm's input it keeps).
-_RECOMPUTED = ("dropout_mask", "ln_stats", "norm_stats")
+# the backward pass recomputes (the mask from its random key, the statistics from the norm's input it keeps), and a
+# mixture of experts' routing (its top-k, slots, masks and sort, integer and one-hot work recomputed from the
+# router's logits, which it keeps: the router_probs term's size).
+_RECOMPUTED = ("dropout_mask", "ln_stats", "norm_stats", "routing", "slot_rows", "sort_indices", "dispatch_mask",
+               "combine_mask", "combine_weights")  # fmt: skip
 
 
 def closed_form_residuals(d: Dims) -> dict[str, dict[str, int]]:
@@ -215,9 +218,12 @@ def closed_form_residuals(d: Dims) -> dict[str, dict[str, int]]:
     sub-block's input) and output, q, k, v, the kernel's output and log-sum-exp; the MLP: the norm's input and
     output, the up (and gate) projection's output and the down projection's input. They are the unscanned terms
     (attention_residuals, mlp_residuals and the Llama family's) less the dropout mask and the norm's statistics,
-    recomputed (_RECOMPUTED); scanned or not, the same. A dense MLP's only (a mixture of experts' keeps autodiff's).
+    recomputed (_RECOMPUTED); scanned or not, the same. A mixture of experts' MLP (d.moe): the norm's input and
+    output, the router's float32 logits, the experts' tokens as they see them (the dense dispatch's are the norm's
+    output), their gate, up and hidden, and the outputs the combine reads, at the dispatch's rows (moe_memory), with
+    the shared experts' SwiGLU terms.
     """
-    attn, mlp = residual_functions(d.family)
+    attn, mlp = residual_functions(d.family, moe=d.moe is not None)
     return {unit: {k: v for k, v in terms.items() if k not in _RECOMPUTED}
             for unit, terms in (("Attn", attn(d, False)), ("MLP", mlp(d, False)))}  # fmt: skip
 
@@ -231,12 +237,12 @@ def layer_activation_bytes(d: Dims, remat: tuple[str, ...], policy: str, scanned
     A mixture of experts' layer (d.moe) has moe_mlp_residuals for its MLP, and its expert-parallel exchange's
     transient copy (moe_memory.all_to_all_bytes) in the working set. A sub-block no remat target covers keeps
     what autodiff saves (attention_residuals and the others, `scanned` or not), or under model.residuals=closed_form
-    (d.closed) its closed_form_residuals, scanned or not.
+    (d.closed) its closed_form_residuals, scanned or not (a mixture of experts' MLP too).
     """
     sbh = d.s * d.b * d.h // d.sp  # a module's input: the residual stream, split by sequence parallelism
     attn, mlp = residual_functions(d.family, moe=d.moe is not None)
     kept = {"Attn": sum(attn(d, scanned).values()), "MLP": sum(mlp(d, scanned).values())}
-    for unit in d.closed - ({"MLP"} if d.moe else set()):  # a mixture of experts' MLP is autodiff's
+    for unit in d.closed:
         kept[unit] = sum(closed_form_residuals(d)[unit].values())
     fused = {"Attn": sum(attn(d, False).values()), "MLP": sum(mlp(d, False).values())}
     fused["Block"] = fused["Attn"] + fused["MLP"]

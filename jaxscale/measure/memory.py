@@ -420,8 +420,7 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         "analytic_activation_bytes": live * per_minibatch + working + gather,
         "analytic_activation_per_layer_bytes": layer,
         # what one layer's backward pass reads (closed_form_residuals), whatever the layer keeps: the docs' yardstick
-        # (none for a mixture of experts, whose MLP keeps autodiff's)
-        "analytic_closed_form_per_layer_bytes": None if d.moe else sum(map(_total, closed_form_residuals(d).values())),
+        "analytic_closed_form_per_layer_bytes": sum(map(_total, closed_form_residuals(d).values())),
         "analytic_fsdp_gather_bytes": gather,
     }
     # Host offload (jaxscale.train.offload): the offloaded parts live in host memory, out of the device's peak.

@@ -199,7 +199,7 @@ def dense_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict
       [B, T, H].
     """
     num_experts = w["gate"].shape[0]
-    out = expert_swiglu(h, w, *_EVERY_TOKEN)  # [B, T, E, H]
+    out = checkpoint_name(expert_swiglu(h, w, *_EVERY_TOKEN), "moe_outputs")  # [B, T, E, H]
     combine = (jax.nn.one_hot(experts, num_experts, dtype=weights.dtype) * weights[..., None]).sum(axis=-2)
     return jnp.einsum("bteh,bte->bth", out, combine.astype(h.dtype))  # [B, T, H]
 
@@ -224,8 +224,8 @@ def capacity_dispatch(
     dispatch = slot.sum(axis=2)  # [B, T, E, C]: a token's k experts are distinct
     combine = (slot * weights.astype(h.dtype)[..., None, None]).sum(axis=2)  # [B, T, E, C]
     x = exchange(jnp.einsum("btec,bth->bech", dispatch, h), BY_ROW, BY_EXPERT)  # [B, E, C, H]
-    out = expert_swiglu(x, w, *_ON_SLOTS)  # [B, E, C, H]
-    out = exchange(out, BY_EXPERT, BY_ROW)
+    out = expert_swiglu(checkpoint_name(x, "moe_dispatched"), w, *_ON_SLOTS)  # [B, E, C, H]
+    out = checkpoint_name(exchange(out, BY_EXPERT, BY_ROW), "moe_outputs")
     dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
     return jnp.einsum("btec,bech->bth", combine, out), dropped
 
@@ -278,11 +278,12 @@ def scatter_dispatch(
     buffer = constrain(buffer, BY_ROW[:3])  # each row's slots where its tokens are (else the partitioner may split
     # the slot axis and all-reduce the scatter; its transpose, the gather's gradient, likewise)
     x = exchange(buffer[:, :spill].reshape(batch, num_experts, slots, hidden_size), BY_ROW, BY_EXPERT)
-    out = expert_swiglu(x, w, *_ON_SLOTS)  # [B, E, C, H]
+    out = expert_swiglu(checkpoint_name(x, "moe_dispatched"), w, *_ON_SLOTS)  # [B, E, C, H]
     out = exchange(out, BY_EXPERT, BY_ROW).reshape(batch, spill, hidden_size)
     out = jnp.concatenate([out, jnp.zeros((batch, 1, hidden_size), out.dtype)], axis=1)  # the spill row: zeros
     out = constrain(out, BY_ROW[:3])
     gathered = jnp.take_along_axis(out, row[..., None], axis=1).reshape(batch, seq, k, hidden_size)
+    gathered = checkpoint_name(gathered, "moe_outputs")  # [B, T, k, H]: the choices' outputs, which the combine reads
     dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
     return jnp.einsum("btkh,btk->bth", gathered, weights.astype(h.dtype)), dropped
 
@@ -309,10 +310,10 @@ def ragged_dispatch(h: jax.Array, weights: jax.Array, experts: jax.Array, w: dic
     flat = experts.reshape(-1)  # [N k]: token n's i-th choice at n k + i
     order = jnp.argsort(flat, stable=True)  # the copies grouped by expert
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)  # [E] rows per expert
-    x = h.reshape(-1, hidden_size)[order // k]  # [N k, H] sorted copies
+    x = checkpoint_name(h.reshape(-1, hidden_size)[order // k], "moe_dispatched")  # [N k, H] sorted copies
     by_group = functools.partial(expert_ragged_dot, sizes=sizes)  # each expert's contiguous rows
     out = expert_swiglu(x, w, by_group, by_group)  # [N k, H]
-    out = out[jnp.argsort(order)].reshape(batch, seq, k, hidden_size)  # back to (token, choice) order
+    out = checkpoint_name(out[jnp.argsort(order)].reshape(batch, seq, k, hidden_size), "moe_outputs")  # unsorted
     return jnp.einsum("btkh,btk->bth", out, weights.astype(h.dtype))
 
 
@@ -355,6 +356,10 @@ class MoE(nn.Module):
 
     config: ModelConfig
     train: bool
+    # every tensor its backward reads is tagged (jaxscale.model.stack.keeps_closed_form): the norm's output
+    # (mlp_norm), the router's logits, the experts' tokens as they see them (moe_dispatched, but the dense dispatch's,
+    # which are mlp_norm), gate, up and hidden, and the experts' outputs the combine reads (moe_outputs)
+    names_backward_reads = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -364,7 +369,7 @@ class MoE(nn.Module):
             router = nn.Dense(cfg.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=jnp.float32,
                               kernel_init=partitioned(nn.initializers.lecun_normal(), ("embed", "expert")),
                               name="router")  # fmt: skip
-            logits = router(h.astype(jnp.float32))  # [B, T, E] float32
+            logits = checkpoint_name(router(h.astype(jnp.float32)), "router_logits")  # [B, T, E] float32
             weights, experts = route(logits, cfg.experts_per_token, cfg.moe_routing)  # [B, T, k] each
             self._sow_losses(logits, experts)
             w = Experts(cfg, name="experts")()

@@ -41,7 +41,7 @@ def keeps_closed_form(module: type[nn.Module], target: str, cfg: ModelConfig) ->
     """Whether the sub-block `module` ("Attn" or "MLP") keeps the closed form (remat_policies.CLOSED_FORM) for its
     backward pass: `target` is one of remat_policies.closed_form_units (model.residuals=closed_form, no remat target
     covering it, an attention kernel that names its residuals) and the module tags every tensor its backward reads
-    (`names_backward_reads`: the dense MLPs and the attentions; a mixture of experts' routing does not). Otherwise
+    (`names_backward_reads`: the MLPs, a mixture of experts' too, and the attentions). Otherwise
     JAX's autodiff decides what it keeps (inside nn.scan, every intermediate its backward reads, float32 ones
     included, as loop outputs: docs/measurements.md)."""
     units = remat_policies.closed_form_units(cfg, mesh_axis_size("context"))

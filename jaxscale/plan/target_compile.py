@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxscale import compile_cache, train
 from jaxscale.cli import Usage, fail, print_help, wants_help
 from jaxscale.config import RunSpec, mesh_shape
+from jaxscale.config.spec import capacity
 from jaxscale.measure import collectives, expert_flops, kernels, layer_loop, memory
 from jaxscale.plan import targets
 from jaxscale.train import offload, sharding
@@ -222,9 +223,12 @@ def _loop_columns(text: str, config: ml_collections.ConfigDict) -> dict[str, int
     run = RunSpec.of(config)
     if not run.model.scan_layers:
         return {"compiled_scan_saved_bytes": None}
-    seq = run.seq_len // run.mesh.context
-    return {"compiled_scan_saved_bytes": layer_loop.saved_bytes(text, run.model.num_layers, run.minibatch_per_device,
-                                                                seq)}  # fmt: skip
+    seq, m = run.seq_len // run.mesh.context, run.model
+    slots = None
+    if m.num_experts and m.moe_dispatch in ("capacity", "scatter") and run.mesh.expert == 1:
+        slots = (m.num_experts, capacity(seq, m.experts_per_token, m.num_experts, m.moe_capacity_factor))
+    return {"compiled_scan_saved_bytes": layer_loop.saved_bytes(text, m.num_layers, run.minibatch_per_device, seq,
+                                                                slots)}  # fmt: skip
 
 
 def _write_gzipped(text: str, path: pathlib.Path) -> None:

@@ -19,9 +19,10 @@ from conftest import assert_trees_close, load_config, loss_and_grads, slow_excep
 
 from jaxscale import train
 from jaxscale.config import ConfigError, base_config, step_model, validate
-from jaxscale.measure import flops, params
+from jaxscale.measure import flops, memory, params
 from jaxscale.model import count_params, moe
 from jaxscale.model.llama import qk_norm, rms_norm
+from jaxscale.plan import gpu_plan
 
 
 def _moe(**model_fields):
@@ -373,7 +374,6 @@ def test_analytic_state_under_expert_parallelism_is_the_layouts_shards(mesh, fie
     real layout, built on an abstract mesh (no devices)."""
     from jax.sharding import AbstractMesh, AxisType
 
-    from jaxscale.measure import memory
     from jaxscale.train import sharding
 
     config = _moe(**{k: v for k, v in fields.items() if "." not in k})
@@ -557,3 +557,55 @@ def test_docs_olmoe_full_fine_tuning_and_expert_figures():
     assert params.inactive_expert_params(model) + 16 * 8 * 3 * 2048 * 1024 == experts  # E - k of them, + the k
     assert f"6.9B float32 weights and gradients alone are {8 * params.param_count(model) / 1e9:.0f} GB" in text
     assert f"the {experts / 1e9:.1f}B expert parameters" in text
+
+
+# --- the closed form: what the MoE layer's backward reads, kept, the rest recomputed ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "dispatch, scan",
+    slow_except([(d, s) for d in ("scatter", "capacity", "ragged", "dense") for s in (True, False)],
+                lambda case: case == ("scatter", True)),
+)  # fmt: skip
+def test_the_closed_form_gives_autodiffs_loss_and_gradients(dispatch, scan):
+    """model.residuals=closed_form on a mixture of experts keeps the tagged tensors (the norm's output, the router's
+    logits, the dispatched tokens, gate, up, hidden, the outputs the combine reads) and recomputes the routing and
+    the elementwise rest: the loss (both router losses in it, at 10x their defaults) and every gradient equal
+    autodiff's residuals' (float32)."""
+    batch = _batch(_moe())
+    results = []
+    for residuals in ("autodiff", "closed_form"):
+        config = _moe(moe_dispatch=dispatch, scan_layers=scan, residuals=residuals, remat=(), moe_aux_loss_weight=0.1,
+                      moe_z_loss_weight=0.01)  # fmt: skip
+        results.append(loss_and_grads(config, _params(config), batch))
+    (loss, grads), (closed_loss, closed_grads) = results
+    assert abs(float(loss) - float(closed_loss)) < 1e-6
+    assert_trees_close(closed_grads, grads, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(gpu_plan.missing_extra() is not None, reason="needs the gpu-plan extra")
+def test_the_scanned_loop_keeps_the_moe_layers_closed_form():
+    """tiny-moe scanned, planned for an H100 (bf16, 2 layers, one sequence of 1,024, the scatter dispatch): the
+    forward loop's stacked outputs (compiled_scan_saved_bytes) per token per layer are the hand count of what the
+    layer's backward reads, in bytes a token: the attention's as the dense Llama's (its input and norm output, q,
+    k, v, the attention output: 2 bytes an element; the log-sum-exp 4 a head) and the MoE MLP's: its input and norm
+    output (2 h each), the router's float32 logits (4 E), the experts' tokens and their gate, up and hidden at GShard's
+    capacity C = ceil(factor x T x k / E) slots an expert (2 x E C / T x (h + 3 F)), and the k choices' outputs the
+    combine reads (2 k h)."""
+    config = load_config("bf16", "tiny-moe")
+    config.model.update(dtype="bfloat16", num_layers=2, max_seq_len=1024, remat=(), residuals="closed_form",
+                        attention="flash", scan_layers=True, moe_dispatch="scatter")  # fmt: skip
+    config.data.update(batch_size=1, seq_len=1024)
+    config.train.num_minibatches = 1
+    validate(config)
+    m, tokens = config.model, 1024
+    h, heads, kv = m.hidden_size, m.hidden_size // m.head_dim, m.num_kv_heads * m.head_dim
+    e, k, f = m.num_experts, m.experts_per_token, m.moe_hidden_size
+    slots = math.ceil(m.moe_capacity_factor * tokens * k / e)
+    attention = 2 * (2 * h + h + 2 * kv + h) + 4 * heads
+    routed = 2 * (2 * h) + 4 * e + 2 * e * slots * (h + 3 * f) / tokens + 2 * k * h
+    saved = gpu_plan.plan_for_target(config, "h100", gemm="cublas", in_process=True)["compiled_scan_saved_bytes"]
+    assert saved / (2 * tokens) == attention + routed
+    analytic = memory.analytic_memory(config)  # the memory model's closed form, which this layer keeps
+    assert analytic["analytic_closed_form_per_layer_bytes"] / tokens == attention + routed
+    assert analytic["analytic_activation_per_layer_bytes"] == analytic["analytic_closed_form_per_layer_bytes"]
