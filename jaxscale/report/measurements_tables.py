@@ -98,15 +98,13 @@ def layer_bytes_table(*sweeps: pathlib.Path) -> str:
             row = way["largest"]
             h, tokens = row["config.model.hidden_size"], row["config.data.seq_len"] * row["config.data.batch_size"]
             analytic = row["analytic_activation_per_layer_bytes"] / tokens
-            # a mixture of experts' MLP names no closed form (its routing keeps autodiff's): no yardstick for it
-            closed = None if row["config.model.num_experts"] else row["analytic_closed_form_per_layer_bytes"] / tokens
+            closed = row["analytic_closed_form_per_layer_bytes"] / tokens
             loop = row.get("compiled_scan_saved_bytes")
             loop = "-" if loop is None else f"{loop / (row['config.model.num_layers'] * tokens * h):.1f}"
             scan, _, name = keep.partition("_")
             lines.append((row["config.preset"], "scanned" if scan == "scan" else "unrolled", name,
                           f"{way['kept'] / h:.1f}", loop, f"{analytic / h:.1f}",
-                          "-" if closed is None else f"{closed / h:.1f}",
-                          "-" if closed is None else f"{way['kept'] / closed:.2f}", f"{way['working'] / h:.1f}",
+                          f"{closed / h:.1f}", f"{way['kept'] / closed:.2f}", f"{way['working'] / h:.1f}",
                           f"{row['predicted_step_s'] * 1000:.0f}"))  # fmt: skip
     return markdown(header, lines)
 
