@@ -39,8 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxscale import compile_cache, train
 from jaxscale.cli import Usage, fail, print_help, wants_help
 from jaxscale.config import RunSpec, mesh_shape
-from jaxscale.config.spec import capacity
 from jaxscale.measure import collectives, expert_flops, kernels, layer_loop, memory
+from jaxscale.measure.activation_dims import MoEDims
 from jaxscale.plan import targets
 from jaxscale.train import offload, sharding
 from jaxscale.train.step import param_columns
@@ -223,12 +223,11 @@ def _loop_columns(text: str, config: ml_collections.ConfigDict) -> dict[str, int
     run = RunSpec.of(config)
     if not run.model.scan_layers:
         return {"compiled_scan_saved_bytes": None}
-    seq, m = run.seq_len // run.mesh.context, run.model
-    slots = None
-    if m.num_experts and m.moe_dispatch in ("capacity", "scatter") and run.mesh.expert == 1:
-        slots = (m.num_experts, capacity(seq, m.experts_per_token, m.num_experts, m.moe_capacity_factor))
-    return {"compiled_scan_saved_bytes": layer_loop.saved_bytes(text, m.num_layers, run.minibatch_per_device, seq,
-                                                                slots)}  # fmt: skip
+    seq, moe = run.seq_len // run.mesh.context, MoEDims.from_spec(run)
+    # a mixture of experts' slot tensors [B, E, C, ...], where a device holds every expert (the memory model's sizes)
+    slots = (moe.e, moe.c) if moe and moe.dispatch in ("capacity", "scatter") and moe.ep == 1 else None
+    return {"compiled_scan_saved_bytes": layer_loop.saved_bytes(text, run.model.num_layers, run.minibatch_per_device,
+                                                                seq, slots)}  # fmt: skip
 
 
 def _write_gzipped(text: str, path: pathlib.Path) -> None:

@@ -46,10 +46,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxscale.model.stack import SOWN_COLLECTIONS, Transformer, maybe_remat
+from jaxscale import model as models
+from jaxscale.model.stack import Transformer, maybe_remat
 from jaxscale.train.fused_step import STACK, is_stack_call, subtree
-
-AUX_LOSS = SOWN_COLLECTIONS[0]  # the collection whose leaves the train step adds to the loss
 
 
 class Into:
@@ -84,11 +83,10 @@ def _layer_fn(module: Transformer) -> Callable[[Any, jax.Array, jax.Array, jax.A
 
     def layer(p: Any, h: jax.Array, key: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
         (y, _), sown = block.apply(
-            {"params": p}, h, None, rngs={"dropout": jax.random.fold_in(key, index)}, mutable=[AUX_LOSS]
+            {"params": p}, h, None, rngs={"dropout": jax.random.fold_in(key, index)}, mutable=[models.AUX_LOSS]
         )
-        losses = jax.tree_util.tree_leaves(sown.get(AUX_LOSS, {}))
-        layer.sows = bool(losses)  # known at trace time: whether the stack has losses to sow
-        return y, sum(losses, jnp.zeros((), jnp.float32))
+        layer.sows = bool(jax.tree_util.tree_leaves(sown))  # known at trace time: whether the stack has losses to sow
+        return y, models.add_aux_losses(jnp.zeros((), jnp.float32), sown)
 
     return layer
 
@@ -157,7 +155,7 @@ def accumulating(apply_fn: Callable, into: Into) -> Callable:
                 with jax.named_scope("blocks"):
                     y, losses = _stack_vjp(layer, layers)(params, into.take(STACK), call_args[0], key)
                 if layer.sows:  # the layers' losses (a mixture of experts' router losses), summed over layers
-                    module.sow(AUX_LOSS, "blocks", losses)
+                    module.sow(models.AUX_LOSS, "blocks", losses)
                 return y
             return next_fun(*call_args, **call_kwargs)
 
