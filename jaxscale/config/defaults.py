@@ -215,8 +215,8 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = 3  # steps captured with jax.profiler after the timed ones (0 = no trace)
 
-    # The device mesh (jaxscale.train.sharding, docs/mesh.md): data x fsdp x tensor x context x expert must equal the
-    # number of devices (or --devices of a planned target). All 1 is the single-device program, on the first device.
+    # The device mesh (jaxscale.train.sharding, docs/mesh.md): data x fsdp x tensor x context x expert x stage must equal
+    # the number of devices (or --devices of a planned target). All 1 is the single-device program, on the first device.
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # data parallel: the batch split over this axis, parameters replicated
     c.mesh.fsdp = 1  # sharded data parallel (ZeRO, mesh.zero_stage): the batch split, model state sharded
@@ -229,6 +229,12 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     # float32 accumulator per device), "minibatch" reduces every minibatch's (DeepSpeed ZeRO-2, FSDP2).
     c.mesh.reduce_gradients = "auto"  # gradients summed once a step or every minibatch; auto: step for DP and ZeRO-1
     c.mesh.sequence_parallel = False  # with mesh.tensor: norms and residuals split along the sequence too
+    # Pipeline parallelism (jaxscale.model.pipeline): the scanned layers split into mesh.stage stages, each minibatch
+    # streamed through them as pipeline_microbatches microbatches (0: as many as stages); pipeline_repeats 1 is GPipe,
+    # v > 1 circular (each stage holds v groups of layers and every microbatch visits it v times: bubble / v)
+    c.mesh.stage = 1  # pipeline stages: the layer stack split over this axis, microbatches streamed through it
+    c.mesh.pipeline_microbatches = 0  # microbatches in flight per minibatch (0: mesh.stage)
+    c.mesh.pipeline_repeats = 1  # 1: GPipe; v > 1: circular (interleaved) with v visits of each stage
 
     for group, values in all_presets()[preset].items():
         c[group].update(values)

@@ -18,9 +18,9 @@ from jaxscale.config.spec import sequence_parallel, zero_stage
 # mesh axes only when none of them was taken by an earlier rule in the same array, and a later rule for the same name
 # applies where an earlier one could not (`split_axes`). So in an activation ("batch", "stream_seq", "embed") the
 # batch takes data, fsdp and expert and "embed" stays whole, while in a parameter ("embed", "mlp") "embed" is split
-# over fsdp, context and expert. A name mapped to None (pos, head_dim, qkv, layers) is never split. The names are the
-# lab's conventions, shared by every model family (docs/mesh.md). This is the default layout (ZeRO-3 on the state
-# axes, no sequence parallelism); `rules` derives a config's from it.
+# over fsdp, context and expert. A name mapped to None (pos, head_dim, qkv) is never split, and "layers" only over a
+# pipeline's stages. The names are the lab's conventions, shared by every model family (docs/mesh.md). This is the
+# default layout (ZeRO-3 on the state axes, no sequence parallelism); `rules` derives a config's from it.
 STATE_AXES = ("fsdp", "context", "expert")  # the mesh axes that shard the model state (ZeRO / FSDP), its first rule
 
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -46,7 +46,10 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("embed", ("fsdp", "context")),
     ("stream_seq", "context"),  # the residual stream's positions (block outputs, norms' inputs, dropout)
     ("seq", "context"),  # every other activation's positions: context parallelism
-    ("layers", None),  # the stacked axis of nn.scan
+    # the stacked axis of nn.scan: split into the pipeline's stages (jaxscale.model.pipeline), whole without them;
+    # "stage" is the pipeline's stage dimension of its activations and of its stage-major parameters
+    ("layers", "stage"),
+    ("stage", "stage"),
     ("pos", None),
     ("head_dim", None),
     ("qkv", None),

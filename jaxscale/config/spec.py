@@ -69,6 +69,9 @@ class ModelConfig:
     fp8: str = "none"
     fp8_targets: tuple[str, ...] = ("attention", "mlp")
     fp8_amax_history: int = 1024
+    # the pipeline's (microbatches, repeats), from the mesh group (step_model; jaxscale.model.pipeline): not a
+    # field of the `model` group
+    pipeline: tuple[int, int] = dataclasses.field(default=(0, 1), metadata={"from_mesh": True})
 
     @property
     def num_heads(self) -> int:
@@ -119,7 +122,7 @@ class ModelConfig:
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict) -> ModelConfig:
         """Reads every field from a config's `model` group (a missing field is a KeyError)."""
-        return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("from_mesh")})
 
     @classmethod
     def of(cls, model: ModelConfig | ml_collections.ConfigDict) -> ModelConfig:
@@ -147,6 +150,7 @@ class MeshShape(NamedTuple):
     tensor: int = 1
     context: int = 1
     expert: int = 1
+    stage: int = 1
 
     @property
     def devices(self) -> int:
@@ -161,8 +165,8 @@ class MeshShape(NamedTuple):
 
     @property
     def _written(self) -> int:
-        """How many sizes `text` writes: 3, 4 when context splits, 5 when expert does."""
-        return 5 if self.expert > 1 else 4 if self.context > 1 else 3
+        """How many sizes `text` writes: 3, 4 when context splits, 5 when expert does, 6 when stage does."""
+        return 6 if self.stage > 1 else 5 if self.expert > 1 else 4 if self.context > 1 else 3
 
     @property
     def text(self) -> str:
@@ -181,11 +185,12 @@ class MeshShape(NamedTuple):
         return tuple(getattr(self, axis) for axis in MESH_AXES)
 
 
-# The device array's axes, outermost first: MeshShape's with tensor moved innermost, (data, fsdp, context, expert,
-# tensor). Consecutive devices (one host's, one NVLink domain's) then form the tensor-parallel groups, whose
-# collectives run inside every layer, and next the expert-parallel ones (an all-to-all each way in every MoE layer);
-# the written order (MeshShape, `text`) stays the rows' and the docs'.
-MESH_AXES = (*(axis for axis in MeshShape._fields if axis != "tensor"), "tensor")
+# The device array's axes, outermost first: MeshShape's with stage moved outermost and tensor innermost, (stage, data,
+# fsdp, context, expert, tensor). Consecutive devices (one host's, one NVLink domain's) then form the tensor-parallel
+# groups, whose collectives run inside every layer, and next the expert-parallel ones (an all-to-all each way in every
+# MoE layer); the pipeline's stages, which pass one microbatch's activations a hop, are the farthest apart (across
+# hosts, as Megatron and torchtitan place them); the written order (MeshShape, `text`) stays the rows' and the docs'.
+MESH_AXES = ("stage", *(axis for axis in MeshShape._fields if axis not in ("tensor", "stage")), "tensor")
 
 
 def mesh_shape(config: ml_collections.ConfigDict) -> MeshShape:
@@ -200,7 +205,7 @@ def mesh_text(config: ml_collections.ConfigDict) -> str:
 
 def mesh_axes_text(text: str) -> str:
     """The names of the sizes in a mesh's text ("2x2x2": "data x fsdp x tensor"; four sizes: x context; five:
-    x context x expert)."""
+    x context x expert; six: x stage)."""
     return " x ".join(MeshShape._fields[: len(text.split("x"))])
 
 
@@ -219,6 +224,9 @@ def layout_text(config: ml_collections.ConfigDict) -> str:
         words.append(f"cp{mesh.context}")
     if mesh.expert > 1:
         words.append(f"ep{mesh.expert}")
+    if mesh.stage > 1:  # pp4 (GPipe), pp4v2 (circular, each stage visited twice)
+        repeats = int(config.mesh.pipeline_repeats)
+        words.append(f"pp{mesh.stage}" + (f"v{repeats}" if repeats > 1 else ""))
     return " ".join(words) or "single"
 
 
@@ -258,6 +266,7 @@ def why_not_in_backward_accumulation(config: ml_collections.ConfigDict) -> str |
         (not m.scan_layers, "model.scan_layers is False (the layers are not one nn.scan stack)"),
         (t.accumulate != "scan", f"train.accumulate is {t.accumulate} (the reference loop adds whole gradients)"),
         (m.fp8 == "delayed", "model.fp8 is delayed (its scaling state is sown per layer)"),
+        (config.mesh.stage > 1, "mesh.stage > 1 (the pipeline's loop makes the layers' gradients)"),
         (FinetuneSpec.from_config(config).mode != "all", "finetune.train leaves parameters frozen"),
     )
     return next((why for cond, why in reasons if cond), None)
@@ -291,6 +300,8 @@ def step_model(config: ml_collections.ConfigDict) -> ModelConfig:
     mesh = mesh_shape(config)
     if mesh.batch_split * mesh.context == 1:
         model = dataclasses.replace(model, reduce_dtype="compute")
+    if mesh.stage > 1:
+        model = dataclasses.replace(model, pipeline=(config.mesh.pipeline_microbatches, config.mesh.pipeline_repeats))
     return model
 
 

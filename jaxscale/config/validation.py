@@ -204,6 +204,46 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_finetune(config)
     _validate_offload(config)
     _validate_in_backward(config)
+    _validate_pipeline(config)
+
+
+def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
+    """mesh.stage > 1 (jaxscale.model.pipeline): the scanned stack split evenly into stages (and, circular, into
+    repeats), microbatches that split each device's rows, and what the pipelined stack does not carry refused."""
+    mesh, m, t = config.mesh, config.model, config.train
+    _non_negative_int(mesh.pipeline_microbatches, "mesh.pipeline_microbatches")
+    _check(isinstance(mesh.pipeline_repeats, int) and mesh.pipeline_repeats >= 1, "mesh.pipeline_repeats",
+           f"must be an integer >= 1 (1: GPipe), got {mesh.pipeline_repeats!r}")  # fmt: skip
+    stages = mesh.stage
+    if stages == 1:
+        return
+    why = f"mesh.stage={stages} pipelines nn.scan's stacked layers, so"
+    _check(m.scan_layers, "model.scan_layers", f"{why} they must be one stack: set it True (or mesh.stage=1)")
+    visits = stages * mesh.pipeline_repeats
+    _check(m.num_layers % visits == 0, "model.num_layers", f"{m.num_layers} does not split into mesh.stage x "
+           f"mesh.pipeline_repeats = {visits} equal groups of layers; stage x repeats may be: "
+           f"{_divisors(m.num_layers)}")  # fmt: skip
+    micro = mesh.pipeline_microbatches or stages
+    _check(mesh.pipeline_repeats == 1 or micro >= stages, "mesh.pipeline_microbatches",
+           f"{micro}: the circular schedule (mesh.pipeline_repeats={mesh.pipeline_repeats}) needs at least mesh.stage="
+           f"{stages} microbatches (a microbatch's next visit of stage 0 waits for its last stage); allowed: >= "
+           f"{stages}")  # fmt: skip
+    rows = config.data.batch_size // t.num_minibatches
+    split = mesh_shape(config).batch_split
+    allowed = ", ".join(str(d) for d in range(1, rows + 1) if rows % (d * split) == 0)
+    _check(rows % (micro * split) == 0, "mesh.pipeline_microbatches", f"{micro} microbatches of the minibatch's {rows} "
+           f"sequences, each split over data x fsdp x expert = {split} devices: {micro} x {split} must divide {rows}; "
+           f"microbatches may be: {allowed}")  # fmt: skip
+    _check(m.dropout_rate == 0, "model.dropout_rate", f"{m.dropout_rate}: {why} its layers run without dropout "
+           "keys (not built); allowed: 0")  # fmt: skip
+    _check(not m.num_experts, "model.num_experts", f"{m.num_experts}: {why} a mixture of experts' sown router losses "
+           "are not carried out of the pipeline's loop (not built); allowed: 0")  # fmt: skip
+    _check(m.fp8 != "delayed", "model.fp8", f"delayed: {why} the scaling state its layers return is not carried "
+           "(not built); allowed: none, dynamic")  # fmt: skip
+    _check(mesh.context == 1, "mesh.context", f"{mesh.context}: {why} the ring attention's shard_map would run "
+           "inside the stages' vmap (not built); allowed: 1")  # fmt: skip
+    _check(not config.optimizer.in_backward, "optimizer.in_backward", f"True: {why} the layers' gradients are made "
+           "by the pipeline's loop, not the fused step; allowed: False")  # fmt: skip
 
 
 def _validate_in_backward(config: ml_collections.ConfigDict) -> None:
@@ -228,7 +268,7 @@ def _validate_in_backward(config: ml_collections.ConfigDict) -> None:
            "carried; allowed: none, dynamic")  # fmt: skip
     _check(finetune.trains_everything(config), "finetune.train", f"{why} it trains every parameter (full "
            "fine-tuning); LoRA and frozen blocks are not built with it")  # fmt: skip
-    for field in ("data", "fsdp", "tensor", "context", "expert"):
+    for field in ("data", "fsdp", "tensor", "context", "expert", "stage"):
         size = config.mesh[field]
         _check(size == 1, f"mesh.{field}", f"{size}: {why} it is built for one device; allowed: 1")
     _check(not t.offload_params, "train.offload_params", f"{why} the parameters stay on the device (the optimizer "
@@ -357,9 +397,9 @@ def _divisors(n: int) -> str:
 
 def _validate_mesh(config: ml_collections.ConfigDict) -> None:
     """Each mesh axis divides what it splits (JAX shards only evenly): see jaxscale.config.layout_rules.RULES."""
-    _positive(config, "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.context", "mesh.expert")
+    _positive(config, "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.context", "mesh.expert", "mesh.stage")
     m, sizes, mesh = config.model, ModelConfig.from_config(config.model), mesh_shape(config)
-    (data, fsdp, tensor, context, expert), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
+    (data, fsdp, tensor, context, expert, _), minibatch = mesh, config.data.batch_size // config.train.num_minibatches
     _one_of(config.mesh.zero_stage, (1, 2, 3), "mesh.zero_stage")
     _zero_stage_splits(config.mesh.zero_stage, fsdp, context, expert)
     _one_of(config.mesh.reduce_gradients, ("auto", "step", "minibatch"), "mesh.reduce_gradients")

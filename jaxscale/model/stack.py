@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxscale.config import remat_policies
 from jaxscale.config.spec import ModelConfig
-from jaxscale.model import fp8, lora, nf4, precision, ring_attention
+from jaxscale.model import fp8, lora, nf4, pipeline, precision, ring_attention
 from jaxscale.model.axes import Initializer, constrain, mesh_axis_size, partitioned
 
 
@@ -99,6 +99,10 @@ class Transformer(nn.Module):
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
+            stages = mesh_axis_size(pipeline.STAGE_AXIS)
+            if stages > 1 and not self.is_initializing():  # the same stacked params, pipelined over the stage axis
+                with jax.named_scope("pipeline"):
+                    return self._pipelined(block_cls, x, stages)
             with jax.named_scope("blocks"):  # stacked params: ("layers", ...)
                 x, _ = scanned(cfg, self.train, name="blocks")(x, None)
             return x
@@ -108,6 +112,26 @@ class Transformer(nn.Module):
                 cls = first_cls if i < cfg.first_dense_layers else block_cls
                 x, _ = cls(cfg, self.train, name=f"block_{i}")(x, None)
         return x
+
+    def _pipelined(self, block_cls: type[nn.Module], x: jax.Array, stages: int) -> jax.Array:
+        """x [B, T, H] through nn.scan's stacked blocks (the "blocks" params, as the scanned stack holds them) by
+        jaxscale.model.pipeline over `stages` stages: the same function, each stage's layers on its devices."""
+        cfg = self.config
+        microbatches, repeats = cfg.pipeline
+        schedule = pipeline.Schedule(stages, microbatches or stages, repeats)
+        stacked = {col: tree["blocks"] for col, tree in self.variables.items() if "blocks" in tree}
+        block = block_cls(cfg, self.train, parent=None)  # unbound: applied to each layer's variables
+        micro = jax.ShapeDtypeStruct((x.shape[0] // schedule.microbatches, *x.shape[1:]), x.dtype)
+        boxed = jax.eval_shape(lambda h: block.init(jax.random.PRNGKey(0), h, None), micro)
+        is_box = lambda leaf: isinstance(leaf, nn.LogicallyPartitioned)  # noqa: E731
+        names = jax.tree_util.tree_map(lambda leaf: tuple(leaf.names) if is_box(leaf) else None, boxed, is_leaf=is_box)
+        if jax.tree_util.tree_structure(names) != jax.tree_util.tree_structure(stacked):
+            names = None  # NF4's packed kernels: only the stage dimension is constrained
+
+        def layer(variables: dict, h: jax.Array) -> jax.Array:
+            return block.apply(variables, h, None)[0]
+
+        return pipeline.run(layer, pipeline.stage_layout(stacked, schedule, names), x, schedule)
 
 
 def count_params(params) -> int:

@@ -238,3 +238,36 @@ def test_expert_parallelism_reduces_every_minibatch(mesh):
     config.mesh.data, config.mesh.expert = config.mesh.data * config.mesh.expert, 1
     validate(config)
     assert accumulates_locally(config) is True
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(stage=2), "model.scan_layers: mesh.stage=2 pipelines nn.scan's stacked layers, so they must be one "
+         "stack: set it True (or mesh.stage=1)"),
+        (dict(stage=4, scan=True), "model.num_layers: 2 does not split into mesh.stage x mesh.pipeline_repeats = 4 "
+         "equal groups of layers; stage x repeats may be: 1, 2"),
+        (dict(stage=2, scan=True, layers=4, pipeline_repeats=2, pipeline_microbatches=1), "mesh.pipeline_microbatches: "
+         "1: the circular schedule (mesh.pipeline_repeats=2) needs at least mesh.stage=2 microbatches (a microbatch's "
+         "next visit of stage 0 waits for its last stage); allowed: >= 2"),
+        (dict(stage=2, scan=True, data=2, pipeline_microbatches=3), "mesh.pipeline_microbatches: 3 microbatches of "
+         "the minibatch's 4 sequences, each split over data x fsdp x expert = 2 devices: 3 x 2 must divide 4; "
+         "microbatches may be: 1, 2"),
+        (dict(stage=2, scan=True, dropout=0.1), "model.dropout_rate: 0.1: mesh.stage=2 pipelines nn.scan's stacked "
+         "layers, so its layers run without dropout keys (not built); allowed: 0"),
+        (dict(stage=0), "mesh.stage: must be a positive integer, got 0"),
+        (dict(pipeline_repeats=0), "mesh.pipeline_repeats: must be an integer >= 1 (1: GPipe), got 0"),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_bad_pipelines_are_one_line(changes, message):
+    """mesh.stage splits nn.scan's stack into equal stages (x repeats), its microbatches split each device's rows
+    (tiny-llama: 2 layers, 16 sequences in 4 minibatches), and what the pipeline does not carry is refused."""
+    config = base_config("tiny-llama", "pipeline")
+    config.model.dropout_rate = changes.pop("dropout", 0.0)
+    config.model.scan_layers = changes.pop("scan", False)
+    config.model.num_layers = changes.pop("layers", config.model.num_layers)
+    config.mesh.update(changes)
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    assert str(error.value) == message

@@ -36,7 +36,7 @@ def test_the_expert_axis_splits_the_model_state_and_the_experts_their_expert_axi
     split = layout_rules.split_axes
     assert split(("embed", "heads", "head_dim")) == (("fsdp", "context", "expert"), ("tensor",), ())
     assert split(("vocab", "embed")) == (("tensor",), ("fsdp", "context", "expert"))
-    assert split(("layers", "expert", "embed", "mlp")) == ((), ("expert",), ("fsdp", "context"), ("tensor",))
+    assert split(("layers", "expert", "embed", "mlp")) == (("stage",), ("expert",), ("fsdp", "context"), ("tensor",))
     assert split(("expert", "mlp", "embed")) == (("expert",), ("tensor",), ("fsdp", "context"))
     assert split(("embed", "expert")) == (("fsdp", "context"), ("expert",))
     assert split(("batch", "stream_seq", "embed")) == (("data", "fsdp", "expert"), ("context",), ())

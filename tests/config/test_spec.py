@@ -28,7 +28,7 @@ def test_mesh_shape_derives_devices_split_and_text():
     config = load_config("bf16_remat", "tiny")  # batch 8 in 2 minibatches
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 1
     mesh = mesh_shape(config)
-    assert mesh == MeshShape(2, 2, 1) and tuple(mesh) == (2, 2, 1, 1, 1)  # (data, fsdp, tensor, context, expert)
+    assert mesh == MeshShape(2, 2, 1) and tuple(mesh) == (2, 2, 1, 1, 1, 1)  # data fsdp tensor context expert stage
     assert (mesh.devices, mesh.batch_split, mesh.text, mesh.axes_text) == (4, 4, "2x2x1", "data x fsdp x tensor")
     assert minibatch_per_device(config) == 8 // 2 // 4 == 1
     config.mesh.tensor = 2  # tensor-parallel devices share their sequences: the split stays data x fsdp
@@ -37,7 +37,7 @@ def test_mesh_shape_derives_devices_split_and_text():
     mesh = mesh_shape(config)
     assert (mesh.devices, mesh.batch_split, mesh.text) == (32, 4, "2x2x2x4")
     assert mesh.axes_text == "data x fsdp x tensor x context"
-    assert mesh.physical == (2, 2, 4, 1, 2)  # the device array's order: data, fsdp, context, expert, tensor (fastest)
+    assert mesh.physical == (1, 2, 2, 4, 1, 2)  # the device array's order: stage, data, fsdp, context, expert, tensor
 
 
 def test_the_expert_axis_splits_the_batch_and_is_written_last():
@@ -51,9 +51,25 @@ def test_the_expert_axis_splits_the_batch_and_is_written_last():
     assert (mesh.devices, mesh.batch_split, minibatch_per_device(config)) == (4, 4, 8 // 2 // 4)
     assert (mesh.text, mesh.axes_text) == ("2x1x1x1x2", "data x fsdp x tensor x context x expert")
     assert mesh_axes_text(mesh.text) == mesh.axes_text and layout_text(config) == "dp2 ep2"
-    assert mesh.physical == (2, 1, 1, 2, 1)  # data, fsdp, context, expert, tensor
+    assert mesh.physical == (1, 2, 1, 1, 2, 1)  # stage, data, fsdp, context, expert, tensor
     config.mesh.expert = 1  # an expert axis of 1 leaves the text as it was
     assert (mesh_shape(config).text, mesh_shape(config).axes_text) == ("2x1x1", "data x fsdp x tensor")
+
+
+def test_the_stage_axis_multiplies_the_devices_not_the_batch_split_and_is_written_sixth():
+    """mesh.stage (pipeline parallelism): the stages hold different layers of the same rows, so the batch splits as
+    before; the text writes six sizes once it splits, the device array puts it outermost, and its layout word is
+    pp<n> (pp<n>v<v> circular)."""
+    from jaxscale.config.spec import layout_text, mesh_axes_text
+
+    config = load_config("bf16_remat", "tiny-llama")
+    config.mesh.data, config.mesh.tensor, config.mesh.stage = 2, 2, 4
+    mesh = mesh_shape(config)
+    assert (mesh.devices, mesh.batch_split, mesh.text) == (16, 2, "2x1x2x1x1x4")
+    assert mesh_axes_text(mesh.text) == "data x fsdp x tensor x context x expert x stage" == mesh.axes_text
+    assert mesh.physical == (4, 2, 1, 1, 1, 2) and layout_text(config) == "dp2 tp2 pp4"
+    config.mesh.pipeline_repeats = 2
+    assert layout_text(config) == "dp2 tp2 pp4v2"
 
 
 def test_validation_reads_the_same_derived_sizes():

@@ -384,7 +384,7 @@ def test_analytic_state_under_expert_parallelism_is_the_layouts_shards(mesh, fie
     validate(config)
     shape = sharding.mesh_shape(config).physical
     init_fn = train.make_init_fn(config)
-    layout = sharding.make_layout(config, AbstractMesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 5),
+    layout = sharding.make_layout(config, AbstractMesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * len(shape)),
                                   init_fn)  # fmt: skip
     state = sharding.abstract_inputs(config, layout, init_fn)[0]
     held = sharding.state_bytes_per_device(state)

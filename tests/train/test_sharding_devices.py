@@ -114,8 +114,9 @@ def _assert_close(a, b):
 def _assert_same_function(mesh, step=False, preset="tiny", **changes):
     """The mesh on the first prod(mesh) of the 8 devices (a mesh must use every device it is given)."""
     one = _one_device(preset, tuple(sorted(changes.items())), step)
-    many = _everything(_config(mesh, preset, **changes), jax.devices()[: int(np.prod(mesh))], step)
-    assert many[3].layout is not None and many[3].layout.devices == int(np.prod(mesh))
+    devices = int(np.prod(mesh)) * changes.get("mesh.stage", 1)  # a pipeline's stages multiply the mesh
+    many = _everything(_config(mesh, preset, **changes), jax.devices()[:devices], step)
+    assert many[3].layout is not None and many[3].layout.devices == devices
     _assert_close(many[0], one[0])  # the sharded init draws the same numbers
     _assert_close(many[1], one[1])  # loss sums, accuracy counts and every gradient
     assert float(many[1][1]["tokens"]) == 16 * 32 and float(many[1][1]["loss_sum"]) > 0
@@ -241,6 +242,40 @@ def test_each_device_holds_its_hand_counted_share_of_params_and_adam_state(prese
     assert _bytes_per_device(state.opt_state) == {device.id: 2 * expected for device in jax.devices()}
     whole = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state.params))
     assert expected < 1.1 * whole / (mesh[1] * mesh[2])  # split fsdp x tensor ways (norms, some biases aside)
+
+
+# Pipeline parallelism (jaxscale.model.pipeline): the scanned stack in mesh.stage stages, microbatches streamed through
+# them in one loop; 4 layers so that 4 stages, or 2 stages visited twice, each hold one.
+PIPELINE = {"model.scan_layers": True, "model.num_layers": 4}
+
+
+@pytest.mark.parametrize(
+    "mesh,preset,changes",
+    [
+        # circular (each of 2 stages visited twice) x FSDP x tensor, Llama, a whole train step
+        ((1, 2, 2), "tiny-llama", {"mesh.stage": 2, "mesh.pipeline_repeats": 2, "model.remat": ("Block",)}),
+        # GPipe over 4 stages x data 2, GPT, 4 microbatches in flight
+        ((2, 1, 1), "tiny", {"mesh.stage": 4, "mesh.pipeline_microbatches": 4}),
+        pytest.param((2, 1, 2), "tiny-llama", {"mesh.stage": 2, "mesh.sequence_parallel": True},
+                     marks=pytest.mark.slow),
+        pytest.param((2, 2, 1), "tiny-llama", {"mesh.stage": 2, "mesh.zero_stage": 1, "mesh.pipeline_microbatches": 2},
+                     marks=pytest.mark.slow),
+        pytest.param((1, 1, 1), "tiny", {"mesh.stage": 8, "model.num_layers": 8, "mesh.pipeline_microbatches": 2},
+                     marks=pytest.mark.slow),
+    ],
+)
+def test_pipeline_stages_equal_one_device(mesh, preset, changes):
+    """The pipelined stack computes one device's function: loss sums, every gradient (the first case also the
+    parameters after a whole step), on stage x (data, fsdp, tensor) meshes; and each device holds only its stage's
+    layers of every stacked parameter."""
+    changes = {**PIPELINE, **changes}
+    _assert_same_function(mesh, step=changes.get("model.remat") is not None, preset=preset, **changes)
+    config = _config(mesh, preset, **changes)
+    state = sharding.placement(config, jax.devices()[:8]).init_state()
+    for leaf in jax.tree_util.tree_leaves(state.params["transformer"]["blocks"]):
+        assert leaf.shape[0] == config.model.num_layers
+        held = {shard.data.shape[0] for shard in leaf.addressable_shards}
+        assert held == {config.model.num_layers // config.mesh.stage}
 
 
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
