@@ -122,6 +122,16 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, object]]] = {
         "data": dict(batch_size=8, seq_len=2048),
         **_TRAIN,
     },
+    # Source: the Hugging Face config.json of meta-llama/Llama-3.1-405B: hidden 16384, 126 layers, 128 heads of 128,
+    # 8 KV heads, intermediate 53248, tie_word_embeddings false (the "llama3" RoPE scaling not modelled, as above).
+    "llama3.1-405b": {
+        "model": dict(
+            _LLAMA3, hidden_size=16384, head_dim=128, num_layers=126, num_kv_heads=8, mlp_hidden_size=53248,
+            tie_embeddings=False,
+        ),
+        "data": dict(batch_size=8, seq_len=2048),
+        **_TRAIN,
+    },
     # Llama at the sizes of `tiny` and `cpu` (tests; about a second a step on 2 CPU cores): 2 KV heads shared by
     # 4 query heads, SwiGLU width 3x hidden, tied embeddings at tiny (as the 1B/3B models) and untied at cpu.
     "tiny-llama": {

@@ -64,6 +64,7 @@ class Collective:
     group_size: int | None  # devices per replica group (None for collective-permute's pairs)
     operand_f32_bytes: int = 0  # the float32 arrays' part of operand_bytes
     result_f32_bytes: int = 0  # ... and of result_bytes
+    pair_span: int | None = None  # a collective-permute's: the aligned block of devices its pairs reach (pair_span)
 
     @property
     def bytes(self) -> int:
@@ -89,6 +90,30 @@ def ring_factor(kind: str, group_size: int | None) -> float:
         return 1.0
     n = group_size or 1
     return 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def pair_span(attributes: str) -> int | None:
+    """The devices a collective-permute's pairs reach: for each pair (a, b), the smallest aligned block of 2^k
+    consecutive devices holding both (2^bit_length(a XOR b)), the largest over its pairs; None without pairs.
+
+    With the mesh's devices consecutive (one host's, one NVLink domain's), a block of at most an NVLink domain's
+    devices stays on NVLink and one larger than a host crosses the network: a pipeline's stage hop (0 -> 8 on 8 GPUs a
+    host) reaches 16, a hop within a host (0 -> 1) 2. Exact for power-of-two domains and hosts, the targets' sizes.
+
+    Args:
+      attributes: the instruction's attributes (HLO text after its operands).
+
+    Returns:
+      The block's size in devices, or None when the instruction names no pairs.
+    """
+    found = _PAIRS.search(attributes)
+    if not found:
+        return None
+    pairs = [tuple(int(d) for d in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", found.group(1))]
+    return max((1 << (a ^ b).bit_length() for a, b in pairs), default=1)
 
 
 def _mesh_group_size(attributes: str, found: re.Match) -> int | None:
@@ -171,7 +196,8 @@ def launched(step: hlo.Executed, module: hlo.Module) -> Collective | None:
             result, result_f32 = max(result - operands, 0), max(result_f32 - operands_f32, 0)
     kind = _KIND_OF[base]
     group = None if kind == "collective-permute" else group_size(instruction.attributes, module.num_partitions)
-    return Collective(step.instruction.name, kind, step.times, operands, result, group, operands_f32, result_f32)
+    span = pair_span(instruction.attributes) if kind == "collective-permute" else None
+    return Collective(step.instruction.name, kind, step.times, operands, result, group, operands_f32, result_f32, span)
 
 
 def count_collectives(module: hlo.Module) -> list[Collective]:

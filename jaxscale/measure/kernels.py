@@ -221,8 +221,9 @@ def _gemm_kernel(dot: hlo.Instruction, holder: dict[str, hlo.Instruction], **fie
 
 def _collective(found: collectives.Collective, num_partitions: int, **fields) -> Kernel:
     """A collective's kernel, from the same parse as the row's compiled_collective_* columns."""
-    # A collective-permute names pairs, not groups: its pairs may reach any device of the program.
-    group = found.group_size if found.group_size is not None else num_partitions
+    # A collective-permute names pairs, not groups: the block of devices they reach (collectives.pair_span), else any
+    # device of the program.
+    group = found.group_size if found.group_size is not None else found.pair_span or num_partitions
     return Kernel(category="collective", detail=found.kind, flops=0.0, flop_dtype="vector",
                   bytes_read=found.operand_bytes, bytes_written=found.result_bytes,
                   collective=(found.kind, group, found.bytes), **fields)  # fmt: skip

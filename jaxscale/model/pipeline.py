@@ -29,13 +29,16 @@ remat policy on the blocks (model.remat) shrinks what each keeps, as on one devi
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxscale.model.axes import constrain
+from jaxscale.model.axes import constrain, mesh_axis_size
 
 STAGE_AXIS = "stage"  # the mesh axis (and the logical name of the stage dimension: jaxscale.config.layout_rules)
 STREAM = ("batch", "stream_seq", "embed")  # a microbatch's activations between layers
@@ -92,7 +95,36 @@ def stage_layout(stacked: Any, schedule: Schedule, names: Any | None = None) -> 
     return jax.tree_util.tree_map(lambda n, x: relayout(x, n), names, stacked, is_leaf=is_names)
 
 
-def run(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Array, schedule: Schedule) -> jax.Array:
+def visit_params(staged: Any, t: jax.Array, schedule: Schedule) -> Any:
+    """Each stage's parameters for its visit at iteration t: [p, v, n, ...] -> [p, n, ...], stage s's visit
+    (t - s) div m (clipped to the visits there are).
+
+    GPipe (v = 1) takes the one visit. Circular: a per-stage index under the stages' vmap would be a gather, which
+    XLA's partitioner serves by gathering every stage's weights onto every device; but with m >= p the stages of one
+    iteration are on two visits at most, t div m and the one before, so both are taken with one index for all stages
+    (a slice of each device's own block) and each stage selects its own (an elementwise select, on its device).
+    """
+    if schedule.repeats == 1:
+        return jax.tree_util.tree_map(lambda a: a[:, 0], staged)
+    p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
+    later = jnp.clip(t // m, 0, v - 1)
+    earlier = jnp.clip(t // m - 1, 0, v - 1)
+    on_later = (t - jnp.arange(p)) // m >= t // m  # [p]: stage s is on visit t div m
+
+    def pick(a: jax.Array) -> jax.Array:
+        late, early = (jax.lax.dynamic_index_in_dim(a, r, 1, keepdims=False) for r in (later, earlier))
+        return jnp.where(on_later.reshape(p, *(1,) * (late.ndim - 1)), late, early)
+
+    return jax.tree_util.tree_map(pick, staged)
+
+
+def run(
+    layer: Callable[[Any, jax.Array], jax.Array],
+    staged: Any,
+    x: jax.Array,
+    schedule: Schedule,
+    groups: Groups | None = None,
+) -> jax.Array:
     """x [B, T, H] through every layer of the stack, pipelined: the function `layer` applied L times in order.
 
     Args:
@@ -100,10 +132,58 @@ def run(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Array,
       staged: the stack's parameters in `stage_layout`, [p, v, n, ...].
       x: the stack's input [B, T, H], B divisible by the schedule's microbatches.
       schedule: stages, microbatches, repeats.
+      groups: the devices that split the batch, each device's rows run as a group of their own (`Groups`), so
+        that the weight gradients the loop accumulates stay on their device until the loop ends; None: the rows
+        as one batch (the partitioner reduces each iteration's weight gradients over the devices that split it).
 
     Returns:
       The stack's output [B, T, H].
     """
+    if groups is None:
+        return _loop(layer, staged, x, schedule)
+    batch, rest = x.shape[0], x.shape[1:]
+    # [B, ...] -> [count, B / count, ...]: group g holds the rows of the g-th batch-splitting device
+    rows = constrain(x.reshape(groups.count, batch // groups.count, *rest), ("batch", None, *STREAM[1:]))
+    # every group's own reference to the (whole on the batch axes) weights: no copy, each device holds its own
+    def own(w: jax.Array) -> jax.Array:  # [count, p, ...]: the group axis on the batch axes, the rest as it was
+        free = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * (w.ndim - 1)
+        spec = jax.sharding.PartitionSpec(groups.axes, STAGE_AXIS, *free)
+        return jax.lax.with_sharding_constraint(jnp.broadcast_to(w, (groups.count, *w.shape)), spec)
+
+    weights = jax.tree_util.tree_map(own, staged)
+    per_group = jax.vmap(functools.partial(_loop, layer, schedule=schedule), spmd_axis_name=groups.axes)
+    with nn.logical_axis_rules(groups.rules):
+        out = per_group(weights, rows)
+    return out.reshape(batch, *rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """The pipeline's rows taken per batch-splitting device (`run`): the mesh `axes` the batch splits over, their
+    device `count`, and the logical rules inside a group (the batch axes removed: a group is one device's rows)."""
+
+    axes: tuple[str, ...]
+    count: int
+    rules: tuple
+
+
+def device_groups() -> Groups | None:
+    """The Groups of the rules and mesh in context, where the weights are whole on every axis that splits the batch
+    (data parallelism, ZeRO-1/2's whole parameters; not FSDP's split ones, which are gathered and their gradients
+    reduce-scattered each iteration, as FSDP does each microbatch) and that split is over more than one device; else
+    None (one device, the step's own per-device groups already, or FSDP)."""
+    rules = tuple(nn.get_logical_axis_rules())
+    table = dict(reversed(rules))  # a name's first rule
+    as_tuple = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)  # noqa: E731
+    axes = tuple(a for a in as_tuple(table.get("batch")) if mesh_axis_size(a) > 1)
+    if not axes or set(axes) & set(as_tuple(table.get("embed"))):
+        return None
+    inner = tuple((name, tuple(a for a in as_tuple(mapped) if a not in axes) or None) for name, mapped in rules)
+    return Groups(axes, math.prod(mesh_axis_size(a) for a in axes), inner)
+
+
+def _loop(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Array, schedule: Schedule) -> jax.Array:
+    """`run` of one batch of rows: the schedule's loop."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     batch, rest = x.shape[0], x.shape[1:]
     # microbatch j: rows j, j + m, ... ([B/m, m] keeps the rows' data-parallel split on its first dimension)
@@ -111,13 +191,11 @@ def run(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Array,
     micro = constrain(micro, (None, *STREAM))
     stage_ids = jnp.arange(p)
 
-    def one_stage(params: Any, h: jax.Array, repeat: jax.Array) -> jax.Array:  # params [v, n, ...], h [b, T, H]
-        visit = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), params)
-
+    def one_stage(params: Any, h: jax.Array) -> jax.Array:  # params [n, ...], h [b, T, H]
         def body(carry: jax.Array, layer_params: Any) -> tuple[jax.Array, None]:
             return layer(layer_params, carry), None
 
-        return jax.lax.scan(body, h, visit)[0]
+        return jax.lax.scan(body, h, params)[0]
 
     stages = jax.vmap(one_stage, spmd_axis_name=STAGE_AXIS)
 
@@ -128,8 +206,7 @@ def run(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Array,
         shifted = jnp.concatenate([outputs[-1:], outputs[:-1]], axis=0)  # stage s - 1's output to stage s
         inputs = jnp.where((stage_ids == 0).reshape(p, *(1,) * len(first.shape)), first[None], shifted)
         inputs = constrain(inputs, (STAGE_AXIS, *STREAM))
-        repeat = jnp.clip((t - stage_ids) // m, 0, v - 1)  # each stage's visit this iteration
-        outputs = constrain(stages(staged, inputs, repeat), (STAGE_AXIS, *STREAM))
+        outputs = constrain(stages(visit_params(staged, t, schedule), inputs), (STAGE_AXIS, *STREAM))
         k = t - (p - 1)  # the visit the last stage finished
         valid = (k >= 0) & (k < v * m)
         j = jnp.clip(k, 0, v * m - 1) % m

@@ -131,7 +131,8 @@ class Transformer(nn.Module):
         def layer(variables: dict, h: jax.Array) -> jax.Array:
             return block.apply(variables, h, None)[0]
 
-        return pipeline.run(layer, pipeline.stage_layout(stacked, schedule, names), x, schedule)
+        staged = pipeline.stage_layout(stacked, schedule, names)
+        return pipeline.run(layer, staged, x, schedule, pipeline.device_groups())
 
 
 def count_params(params) -> int:

@@ -318,7 +318,10 @@ def _roofline_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, fl
     """kernel_seconds with the published efficiencies (the uncalibrated formula)."""
     if kernel.collective is not None:
         op, group, payload = kernel.collective
-        seconds = collective_factor(op, group) * payload / link_bytes_per_s(roof, group)
+        bandwidth = link_bytes_per_s(roof, group)
+        if op == "collective-permute" and group > roof.devices_per_host:  # each GPU sends its buffer on its own NIC
+            bandwidth = min(bandwidth, roof.network_bytes_per_s)
+        seconds = collective_factor(op, group) * payload / bandwidth
         return seconds, seconds
     if kernel.category == "matmul":
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])

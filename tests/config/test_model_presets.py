@@ -25,6 +25,9 @@ EXPECTED = {
     "llama3.2-3b": 3_212_749_824,
     "llama3.1-8b": 8_030_261_248,
     "llama3.1-70b": 70_553_706_496,
+    # by hand from the config (126 x (2 x 16384^2 + 2 x 16384 x 1024 + 3 x 16384 x 53248 + 2 x 16384) + 2 x 128256 x
+    # 16384 + 16384), the figure Meta's "405B" rounds
+    "llama3.1-405b": 405_853_388_800,
     # Mixtures of experts: the hand arithmetic of tests/model/test_moe.py (issue 33: 46.70B, 6.92B, 30.53B)
     "mixtral-8x7b": 46_702_792_704,
     "olmoe-1b-7b": 6_919_161_856,
@@ -34,12 +37,13 @@ EXPECTED = {
 
 # Scanned (the layers stacked by nn.scan), one preset a family in the default suite: a family's presets differ in
 # sizes only, which the unrolled counts of every preset hold.
-SCANNED_FAST = ("gpt2", "llama3.1-8b", "qwen3-30b-a3b")
+SCANNED_FAST = ("gpt2", "llama3.1-8b", "qwen3-30b-a3b", "llama3.1-405b")
+UNROLLED_SLOW = ("llama3.1-405b",)  # its 126 unrolled layers take longest to trace; scanned in the default suite
 
 
 @pytest.mark.parametrize(
     "preset, scan_layers",
-    [(p, False) for p in sorted(EXPECTED)]
+    [pytest.param(p, False, marks=pytest.mark.slow if p in UNROLLED_SLOW else ()) for p in sorted(EXPECTED)]
     + [pytest.param(p, True, marks=() if p in SCANNED_FAST else pytest.mark.slow) for p in sorted(EXPECTED)],
 )
 def test_real_model_parameter_counts_are_exact(preset, scan_layers):

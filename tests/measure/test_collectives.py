@@ -228,3 +228,34 @@ def test_the_collectives_of_a_program_compiled_on_simulated_devices_are_costed_o
 )
 def test_replica_group_forms_give_the_devices_per_group(attributes, size):
     assert collectives.group_size(f"channel_id=7, {attributes}, dimensions={{0}}", num_partitions=8) == size
+
+
+@pytest.mark.parametrize(
+    "pairs,span",
+    [
+        ("{{0,1},{1,0}}", 2),  # neighbours in a pair of devices
+        ("{{0,4},{4,0},{1,5},{5,1},{2,6},{6,2},{3,7},{7,3}}", 8),  # two stages of 4 devices: within 8
+        ("{{0,8},{8,16},{16,24},{24,0}}", 32),  # four stages of 8 (a host each), the last hop back to the first
+        ("{{7,8}}", 16),  # neighbours across a host boundary of 8: the block of 16 holding both
+        ("{}", 1),
+    ],
+)
+def test_a_permutes_pairs_reach_the_aligned_block_that_holds_both_ends(pairs, span):
+    assert collectives.pair_span(f"channel_id=3, source_target_pairs={pairs}, metadata={{}}") == span
+    assert collectives.pair_span("channel_id=3, replica_groups={}") is None
+
+
+def test_a_permute_across_hosts_is_priced_at_one_nic_and_within_a_host_on_nvlink():
+    """H100 (targets: NVLink 450 GB/s a direction within the 8 GPUs of a host, one 400 Gb/s NIC = 50 GB/s a GPU): a
+    pipeline's 1 MiB hop from GPU 0 to GPU 8 takes 2^20 / 50e9 s, and from GPU 0 to GPU 1 2^20 / 450e9 s."""
+    roof = predict.gpu_roofline(targets.TARGETS["h100"])
+    assert (roof.network_bytes_per_s, roof.link_bytes_per_s) == (50e9, 450e9)
+
+    def permute(span):
+        kernel = kernels.Kernel(name="cp", category="collective", detail="collective-permute", trips=(), times=1,
+                                flops=0.0, flop_dtype="vector", bytes_read=2**20, bytes_written=2**20,
+                                collective=("collective-permute", span, 2**20))
+        return predict.predict([kernel], roof)["predicted_collective_s"]  # fmt: skip
+
+    assert permute(16) == pytest.approx(2**20 / 50e9)
+    assert permute(2) == pytest.approx(2**20 / 450e9)

@@ -278,6 +278,32 @@ def test_pipeline_stages_equal_one_device(mesh, preset, changes):
         assert held == {config.model.num_layers // config.mesh.stage}
 
 
+def test_pipeline_hands_activations_on_by_collective_permutes_and_reduces_gradients_once_a_step():
+    """GPipe over 2 stages x data 4, 4 microbatches (5 iterations), one minibatch, float32. Hand counts: a microbatch is
+    one row, 1 x 32 x 64 x 4 = 8192 bytes. The stage hand-offs are collective-permutes of one microbatch each, once an
+    iteration, whose pairs join the two stages (a device and the one 4 places on: the aligned block of 8). The
+    all-reduces over the 4 data-parallel devices run once a step and carry each device's share of the parameters
+    (summed from the layout's shards; the tied table's two gradient terms add its 32 KiB again: within 10%), not
+    once an iteration (without per-device groups XLA reduced every iteration's weight gradients: 5x). Over the 2
+    stages, the last stage's output reaches every stage (the head runs on each): all-reduces of one microbatch."""
+    from jaxscale.measure import collectives, hlo
+
+    config = _config((4, 1, 1), "tiny-llama", **PIPELINE, **{"mesh.stage": 2, "mesh.pipeline_microbatches": 4,
+                                                               "train.num_minibatches": 1})  # fmt: skip
+    placement = sharding.placement(config, jax.devices()[:8])
+    module = hlo.parse(placement.step().lower(*placement.abstract_inputs()).compile().as_text())
+    found = collectives.count_collectives(module)
+    microbatch, iterations = 1 * 32 * 64 * 4, 5
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    assert permutes and {(c.bytes, c.executions, c.pair_span) for c in permutes} == {(microbatch, iterations, 8)}
+    over_data = [c for c in found if c.kind == "all-reduce" and c.group_size == 4]
+    params = sharding.state_bytes_per_device(placement.abstract_inputs()[0])["params"]
+    assert {c.executions for c in over_data} == {1}
+    assert params <= sum(c.bytes for c in over_data) <= 1.1 * params
+    over_stages = [c for c in found if c.kind == "all-reduce" and c.group_size == 2]
+    assert {(c.bytes, c.executions) for c in over_stages} == {(microbatch, iterations)}
+
+
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_zero_stages_1_and_2_equal_one_device(stage):
     """ZeRO-1 and ZeRO-2 over fsdp (x data parallel), with scanned layers, Block remat and 2 minibatches (LLAMA_STEP):
