@@ -7,12 +7,14 @@ jitted program, their memory per stage and their bubble, beside the layouts with
 
 Every variant: bf16, scanned layers, Block remat (each layer keeps its input), the Pallas flash attention, sequence
 8192, one sequence a microbatch per data-parallel group.
-- llama3.1-8b on 8 H100s, 4 stages x tensor 2: GPipe with 1, 2, 4, 8 and 16 microbatches in flight (one minibatch a
+- llama3.1-8b on 8 H100s, 4 stages x tensor 2 (no_pipeline: FSDP 4 x tensor 2, the batch of m = 8): GPipe with 1, 2,
+  4, 8 and 16 microbatches in flight (one minibatch a
   step, the batch growing with them), to show what GPipe in one program keeps (every in-flight microbatch's residuals,
   so the plan grows with m) against the bubble (p - 1)/(m + p - 1) it buys down; and circular with 2 and 4 visits.
 - llama3.1-70b on 64 H100s (8 hosts of 8): Megatron-Bridge's layout (tensor 4 x pipeline 8 x data 2, 128 sequences a
   step), GPipe and circular with 5 visits (its virtual pipeline 5: 2 layers a visit), 8 microbatches in flight (16
-  minibatches accumulated); tensor 8 x pipeline 8; and FSDP 8 x tensor 8 without a pipeline.
+  minibatches accumulated); tensor 8 x pipeline 8; and FSDP 8 x tensor 8 without a pipeline (no_pipeline, each
+  preset's baseline).
 - llama3.1-405b on 512 H100s: its 126 layers split evenly into 2 stages only among the divisors of 512 (torchtitan's
   pipeline 8 splits them unevenly, which this schedule does not): FSDP 32 x tensor 8 x pipeline 2, and FSDP 64 x
   tensor 8 without a pipeline.
@@ -21,6 +23,7 @@ Every variant: bf16, scanned layers, Block remat (each layer keeps its input), t
 from jaxscale.config import base_config
 
 SEQ_LEN = 8192
+BASELINE = "no_pipeline"  # each preset's layout without a pipeline, on the same GPUs
 
 
 def get_config(preset=None):
@@ -48,18 +51,19 @@ def get_variants(config):
     if config.preset == "llama3.1-8b":
         gpipe = [_pipeline(f"pp4_tp2_m{m}", 4, m, tensor=2) for m in (1, 2, 4, 8, 16)]
         circular = [_pipeline(f"pp4v{v}_tp2_m8", 4, 8, v, tensor=2) for v in (2, 4)]
-        return gpipe + circular
+        plain = {"name": BASELINE, "mesh.fsdp": 4, "mesh.tensor": 2, "data.batch_size": 8}  # the batch of m = 8
+        return [plain, *gpipe, *circular]
     if config.preset == "llama3.1-70b":
         return [
             _pipeline("pp8_tp4_dp2_m8", 8, 8, data=2, tensor=4, minibatches=8),
             _pipeline("pp8v5_tp4_dp2_m8", 8, 8, 5, data=2, tensor=4, minibatches=8),
             _pipeline("pp8v5_tp8_m8", 8, 8, 5, tensor=8, minibatches=16),
-            {"name": "fsdp8_tp8", "mesh.fsdp": 8, "mesh.tensor": 8, "train.num_minibatches": 16,
-             "data.batch_size": 128},  # fmt: skip
+            {"name": BASELINE, "mesh.fsdp": 8, "mesh.tensor": 8, "train.num_minibatches": 16,
+             "data.batch_size": 128},  # FSDP 8 x tensor 8, the same 128 sequences a step; fmt: skip
         ]
     if config.preset == "llama3.1-405b":
         return [
             _pipeline("pp2_tp8_fsdp32_m2", 2, 2, fsdp=32, tensor=8, minibatches=1),
-            {"name": "fsdp64_tp8", "mesh.fsdp": 64, "mesh.tensor": 8, "data.batch_size": 64},
+            {"name": BASELINE, "mesh.fsdp": 64, "mesh.tensor": 8, "data.batch_size": 64},  # FSDP 64 x tensor 8
         ]
     raise ValueError(f"experiments/pipeline.py: no variants for {config.preset}; use llama3.1-8b, -70b or -405b")

@@ -13,7 +13,7 @@ import jax
 import ml_collections
 
 from jaxscale.config.spec import RunSpec
-from jaxscale.measure import collectives, expert_flops, flops, memory, traces
+from jaxscale.measure import collectives, expert_flops, flops, layer_loop, memory, traces
 
 
 def after_compile(config: ml_collections.ConfigDict, compiled: jax.stages.Compiled | None, row: dict) -> dict:
@@ -28,6 +28,8 @@ def after_compile(config: ml_collections.ConfigDict, compiled: jax.stages.Compil
         text = compiled.as_text()
         compiled_columns = {**flops.compiled_columns(compiled, text), **collectives.collective_columns(text)}
     run = RunSpec.from_config(config)  # the analytic models' view of the config, read once for both
+    if text is not None and run.mesh.stage > 1:  # a pipeline: its loop's iterations, as the compiled program runs them
+        compiled_columns["compiled_pipeline_iterations"] = layer_loop.pipeline_iterations(text)
     return {
         **flops.analytic_columns(run),
         **compiled_columns,

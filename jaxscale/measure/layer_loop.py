@@ -11,6 +11,7 @@ them, whatever the remat policy (docs/measurements.md, "What a layer keeps"). Un
 from __future__ import annotations
 
 import math
+import re
 
 from jaxscale.measure import hlo
 
@@ -52,3 +53,31 @@ def saved_bytes(text: str, layers: int, batch: int, seq: int, slots: tuple[int, 
         for dtype, dims in hlo.arrays(loops[0].shape)
         if len(dims) > 2 and dims[0] == layers and dims[1] == batch and per_token(dims)
     )
+
+
+# jaxscale.model.pipeline's loop: a while under its scope, not inside another while there (its stages' layer loops)
+_PIPELINE_LOOP = re.compile(r"/pipeline/(?:(?!while/).)*while$")
+
+
+def pipeline_iterations(text: str) -> int | None:
+    """The trip count of a pipelined stack's forward loop over its iterations (jaxscale.model.pipeline: v·m + p - 1
+    with m microbatches, p stages and v visits), read from the compiled program; None without a pipeline (or without a
+    known trip count).
+
+    Args:
+      text: the optimized HLO (compiled.as_text()).
+
+    Returns:
+      The iterations (the largest, should a step hold several pipelines: one per minibatch's accumulation is the
+      same loop).
+    """
+    trips = [
+        instruction.trip_count
+        for computation in hlo.parse(text).computations.values()
+        for instruction in computation.values()
+        if instruction.opcode == "while" and _PIPELINE_LOOP.search(instruction.op_name)
+        and "transpose(" not in instruction.op_name
+    ]  # fmt: skip
+    known = [trip for trip in trips if trip is not None]
+    return max(known) if known else None
+

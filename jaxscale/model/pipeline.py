@@ -91,8 +91,12 @@ def stage_layout(stacked: Any, schedule: Schedule, names: Any | None = None) -> 
 
     if names is None:
         return jax.tree_util.tree_map(lambda x: relayout(x, None), stacked)
-    is_names = lambda x: isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)  # noqa: E731
     return jax.tree_util.tree_map(lambda n, x: relayout(x, n), names, stacked, is_leaf=is_names)
+
+
+def is_names(x: Any) -> bool:
+    """Whether a leaf of a names tree: a tuple of logical axis names (None for an unnamed dimension)."""
+    return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
 
 
 def visit_params(staged: Any, t: jax.Array, schedule: Schedule) -> Any:
@@ -124,6 +128,7 @@ def run(
     x: jax.Array,
     schedule: Schedule,
     groups: Groups | None = None,
+    names: Any | None = None,
 ) -> jax.Array:
     """x [B, T, H] through every layer of the stack, pipelined: the function `layer` applied L times in order.
 
@@ -135,6 +140,8 @@ def run(
       groups: the devices that split the batch, each device's rows run as a group of their own (`Groups`), so
         that the weight gradients the loop accumulates stay on their device until the loop ends; None: the rows
         as one batch (the partitioner reduces each iteration's weight gradients over the devices that split it).
+      names: the stack's per-layer logical names (`stage_layout`'s), which lay out each group's weights (and so
+        their gradients) as the stage's own; None: only the group and stage dimensions are constrained.
 
     Returns:
       The stack's output [B, T, H].
@@ -144,13 +151,19 @@ def run(
     batch, rest = x.shape[0], x.shape[1:]
     # [B, ...] -> [count, B / count, ...]: group g holds the rows of the g-th batch-splitting device
     rows = constrain(x.reshape(groups.count, batch // groups.count, *rest), ("batch", None, *STREAM[1:]))
-    # every group's own reference to the (whole on the batch axes) weights: no copy, each device holds its own
-    def own(w: jax.Array) -> jax.Array:  # [count, p, ...]: the group axis on the batch axes, the rest as it was
-        free = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * (w.ndim - 1)
-        spec = jax.sharding.PartitionSpec(groups.axes, STAGE_AXIS, *free)
-        return jax.lax.with_sharding_constraint(jnp.broadcast_to(w, (groups.count, *w.shape)), spec)
 
-    weights = jax.tree_util.tree_map(own, staged)
+    # every group's own reference to the (whole on the batch axes) weights: no copy, each device holds its own
+    def own(w: jax.Array, leaf_names: tuple | None) -> jax.Array:  # [count, p, v, n, ...]: the group axis on the
+        w = jnp.broadcast_to(w, (groups.count, *w.shape))  # batch axes, the rest laid out as the stage's own
+        if leaf_names is not None:  # (unnamed, XLA lays the gradients out whole over the tensor axis: 2x the bytes)
+            return constrain(w, ("batch", STAGE_AXIS, None, None, *leaf_names))
+        free = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * (w.ndim - 2)
+        return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec(groups.axes, STAGE_AXIS, *free))
+
+    if names is None:
+        weights = jax.tree_util.tree_map(lambda w: own(w, None), staged)
+    else:
+        weights = jax.tree_util.tree_map(lambda n, w: own(w, n), names, staged, is_leaf=is_names)
     per_group = jax.vmap(functools.partial(_loop, layer, schedule=schedule), spmd_axis_name=groups.axes)
     with nn.logical_axis_rules(groups.rules):
         out = per_group(weights, rows)

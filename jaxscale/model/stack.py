@@ -125,14 +125,14 @@ class Transformer(nn.Module):
         boxed = jax.eval_shape(lambda h: block.init(jax.random.PRNGKey(0), h, None), micro)
         is_box = lambda leaf: isinstance(leaf, nn.LogicallyPartitioned)  # noqa: E731
         names = jax.tree_util.tree_map(lambda leaf: tuple(leaf.names) if is_box(leaf) else None, boxed, is_leaf=is_box)
-        if jax.tree_util.tree_structure(names) != jax.tree_util.tree_structure(stacked):
+        if jax.tree_util.tree_structure(names, is_leaf=pipeline.is_names) != jax.tree_util.tree_structure(stacked):
             names = None  # NF4's packed kernels: only the stage dimension is constrained
 
         def layer(variables: dict, h: jax.Array) -> jax.Array:
             return block.apply(variables, h, None)[0]
 
         staged = pipeline.stage_layout(stacked, schedule, names)
-        return pipeline.run(layer, staged, x, schedule, pipeline.device_groups())
+        return pipeline.run(layer, staged, x, schedule, pipeline.device_groups(), names)
 
 
 def count_params(params) -> int:

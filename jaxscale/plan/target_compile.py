@@ -185,7 +185,9 @@ def compile_for_target(
         seconds = time.perf_counter() - start
         saved = max(0.0, cached["result"]["compile_s"] - seconds)
         result = {**cached["result"], "compile_s": seconds, "compile_cache_hit": True, "compile_cache_saved_s": saved}
-        if "compiled_scan_saved_bytes" not in result:  # an entry written before the column was
+        missing = "compiled_scan_saved_bytes" not in result or (
+            RunSpec.of(config).mesh.stage > 1 and "compiled_pipeline_iterations" not in result)
+        if missing:  # an entry written before the column was
             try:
                 with gzip.open(compile_cache.plan_hlo_path(key), "rt") as handle:
                     result.update(_loop_columns(handle.read(), config))
@@ -219,8 +221,11 @@ def compile_for_target(
 
 def _loop_columns(text: str, config: ml_collections.ConfigDict) -> dict[str, int | None]:
     """compiled_scan_saved_bytes: what the scanned layers' forward loop writes out for the backward pass, one device's
-    (jaxscale.measure.layer_loop; None with unrolled layers)."""
+    (jaxscale.measure.layer_loop; None with unrolled layers, and with a pipeline, whose loop is over its iterations);
+    with a pipeline, compiled_pipeline_iterations: that loop's trip count (layer_loop.pipeline_iterations)."""
     run = RunSpec.of(config)
+    if run.mesh.stage > 1:  # a pipeline's loop keeps its iterations' residuals: not the layer loop's shape
+        return {"compiled_scan_saved_bytes": None, "compiled_pipeline_iterations": layer_loop.pipeline_iterations(text)}
     if not run.model.scan_layers:
         return {"compiled_scan_saved_bytes": None}
     seq, moe = run.seq_len // run.mesh.context, MoEDims.from_spec(run)

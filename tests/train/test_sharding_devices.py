@@ -286,14 +286,15 @@ def test_pipeline_hands_activations_on_by_collective_permutes_and_reduces_gradie
     (summed from the layout's shards; the tied table's two gradient terms add its 32 KiB again: within 10%), not
     once an iteration (without per-device groups XLA reduced every iteration's weight gradients: 5x). Over the 2
     stages, the last stage's output reaches every stage (the head runs on each): all-reduces of one microbatch."""
-    from jaxscale.measure import collectives, hlo
+    from jaxscale.measure import collectives, hlo, layer_loop
 
     config = _config((4, 1, 1), "tiny-llama", **PIPELINE, **{"mesh.stage": 2, "mesh.pipeline_microbatches": 4,
                                                                "train.num_minibatches": 1})  # fmt: skip
     placement = sharding.placement(config, jax.devices()[:8])
-    module = hlo.parse(placement.step().lower(*placement.abstract_inputs()).compile().as_text())
-    found = collectives.count_collectives(module)
+    text = placement.step().lower(*placement.abstract_inputs()).compile().as_text()
+    found = collectives.count_collectives(hlo.parse(text))
     microbatch, iterations = 1 * 32 * 64 * 4, 5
+    assert layer_loop.pipeline_iterations(text) == iterations  # the row's compiled_pipeline_iterations
     permutes = [c for c in found if c.kind == "collective-permute"]
     assert permutes and {(c.bytes, c.executions, c.pair_span) for c in permutes} == {(microbatch, iterations, 8)}
     over_data = [c for c in found if c.kind == "all-reduce" and c.group_size == 4]
@@ -302,6 +303,22 @@ def test_pipeline_hands_activations_on_by_collective_permutes_and_reduces_gradie
     assert params <= sum(c.bytes for c in over_data) <= 1.1 * params
     over_stages = [c for c in found if c.kind == "all-reduce" and c.group_size == 2]
     assert {(c.bytes, c.executions) for c in over_stages} == {(microbatch, iterations)}
+
+
+def test_pipeline_keeps_tensor_parallel_weight_gradients_split():
+    """2 stages x data 2 x tensor 2, 2 minibatches: each data-parallel group's weights (and so their gradients) are laid
+    out as the stage's own, split over tensor, so the step gathers no weights: its all-gathers are the loss's few
+    bytes (4 KiB here), under 5% of a device's parameters (when the groups' weights were named only by their group and stage
+    dimensions, XLA gathered every weight gradient whole over tensor, 5.5x the parameters' bytes a step)."""
+    from jaxscale.measure import collectives, hlo
+
+    config = _config((2, 1, 2), "tiny-llama", **PIPELINE, **{"mesh.stage": 2, "mesh.pipeline_microbatches": 4,
+                                                               "model.remat": ("Block",)})  # fmt: skip
+    placement = sharding.placement(config, jax.devices()[:8])
+    text = placement.step().lower(*placement.abstract_inputs()).compile().as_text()
+    gathered = sum(c.bytes * c.executions for c in collectives.count_collectives(hlo.parse(text))
+                   if c.kind == "all-gather")  # fmt: skip
+    assert gathered < 0.05 * sharding.state_bytes_per_device(placement.abstract_inputs()[0])["params"]
 
 
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
