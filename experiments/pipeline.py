@@ -6,24 +6,24 @@ jitted program, their memory per stage and their bubble, beside the layouts with
     python -m jaxscale.sweep --config experiments/pipeline.py:llama3.1-405b --plan --target h100 --devices 512
 
 Every variant: bf16, scanned layers, Block remat (each layer keeps its input), the Pallas flash attention, sequence
-8192, one sequence a microbatch per data-parallel group.
-- llama3.1-8b on 8 H100s, 4 stages x tensor 2 (no_pipeline: FSDP 4 x tensor 2, the batch of m = 8): GPipe with 1, 2,
-  4, 8 and 16 microbatches in flight (one minibatch a
-  step, the batch growing with them), to show what GPipe in one program keeps (every in-flight microbatch's residuals,
-  so the plan grows with m) against the bubble (p - 1)/(m + p - 1) it buys down; and circular with 2 and 4 visits.
+8192, the loss in chunks of 1024 positions, one sequence a microbatch per data-parallel group.
+- llama3.1-8b on 8 H100s, 4 stages x tensor 2: GPipe with 1, 2, 4, 8 and 16 microbatches in flight (one minibatch a
+  step, the batch growing with them), to show what GPipe in one program keeps (every in-flight microbatch's
+  residuals, so the plan grows with m) against the bubble (p - 1)/(m + p - 1) it buys down; circular with 2 and 4
+  visits; and no_pipeline, FSDP 4 x tensor 2 on the batch of m = 8.
 - llama3.1-70b on 64 H100s (8 hosts of 8): Megatron-Bridge's layout (tensor 4 x pipeline 8 x data 2, 128 sequences a
-  step), GPipe and circular with 5 visits (its virtual pipeline 5: 2 layers a visit), 8 microbatches in flight (16
-  minibatches accumulated); tensor 8 x pipeline 8; and FSDP 8 x tensor 8 without a pipeline (no_pipeline, each
-  preset's baseline).
+  step), GPipe and circular with 5 visits (its virtual pipeline 5: 2 layers a visit), 8 microbatches in flight (8
+  minibatches accumulated; 16 without data parallelism); tensor 8 x pipeline 8; and no_pipeline, FSDP 8 x tensor 8.
 - llama3.1-405b on 512 H100s: its 126 layers split evenly into 2 stages only among the divisors of 512 (torchtitan's
-  pipeline 8 splits them unevenly, which this schedule does not): FSDP 32 x tensor 8 x pipeline 2, and FSDP 64 x
-  tensor 8 without a pipeline.
+  pipeline 8 splits them unevenly, which this schedule does not): FSDP 32 x tensor 8 x pipeline 2, and no_pipeline,
+  FSDP 64 x tensor 8.
+BASELINE, each preset's no_pipeline: the same GPUs and batch without a pipeline.
 """
 
 from jaxscale.config import base_config
 
 SEQ_LEN = 8192
-BASELINE = "no_pipeline"  # each preset's layout without a pipeline, on the same GPUs
+BASELINE = "no_pipeline"
 
 
 def get_config(preset=None):
@@ -34,6 +34,9 @@ def get_config(preset=None):
     config.data.seq_len = SEQ_LEN
     config.data.batch_size = 8
     config.train.num_minibatches = 1
+    # the loss a chunk of 1024 positions at a time: the head runs on every stage for every row (outside the pipeline,
+    # docs/mesh.md), and whole float32 logits of 8 sequences would be most of a stage's memory
+    config.train.loss_chunk_len = 1024
     return config
 
 

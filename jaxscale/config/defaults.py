@@ -215,8 +215,9 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = 3  # steps captured with jax.profiler after the timed ones (0 = no trace)
 
-    # The device mesh (jaxscale.train.sharding, docs/mesh.md): data x fsdp x tensor x context x expert x stage must equal
-    # the number of devices (or --devices of a planned target). All 1 is the single-device program, on the first device.
+    # The device mesh (jaxscale.train.sharding, docs/mesh.md): data x fsdp x tensor x context x expert x stage must
+    # equal the number of devices (or --devices of a planned target). All 1 is the single-device program, on the first
+    # device.
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # data parallel: the batch split over this axis, parameters replicated
     c.mesh.fsdp = 1  # sharded data parallel (ZeRO, mesh.zero_stage): the batch split, model state sharded

@@ -308,8 +308,8 @@ def test_pipeline_hands_activations_on_by_collective_permutes_and_reduces_gradie
 def test_pipeline_keeps_tensor_parallel_weight_gradients_split():
     """2 stages x data 2 x tensor 2, 2 minibatches: each data-parallel group's weights (and so their gradients) are laid
     out as the stage's own, split over tensor, so the step gathers no weights: its all-gathers are the loss's few
-    bytes (4 KiB here), under 5% of a device's parameters (when the groups' weights were named only by their group and stage
-    dimensions, XLA gathered every weight gradient whole over tensor, 5.5x the parameters' bytes a step)."""
+    bytes (4 KiB here), under 5% of a device's parameters (when the groups' weights were named only by their group
+    and stage dimensions, XLA gathered every weight gradient whole over tensor, 5.5x the parameters' bytes a step)."""
     from jaxscale.measure import collectives, hlo
 
     config = _config((2, 1, 2), "tiny-llama", **PIPELINE, **{"mesh.stage": 2, "mesh.pipeline_microbatches": 4,
