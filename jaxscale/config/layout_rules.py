@@ -44,8 +44,12 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("embed", STATE_AXES),
     # ... and over fsdp and context where the expert axis is taken: the stacked experts' and the router's embed
     ("embed", ("fsdp", "context")),
-    ("stream_seq", "context"),  # the residual stream's positions (block outputs, norms' inputs, dropout)
-    ("seq", "context"),  # every other activation's positions: context parallelism
+    # the residual stream's positions (block outputs, norms' inputs, dropout), and every other activation's: context
+    # parallelism; and, outside a pipeline's loop (the embedding, the head and the loss, which every stage runs), split
+    # over its stages too (jaxscale.model.pipeline.inner_rules takes "stage" out of them inside the loop)
+    ("stream_seq", ("context", "stage")),
+    ("seq", ("context", "stage")),
+    ("stage_seq", "stage"),  # the positions of a pipeline's finished microbatches, split over its stages
     # the stacked axis of nn.scan: split into the pipeline's stages (jaxscale.model.pipeline), whole without them;
     # "stage" is the pipeline's stage dimension of its activations and of its stage-major parameters
     ("layers", "stage"),
@@ -87,7 +91,7 @@ def table(stage: int, sequence_split: bool, *, params: bool = False) -> tuple:
     if params and stage < 3:
         changes["embed"] = None
     if sequence_split:  # Korthikanti et al. 2022: norms, dropout and residuals split over tensor
-        changes["stream_seq"] = ("context", "tensor")
+        changes["stream_seq"] = ("context", "tensor", "stage")
     return tuple((name, changes.get(name, axes)) for name, axes in RULES)
 
 

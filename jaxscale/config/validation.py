@@ -423,12 +423,14 @@ def _validate_mesh(config: ml_collections.ConfigDict) -> None:
     _check(not config.mesh.sequence_parallel or tensor > 1, "mesh.sequence_parallel",
            "splits the residual stream over the tensor axis: set mesh.tensor > 1, or False")  # fmt: skip
     _validate_context(config, context)
-    seq_split = context * (tensor if config.mesh.sequence_parallel else 1)
+    # outside a pipeline's loop the positions are split over its stages too (jaxscale.config.layout_rules)
+    seq_split = context * (tensor if config.mesh.sequence_parallel else 1) * config.mesh.stage
     _check(
         config.data.seq_len % seq_split == 0,
         "data.seq_len",
         f"{config.data.seq_len} is not divisible by the {seq_split} devices its sequence is split over (mesh.context"
-        f"{' x mesh.tensor with sequence parallelism' if config.mesh.sequence_parallel else ''})",
+        f"{' x mesh.tensor with sequence parallelism' if config.mesh.sequence_parallel else ''}"
+        f"{' x mesh.stage outside the pipeline' if config.mesh.stage > 1 else ''})",
     )
     _check(
         minibatch % (data * fsdp) == 0,

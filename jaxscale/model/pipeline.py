@@ -42,6 +42,29 @@ from jaxscale.model.axes import constrain, mesh_axis_size
 
 STAGE_AXIS = "stage"  # the mesh axis (and the logical name of the stage dimension: jaxscale.config.layout_rules)
 STREAM = ("batch", "stream_seq", "embed")  # a microbatch's activations between layers
+FINISHED = (None, "batch", "stage_seq", "embed")  # the finished microbatches [m, b, T, H]: positions over the stages
+# the logical names that keep the stage axis inside the loop: the stacked layers, the stage dimension, the finished
+PIPELINE_NAMES = ("layers", STAGE_AXIS, "stage_seq")
+
+
+def inner_rules(rules: tuple) -> tuple:
+    """The logical rules inside the pipeline's loop: `rules` with the stage axis taken out of every name but
+    PIPELINE_NAMES. Outside the loop the embedding, the head and the loss split their positions over the stages
+    (jaxscale.config.layout_rules: "seq" and "stream_seq"), so that every stage does 1/p of their work; inside, a
+    stage's activations are whole on the stage axis (its one dimension is the stages').
+
+    Args:
+      rules: a logical-to-mesh rules table (the one in context).
+
+    Returns:
+      The table for the loop.
+    """
+
+    def without(mapped: str | tuple | None) -> str | tuple | None:
+        kept = tuple(a for a in ((mapped,) if isinstance(mapped, str) else mapped or ()) if a != STAGE_AXIS)
+        return kept or None
+
+    return tuple((name, mapped if name in PIPELINE_NAMES else without(mapped)) for name, mapped in rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +238,7 @@ def _loop(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Arra
     def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
         outputs, done = carry  # outputs [p, b, T, H]: each stage's last; done [m, b, T, H]: the last stage's
         j0 = t % m  # stage 0 takes microbatch-visit t: fresh input in repeat 0, the last stage's output after
-        first = jnp.where(t < m, micro[j0], done[j0])
+        first = micro[j0] if v == 1 else jnp.where(t < m, micro[j0], done[j0])
         shifted = jnp.concatenate([outputs[-1:], outputs[:-1]], axis=0)  # stage s - 1's output to stage s
         inputs = jnp.where((stage_ids == 0).reshape(p, *(1,) * len(first.shape)), first[None], shifted)
         inputs = constrain(inputs, (STAGE_AXIS, *STREAM))
@@ -224,9 +247,10 @@ def _loop(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Arra
         valid = (k >= 0) & (k < v * m)
         j = jnp.clip(k, 0, v * m - 1) % m
         kept = jnp.where(valid, outputs[-1], done[j])
-        done = constrain(jax.lax.dynamic_update_index_in_dim(done, kept, j, 0), (None, *STREAM))
+        done = constrain(jax.lax.dynamic_update_index_in_dim(done, kept, j, 0), FINISHED)
         return (outputs, done), None
 
-    start = (constrain(jnp.zeros((p, *micro.shape[1:]), x.dtype), (STAGE_AXIS, *STREAM)), jnp.zeros_like(micro))
+    start = (constrain(jnp.zeros((p, *micro.shape[1:]), x.dtype), (STAGE_AXIS, *STREAM)),
+             constrain(jnp.zeros_like(micro), FINISHED))  # fmt: skip
     (_, done), _ = jax.lax.scan(iteration, start, jnp.arange(schedule.iterations))
     return jnp.swapaxes(done, 0, 1).reshape(batch, *rest)  # rows back in their places

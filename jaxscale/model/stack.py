@@ -115,7 +115,9 @@ class Transformer(nn.Module):
 
     def _pipelined(self, block_cls: type[nn.Module], x: jax.Array, stages: int) -> jax.Array:
         """x [B, T, H] through nn.scan's stacked blocks (the "blocks" params, as the scanned stack holds them) by
-        jaxscale.model.pipeline over `stages` stages: the same function, each stage's layers on its devices."""
+        jaxscale.model.pipeline over `stages` stages: the same function, each stage's layers on its devices. x comes
+        in (and goes out) with its positions split over the stages, as the embedding and the head run; the loop runs
+        with pipeline.inner_rules."""
         cfg = self.config
         microbatches, repeats = cfg.pipeline
         schedule = pipeline.Schedule(stages, microbatches or stages, repeats)
@@ -131,8 +133,9 @@ class Transformer(nn.Module):
         def layer(variables: dict, h: jax.Array) -> jax.Array:
             return block.apply(variables, h, None)[0]
 
-        staged = pipeline.stage_layout(stacked, schedule, names)
-        return pipeline.run(layer, staged, x, schedule, pipeline.device_groups(), names)
+        with nn.logical_axis_rules(pipeline.inner_rules(tuple(nn.get_logical_axis_rules()))):  # the loop's layout
+            staged = pipeline.stage_layout(stacked, schedule, names)
+            return pipeline.run(layer, staged, x, schedule, pipeline.device_groups(), names)
 
 
 def count_params(params) -> int:

@@ -16,7 +16,7 @@ def test_zero_stage_and_sequence_parallelism_change_the_table():
     config.mesh.update(fsdp=2, tensor=2, zero_stage=1, sequence_parallel=True)
     assert layout_rules.mesh_axes("embed", layout_rules.rules(config, params=True)) == ()
     assert layout_rules.mesh_axes("embed", layout_rules.rules(config)) == ("fsdp", "context", "expert")
-    assert layout_rules.mesh_axes("stream_seq", layout_rules.rules(config)) == ("context", "tensor")
+    assert layout_rules.mesh_axes("stream_seq", layout_rules.rules(config)) == ("context", "tensor", "stage")
 
 
 def test_expert_parallelism_splits_the_experts_and_the_batch():
@@ -39,8 +39,8 @@ def test_the_expert_axis_splits_the_model_state_and_the_experts_their_expert_axi
     assert split(("layers", "expert", "embed", "mlp")) == (("stage",), ("expert",), ("fsdp", "context"), ("tensor",))
     assert split(("expert", "mlp", "embed")) == (("expert",), ("tensor",), ("fsdp", "context"))
     assert split(("embed", "expert")) == (("fsdp", "context"), ("expert",))
-    assert split(("batch", "stream_seq", "embed")) == (("data", "fsdp", "expert"), ("context",), ())
-    assert split(("batch", "seq", "expert")) == (("data", "fsdp", "expert"), ("context",), ())
+    assert split(("batch", "stream_seq", "embed")) == (("data", "fsdp", "expert"), ("context", "stage"), ())
+    assert split(("batch", "seq", "expert")) == (("data", "fsdp", "expert"), ("context", "stage"), ())
     assert split(("batch_no_expert", "expert", None, "embed")) == (("data", "fsdp"), ("expert",), (), ())
     assert split((None, "mlp")) == ((), ("tensor",))
     whole = layout_rules.table(1, False, params=True)

@@ -82,3 +82,16 @@ def test_every_row_meets_every_layer_once_and_comes_back_in_its_place():
     assert np.all(np.asarray(counts) == L)
     rows = jnp.arange(B, dtype=jnp.float32).reshape(B, 1, 1)
     np.testing.assert_array_equal(pipeline.run(lambda p, h: h, staged, rows, schedule), rows)
+
+
+def test_inside_the_loop_only_the_pipelines_names_keep_the_stage_axis():
+    """Outside the loop the positions split over the stages too (the head on 1/p of them); inside, only the stacked
+    layers, the stage dimension and the finished microbatches' positions keep it."""
+    from jaxscale.config import layout_rules
+
+    outside = dict(layout_rules.RULES)
+    inside = dict(pipeline.inner_rules(layout_rules.RULES))
+    assert outside["stream_seq"] == outside["seq"] == ("context", "stage")
+    assert inside["stream_seq"] == inside["seq"] == ("context",)
+    assert inside["layers"] == inside["stage"] == inside["stage_seq"] == "stage"
+    assert inside["batch"] == outside["batch"] and inside["embed"] == outside["embed"]

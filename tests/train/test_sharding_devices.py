@@ -279,13 +279,15 @@ def test_pipeline_stages_equal_one_device(mesh, preset, changes):
 
 
 def test_pipeline_hands_activations_on_by_collective_permutes_and_reduces_gradients_once_a_step():
-    """GPipe over 2 stages x data 4, 4 microbatches (5 iterations), one minibatch, float32. Hand counts: a microbatch is
-    one row, 1 x 32 x 64 x 4 = 8192 bytes. The stage hand-offs are collective-permutes of one microbatch each, once an
-    iteration, whose pairs join the two stages (a device and the one 4 places on: the aligned block of 8). The
+    """GPipe over 2 stages x data 4, 4 microbatches (5 iterations), one minibatch, float32. Hand counts: a data group's
+    4 rows are 4 x 32 x 64 x 4 = 32768 bytes, a microbatch one row, 8192. The stage hand-offs are collective-permutes
+    of one microbatch each, once an iteration, whose pairs join the two stages (a device and the one 4 places on:
+    the aligned block of 8). The embedding and the head split their positions over the stages, so the loop's input is
+    gathered over them once, and each finished microbatch goes to them by an all-to-all, once an iteration. The
     all-reduces over the 4 data-parallel devices run once a step and carry each device's share of the parameters
-    (summed from the layout's shards; the tied table's two gradient terms add its 32 KiB again: within 10%), not
-    once an iteration (without per-device groups XLA reduced every iteration's weight gradients: 5x). Over the 2
-    stages, the last stage's output reaches every stage (the head runs on each): all-reduces of one microbatch."""
+    (summed from the layout's shards; the tied table's two gradient terms add its 32 KiB again: within 10%), not once
+    an iteration (without per-device groups XLA reduced every iteration's weight gradients: 5x). Over the 2 stages:
+    the input's cotangent, one microbatch an iteration, and once a step the table's gradient (its two terms)."""
     from jaxscale.measure import collectives, hlo, layer_loop
 
     config = _config((4, 1, 1), "tiny-llama", **PIPELINE, **{"mesh.stage": 2, "mesh.pipeline_microbatches": 4,
@@ -293,23 +295,28 @@ def test_pipeline_hands_activations_on_by_collective_permutes_and_reduces_gradie
     placement = sharding.placement(config, jax.devices()[:8])
     text = placement.step().lower(*placement.abstract_inputs()).compile().as_text()
     found = collectives.count_collectives(hlo.parse(text))
-    microbatch, iterations = 1 * 32 * 64 * 4, 5
+    rows, microbatch, iterations, table = 4 * 32 * 64 * 4, 1 * 32 * 64 * 4, 5, 128 * 64 * 4
     assert layer_loop.pipeline_iterations(text) == iterations  # the row's compiled_pipeline_iterations
-    permutes = [c for c in found if c.kind == "collective-permute"]
-    assert permutes and {(c.bytes, c.executions, c.pair_span) for c in permutes} == {(microbatch, iterations, 8)}
-    over_data = [c for c in found if c.kind == "all-reduce" and c.group_size == 4]
+    kinds = lambda kind, group=None: [c for c in found if c.kind == kind and group in (None, c.group_size)]  # noqa: E731
+    assert {(c.bytes, c.executions, c.pair_span) for c in kinds("collective-permute")} == {
+        (microbatch, iterations, 8)}  # fmt: skip
+    assert {(c.bytes, c.executions, c.group_size) for c in kinds("all-gather")} == {(rows, 1, 2)}
+    assert {(c.bytes, c.executions, c.group_size) for c in kinds("all-to-all")} == {(microbatch, iterations, 2)}
     params = sharding.state_bytes_per_device(placement.abstract_inputs()[0])["params"]
+    over_data = [c for c in kinds("all-reduce", 4) if c.bytes > 4]  # a scalar's 4 bytes: the loss
     assert {c.executions for c in over_data} == {1}
     assert params <= sum(c.bytes for c in over_data) <= 1.1 * params
-    over_stages = [c for c in found if c.kind == "all-reduce" and c.group_size == 2]
-    assert {(c.bytes, c.executions) for c in over_stages} == {(microbatch, iterations)}
+    over_stages = [c for c in kinds("all-reduce", 2) if c.bytes > 4]
+    assert {(c.bytes, c.executions) for c in over_stages if c.executions > 1} == {(microbatch, iterations)}
+    assert 2 * table <= sum(c.bytes for c in over_stages if c.executions == 1) <= 2 * table + 1024
 
 
 def test_pipeline_keeps_tensor_parallel_weight_gradients_split():
     """2 stages x data 2 x tensor 2, 2 minibatches: each data-parallel group's weights (and so their gradients) are laid
-    out as the stage's own, split over tensor, so the step gathers no weights: its all-gathers are the loss's few
-    bytes (4 KiB here), under 5% of a device's parameters (when the groups' weights were named only by their group
-    and stage dimensions, XLA gathered every weight gradient whole over tensor, 5.5x the parameters' bytes a step)."""
+    out as the stage's own, split over tensor, so the step gathers no weights: its all-gathers are the loop's input
+    (positions gathered over the stages) and the loss's few bytes, under half a device's parameters (when the groups'
+    weights were named only by their group and stage dimensions, XLA gathered every weight gradient whole over
+    tensor, 5.5x the parameters' bytes a step)."""
     from jaxscale.measure import collectives, hlo
 
     config = _config((2, 1, 2), "tiny-llama", **PIPELINE, **{"mesh.stage": 2, "mesh.pipeline_microbatches": 4,
@@ -318,7 +325,7 @@ def test_pipeline_keeps_tensor_parallel_weight_gradients_split():
     text = placement.step().lower(*placement.abstract_inputs()).compile().as_text()
     gathered = sum(c.bytes * c.executions for c in collectives.count_collectives(hlo.parse(text))
                    if c.kind == "all-gather")  # fmt: skip
-    assert gathered < 0.05 * sharding.state_bytes_per_device(placement.abstract_inputs()[0])["params"]
+    assert gathered < 0.5 * sharding.state_bytes_per_device(placement.abstract_inputs()[0])["params"]
 
 
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
