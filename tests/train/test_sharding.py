@@ -90,41 +90,43 @@ FS = ("fsdp", "context", "expert")  # the model state's split: context- and expe
 def test_one_table_gives_data_parallel_fsdp_and_tensor_parallel_layouts():
     layout, _ = _layout(_config((2, 2, 2)))
     blocks = ("transformer", "blocks")
-    assert _spec(layout, *blocks, "attn", "qkv", "kernel") == PartitionSpec(None, FS, "tensor", None)
-    assert _spec(layout, *blocks, "attn", "out", "kernel") == PartitionSpec(None, "tensor", None, FS)
-    assert _spec(layout, *blocks, "mlp", "up", "kernel") == PartitionSpec(None, FS, "tensor")
-    assert _spec(layout, *blocks, "mlp", "down", "kernel") == PartitionSpec(None, "tensor", FS)
-    assert _spec(layout, *blocks, "mlp", "up", "bias") == PartitionSpec(None, "tensor")
-    assert _spec(layout, *blocks, "attn", "pre_norm", "scale") == PartitionSpec(None, FS)
+    assert _spec(layout, *blocks, "attn", "qkv", "kernel") == PartitionSpec("stage", FS, "tensor", None)
+    assert _spec(layout, *blocks, "attn", "out", "kernel") == PartitionSpec("stage", "tensor", None, FS)
+    assert _spec(layout, *blocks, "mlp", "up", "kernel") == PartitionSpec("stage", FS, "tensor")
+    assert _spec(layout, *blocks, "mlp", "down", "kernel") == PartitionSpec("stage", "tensor", FS)
+    assert _spec(layout, *blocks, "mlp", "up", "bias") == PartitionSpec("stage", "tensor")
+    assert _spec(layout, *blocks, "attn", "pre_norm", "scale") == PartitionSpec("stage", FS)
     assert _spec(layout, "embed", "embedding") == PartitionSpec("tensor", FS)
     assert _spec(layout, "output", "kernel") == PartitionSpec(FS, "tensor")
     assert _spec(layout, "pos_emb") == PartitionSpec(None, FS)  # "pos" is never split
     # Optimizer moments follow their parameters (ZeRO-3); the batch splits over data x fsdp.
     mu = layout.state.opt_state[0].mu["transformer"]["blocks"]["mlp"]["up"]["kernel"]
-    assert mu.spec == PartitionSpec(None, FS, "tensor")
-    # rows over data x fsdp x expert (the expert axis, 1 here, splits the batch too); positions: context parallel
-    assert layout.batch.inputs.spec == PartitionSpec(("data", "fsdp", "expert"), "context")
+    assert mu.spec == PartitionSpec("stage", FS, "tensor")
+    # rows over data x fsdp x expert (the expert axis, 1 here, splits the batch too); positions: context parallel, and
+    # split over a pipeline's stages (1 here) outside its loop
+    assert layout.batch.inputs.spec == PartitionSpec(("data", "fsdp", "expert"), ("context", "stage"))
     assert layout.state.step.spec == PartitionSpec()
 
 
 def test_the_same_table_splits_the_llamas_parameters():
     """Llama: q by heads, grouped k and v by K/V heads, SwiGLU's gate and up by width, every embed axis by
-    the state axes (fsdp x context x expert), the tied embedding by vocabulary; the stacked layer axis never."""
+    the state axes (fsdp x context x expert), the tied embedding by vocabulary; the stacked layer axis only over a
+    pipeline's stages (1 here)."""
     layout, _ = _layout(_config((2, 2, 2), preset="tiny-llama"))
     blocks = ("transformer", "blocks")
-    assert _spec(layout, *blocks, "attn", "q", "kernel") == PartitionSpec(None, FS, "tensor", None)
+    assert _spec(layout, *blocks, "attn", "q", "kernel") == PartitionSpec("stage", FS, "tensor", None)
     for name in ("k", "v"):
-        assert _spec(layout, *blocks, "attn", name, "kernel") == PartitionSpec(None, FS, "tensor", None)
-    assert _spec(layout, *blocks, "attn", "out", "kernel") == PartitionSpec(None, "tensor", None, FS)
+        assert _spec(layout, *blocks, "attn", name, "kernel") == PartitionSpec("stage", FS, "tensor", None)
+    assert _spec(layout, *blocks, "attn", "out", "kernel") == PartitionSpec("stage", "tensor", None, FS)
     for name in ("gate", "up"):
-        assert _spec(layout, *blocks, "mlp", name, "kernel") == PartitionSpec(None, FS, "tensor")
-    assert _spec(layout, *blocks, "mlp", "down", "kernel") == PartitionSpec(None, "tensor", FS)
-    assert _spec(layout, *blocks, "mlp", "pre_norm", "scale") == PartitionSpec(None, FS)
+        assert _spec(layout, *blocks, "mlp", name, "kernel") == PartitionSpec("stage", FS, "tensor")
+    assert _spec(layout, *blocks, "mlp", "down", "kernel") == PartitionSpec("stage", "tensor", FS)
+    assert _spec(layout, *blocks, "mlp", "pre_norm", "scale") == PartitionSpec("stage", FS)
     assert _spec(layout, "embed", "embedding") == PartitionSpec("tensor", FS)
     assert _spec(layout, "post_norm", "scale") == PartitionSpec(FS)
     assert "output" not in layout.state.params  # tied
     nu = layout.state.opt_state[0].nu["transformer"]["blocks"]["attn"]["k"]["kernel"]
-    assert nu.spec == PartitionSpec(None, FS, "tensor", None)
+    assert nu.spec == PartitionSpec("stage", FS, "tensor", None)
 
 
 MESHES = {

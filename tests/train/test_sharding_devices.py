@@ -410,7 +410,7 @@ def test_zero_stages_1_and_2_split_the_adam_state_and_keep_the_parameters_whole(
     grads = placement.layout.grads
     kernel = ("transformer", "blocks", "mlp", "up", "kernel")  # [L, H, F]: (layers, embed, mlp)
     spec = functools.reduce(lambda node, key: node[key], kernel, grads).spec
-    assert tuple(spec) == (None, ("fsdp", "context", "expert"), "tensor")
+    assert tuple(spec) == ("stage", ("fsdp", "context", "expert"), "tensor")  # layers over a pipeline's stages (1)
 
 
 @pytest.mark.slow
