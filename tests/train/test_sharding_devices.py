@@ -923,8 +923,9 @@ def _assert_int8_state_split_like_its_parameters(state, config, stage: int, devi
     moment = adam.mu["transformer"]["blocks"]["mlp"]["up"]["kernel"]
     param = state.params["transformer"]["blocks"]["mlp"]["up"]["kernel"]
     assert moment.codes.dtype == jnp.uint8 and moment.codes.shape == param.shape
-    assert tuple(moment.codes.sharding.spec) == (None, ("fsdp", "context", "expert"), "tensor")  # [layers, embed, mlp]
-    assert tuple(param.sharding.spec) == tuple(moment.codes.sharding.spec if stage == 3 else (None, None, "tensor"))
+    # [layers, embed, mlp]: layers over a pipeline's stages (1 here)
+    assert tuple(moment.codes.sharding.spec) == ("stage", ("fsdp", "context", "expert"), "tensor")
+    assert tuple(param.sharding.spec) == tuple(moment.codes.sharding.spec if stage == 3 else ("stage", None, "tensor"))
     analytic = memory.optimizer_state_bytes(RunSpec.from_config(config))
     assert _bytes_per_device((adam.mu, adam.nu)) == {device.id: analytic for device in devices}
     whole = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves((adam.mu, adam.nu)))
