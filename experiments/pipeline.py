@@ -11,9 +11,10 @@ Every variant: bf16, scanned layers, Block remat (each layer keeps its input), t
   step, the batch growing with them), to show what GPipe in one program keeps (every in-flight microbatch's
   residuals, so the plan grows with m) against the bubble (p - 1)/(m + p - 1) it buys down; circular with 2 and 4
   visits; and no_pipeline, FSDP 4 x tensor 2 on the batch of m = 8.
-- llama3.1-70b on 64 H100s (8 hosts of 8): Megatron-Bridge's layout (tensor 4 x pipeline 8 x data 2, 128 sequences a
-  step), GPipe and circular with 5 visits (its virtual pipeline 5: 2 layers a visit), 8 microbatches in flight (8
-  minibatches accumulated; 16 without data parallelism); tensor 8 x pipeline 8; and no_pipeline, FSDP 8 x tensor 8.
+- llama3.1-70b on 64 H100s (8 hosts of 8): Megatron-Bridge's layout (tensor 4 x pipeline 8 x data 2 with its
+  distributed optimizer, ZeRO-1 over the 2; 128 sequences a step), GPipe and circular with 5 visits (its virtual
+  pipeline 5: 2 layers a visit), 8 microbatches in flight (8 minibatches accumulated; 16 without data parallelism);
+  tensor 8 x pipeline 8; and no_pipeline, FSDP 8 x tensor 8.
 - llama3.1-405b on 512 H100s: its 126 layers split evenly into 2 stages only among the divisors of 512 (torchtitan's
   pipeline 8 splits them unevenly, which this schedule does not): FSDP 32 x tensor 8 x pipeline 2, and no_pipeline,
   FSDP 64 x tensor 8.
@@ -40,11 +41,12 @@ def get_config(preset=None):
     return config
 
 
-def _pipeline(name, stage, microbatches, repeats=1, data=1, fsdp=1, tensor=1, minibatches=1):
+def _pipeline(name, stage, microbatches, repeats=1, data=1, fsdp=1, tensor=1, minibatches=1, zero_stage=3):
     """A variant: mesh data x fsdp x tensor x stage, `microbatches` of one sequence per data x fsdp group in flight,
     `minibatches` of them accumulated a step."""
     return {
         "name": name, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "mesh.stage": stage,
+        "mesh.zero_stage": zero_stage,
         "mesh.pipeline_microbatches": microbatches, "mesh.pipeline_repeats": repeats,
         "train.num_minibatches": minibatches, "data.batch_size": microbatches * minibatches * data * fsdp,
     }  # fmt: skip
@@ -58,8 +60,9 @@ def get_variants(config):
         return [plain, *gpipe, *circular]
     if config.preset == "llama3.1-70b":
         return [
-            _pipeline("pp8_tp4_dp2_m8", 8, 8, data=2, tensor=4, minibatches=8),
-            _pipeline("pp8v5_tp4_dp2_m8", 8, 8, 5, data=2, tensor=4, minibatches=8),
+            # Megatron's distributed optimizer: the Adam state split over the 2 data-parallel groups (ZeRO-1)
+            _pipeline("pp8_tp4_zero1x2_m8", 8, 8, fsdp=2, tensor=4, minibatches=8, zero_stage=1),
+            _pipeline("pp8v5_tp4_zero1x2_m8", 8, 8, 5, fsdp=2, tensor=4, minibatches=8, zero_stage=1),
             _pipeline("pp8v5_tp8_m8", 8, 8, 5, tensor=8, minibatches=16),
             {"name": BASELINE, "mesh.fsdp": 8, "mesh.tensor": 8, "train.num_minibatches": 16,
              "data.batch_size": 128},  # FSDP 8 x tensor 8, the same 128 sequences a step; fmt: skip

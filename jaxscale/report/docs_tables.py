@@ -21,6 +21,7 @@ from jaxscale.report import (
     mesh_tables,
     models_tables,
     moe_tables,
+    pipeline_tables,
     predict_tables,
     published_memory,
 )
@@ -73,6 +74,8 @@ _LAYOUTS_8 = _sweep("layouts_llama3.1-8b_plan_h100_triton_x8", "experiments/layo
 _LAYOUTS_64 = _sweep("layouts_x64_llama3.1-8b_plan_h100_triton_x64", "experiments/layouts_x64.py:llama3.1-8b")
 _PUBLISHED = (f"{RESULTS}/published/results.jsonl", "experiments/published_runs.json")
 _LONG = _sweep("long_context_llama3.1-8b_plan_h100_triton_x8", "experiments/long_context.py:llama3.1-8b")
+_PIPELINE = {gpus: _sweep(f"pipeline_{preset}_plan_h100_cublas_x{gpus}", f"experiments/pipeline.py:{preset}")
+             for preset, gpus in (("llama3.1-8b", 8), ("llama3.1-70b", 64), ("llama3.1-405b", 512))}  # fmt: skip
 
 
 def _fits(*names: str) -> tuple[str, ...]:
@@ -103,6 +106,9 @@ TABLES: tuple[DocTable, ...] = (
     DocTable("layout-answers", "docs/mesh.md", (*_LAYOUTS_8, *_LAYOUTS_64), mesh_tables.layout_answers_table),
     DocTable("long-context", "docs/mesh.md", _LONG, mesh_tables.long_context_table),
     DocTable("long-context-answers", "docs/mesh.md", _LONG, mesh_tables.long_context_answers_table),
+    *(DocTable(f"pipeline-{gpus}xh100", "docs/mesh.md", sources, pipeline_tables.pipeline_table)
+      for gpus, sources in _PIPELINE.items()),  # fmt: skip
+    DocTable("pipeline-schedules-64xh100", "docs/mesh.md", _PIPELINE[64], pipeline_tables.schedules_table),
     DocTable("mesh-cpu", "docs/mesh.md", _sweep("mesh_cpu", "experiments/mesh.py:cpu"), mesh_tables.cpu_mesh_table),
     DocTable("mesh-a5000", "docs/mesh.md", _sweep("mesh_seed_plan_a5000_x8", "experiments/mesh.py:seed"),
              mesh_tables.gpu_mesh_table),  # fmt: skip
