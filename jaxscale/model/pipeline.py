@@ -108,13 +108,55 @@ def stage_layout(stacked: Any, schedule: Schedule, names: Any | None = None) -> 
 
     def relayout(x: jax.Array, leaf_names: tuple | None) -> jax.Array:
         n = x.shape[0] // (p * v)
-        x = jnp.swapaxes(x.reshape(v, p, n, *x.shape[1:]), 0, 1)  # [p, v, n, ...]
-        tail = (None,) * (x.ndim - 3) if leaf_names is None else tuple(leaf_names)
+        tail = (None,) * (x.ndim - 1) if leaf_names is None else tuple(leaf_names)
+        if v > 1 and mesh_axis_size(STAGE_AXIS) == p:
+            x = stage_major(x, p, v, tuple(nn.logical_to_mesh_axes(("layers", *tail)))[1:])
+        else:  # GPipe: a reshape of each stage's own block; without a mesh, the same order
+            x = jnp.swapaxes(x.reshape(v, p, n, *x.shape[1:]), 0, 1)  # [p, v, n, ...]
         return constrain(x, (STAGE_AXIS, None, None, *tail))
 
     if names is None:
         return jax.tree_util.tree_map(lambda x: relayout(x, None), stacked)
     return jax.tree_util.tree_map(lambda n, x: relayout(x, n), names, stacked, is_leaf=is_names)
+
+
+def stage_major(x: jax.Array, p: int, v: int, tail: tuple) -> jax.Array:
+    """[L, ...] split over the stage axis in contiguous blocks (device d: layers d·v·n to (d+1)·v·n - 1) -> the circular
+    schedule's [p, v, n, ...] (device s: layers r·p·n + s·n + i), by one all-to-all over the stage axis.
+
+    Device d's block r' (of v) holds layers q·n to q·n + n - 1 with q = d·v + r', which stage s = q mod p needs as its
+    visit r = q div p. Each device sends every other ceil(v/p) slots of blocks (zeros where it has fewer for that stage)
+    in a `jax.lax.all_to_all` inside a `jax.shard_map` over every mesh axis (each device its own shard of the other
+    dimensions, `tail`'s layout), and each stage takes its v blocks from what it received: the weights cross the links
+    once, where the partitioner's own reshape of the sharded [L] into [v, p, n] all-gathered every stage's weights onto
+    every device.
+
+    Args:
+      x: [L, ...], L = p·v·n, its first dimension split over the stage axis.
+      p: stages (the stage axis's size in the mesh in context).
+      v: visits of each stage.
+      tail: the mesh axes of x's other dimensions (a PartitionSpec's entries), kept.
+
+    Returns:
+      [p, v, n, ...], its first dimension split over the stage axis.
+    """
+    n, k = x.shape[0] // (p * v), -(-v // p)  # layers a block; slots a device sends each stage
+
+    def local(block: jax.Array) -> jax.Array:  # [v·n, ...] -> [1, v, n, ...]
+        d = jax.lax.axis_index(STAGE_AXIS)
+        blocks = block.reshape(v, n, *block.shape[1:])  # [v, n, ...]: r' = q - d·v
+        first = (jnp.arange(p) - d * v) % p  # [p]: the first of d's blocks that stage s needs
+        wanted = first[:, None] + p * jnp.arange(k)[None, :]  # [p, k]: d's blocks for s, every p-th
+        sent = jnp.take(blocks, jnp.minimum(wanted, v - 1), axis=0)  # [p, k, n, ...]
+        sent = jnp.where((wanted < v).reshape(p, k, *(1,) * (blocks.ndim - 1)), sent, 0)
+        got = jax.lax.all_to_all(sent, STAGE_AXIS, 0, 0, tiled=True)  # [p (sender), k, n, ...]
+        q = jnp.arange(v) * p + d  # [v]: this stage's visit r holds blocks q = r·p + s
+        source = q // v
+        slot = (q % v - (d - source * v) % p) // p
+        return got[source, slot][None]  # [1, v, n, ...]
+
+    spec, out = jax.sharding.PartitionSpec(STAGE_AXIS, *tail), jax.sharding.PartitionSpec(STAGE_AXIS, None, None, *tail)
+    return jax.shard_map(local, in_specs=spec, out_specs=out, check_vma=False)(x)
 
 
 def is_names(x: Any) -> bool:
