@@ -311,6 +311,30 @@ def test_pipeline_hands_activations_on_by_collective_permutes_and_reduces_gradie
     assert 2 * table <= sum(c.bytes for c in over_stages if c.executions == 1) <= 2 * table + 1024
 
 
+@pytest.mark.parametrize("visits", [2, 3, 5])
+def test_circular_weights_reach_their_stages_by_one_all_to_all(visits):
+    """pipeline.stage_major on 4 stages x tensor 2: a stack [L, 6, 4] split over the stages in contiguous blocks (and
+    over tensor on its last dimension) comes out as the one-device reshape [L] -> [v, p, n] -> [p, v, n] gives it,
+    with v = 2 (v < p), 3 (neither divides the other) and 5 (Megatron's virtual pipeline 5 on 8 stages, here 4);
+    compiled, its only collective is one all-to-all."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxscale.measure import collectives, hlo
+    from jaxscale.model import pipeline
+
+    p, n = 4, 2
+    layers = p * visits * n
+    mesh = Mesh(np.array(jax.devices()).reshape(p, 2), ("stage", "tensor"))
+    stack = jnp.arange(layers * 6 * 4, dtype=jnp.float32).reshape(layers, 6, 4)
+    want = np.swapaxes(np.asarray(stack).reshape(visits, p, n, 6, 4), 0, 1)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(stack, NamedSharding(mesh, PartitionSpec("stage", None, "tensor")))
+        fn = jax.jit(lambda x: pipeline.stage_major(x, p, visits, (None, "tensor")))
+        np.testing.assert_array_equal(np.asarray(fn(placed)), want)
+        text = fn.lower(placed).compile().as_text()
+    assert [c.kind for c in collectives.count_collectives(hlo.parse(text))] == ["all-to-all"]
+
+
 def test_pipeline_keeps_tensor_parallel_weight_gradients_split():
     """2 stages x data 2 x tensor 2, 2 minibatches: each data-parallel group's weights (and so their gradients) are laid
     out as the stage's own, split over tensor, so the step gathers no weights: its all-gathers are the loop's input
