@@ -42,12 +42,17 @@ def test_each_lab_configuration_validates_and_lays_out_the_published_gpus(run):
     assert lab["target"] in targets.TARGETS and lab["devices"] == run["n_gpus"]
     assert mesh_shape(config).devices == run["n_gpus"]
     assert config.data.seq_len == run["seq_len"]
-    # the published batch: sequences per GPU x accumulation x data-parallel ranks (GPUs over tensor x context groups,
-    # whose GPUs share their sequences)
-    groups = max(1, run["layout"].get("tp") or 1) * max(1, run["layout"].get("cp") or 1)
+    # the published batch: sequences per GPU x accumulation x data-parallel ranks (GPUs over tensor x context x
+    # pipeline groups, whose GPUs share their sequences)
+    stages = run["layout"].get("pp") or 1
+    groups = max(1, run["layout"].get("tp") or 1) * max(1, run["layout"].get("cp") or 1) * stages
     per_step = run["per_gpu_batch"] * (run["grad_accum"] or 1) * run["n_gpus"] // groups
     assert config.data.batch_size == run["global_batch"] == per_step, run["id"]
-    assert config.train.num_minibatches == (run["grad_accum"] or 1)
+    if stages == 1:
+        assert config.train.num_minibatches == (run["grad_accum"] or 1)
+    else:  # a pipeline's accumulation is its microbatches, which the lab splits as minibatches x microbatches in
+        # flight (its GPipe / circular program holds every one in flight): each run's differences say how
+        assert any("microbatches" in difference for difference in lab["differences"]), run["id"]
 
 
 def test_the_published_step_follows_from_what_was_published():
