@@ -75,8 +75,12 @@ def _per_gpu_sequence(published: dict) -> int:
 
 
 def framework_accounting(published: dict, row: dict) -> Accounting | None:
-    """The run's framework's own bytes a GPU (the module's docstring), or None for a framework without one here."""
+    """The run's framework's own bytes a GPU (the module's docstring), or None for a framework without one here, and
+    for a pipeline-parallel run (layout pp > 1): the formulas above are written for pipeline parallel 1 (every GPU
+    holds every layer), and Megatron's pipeline terms (a stage's layers, its in-flight microbatches) are not built."""
     layout, n = published["layout"], published["n_gpus"]
+    if (layout.get("pp") or 1) > 1:
+        return None
     params, experts = row["params"], _expert_params(row)
     expert_axis = layout.get("ep") or 1
     local = params - experts + experts / expert_axis  # the parameters a GPU holds
