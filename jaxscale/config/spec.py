@@ -343,6 +343,8 @@ class RunSpec:
     bf16_rounding: str  # optimizer.bf16_rounding where model.param_dtype is bfloat16, "" for float32 weights
     in_backward: bool  # optimizer.in_backward: each layer updated inside the backward pass (no whole gradient)
     tokens_per_step: int  # tokens one optimizer step trains on (tokens_per_step)
+    pipeline_microbatches: int  # mesh.pipeline_microbatches resolved (0: mesh.stage), 1 without a pipeline
+    pipeline_repeats: int  # mesh.pipeline_repeats (visits of each stage), 1 without a pipeline
     finetune: FinetuneSpec  # what trains, what the backward pass goes through, how the frozen rest is stored
 
     @classmethod
@@ -355,6 +357,7 @@ class RunSpec:
         Returns:
           The run's view.
         """
+        stages = config.mesh.stage
         return cls(
             model=ModelConfig.from_config(config.model),
             mesh=mesh_shape(config),
@@ -375,6 +378,8 @@ class RunSpec:
             bf16_rounding=config.optimizer.bf16_rounding if config.model.param_dtype == "bfloat16" else "",
             in_backward=config.optimizer.in_backward,
             tokens_per_step=tokens_per_step(config),
+            pipeline_microbatches=(config.mesh.pipeline_microbatches or stages) if stages > 1 else 1,
+            pipeline_repeats=config.mesh.pipeline_repeats if stages > 1 else 1,
             finetune=FinetuneSpec.from_config(config),
         )
 

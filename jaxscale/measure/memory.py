@@ -357,7 +357,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         (scanned layers write their gradients into a stacked buffer allocated before the backward loop);
         split like the optimizer state at every ZeRO stage (the step constrains them so: reduce-scatters), and
         whole where the step accumulates them on each device (accumulates_locally).
-      activations: L × per-layer bytes (layer_activation_bytes) + one recomputed unit + head_residuals,
+      activations: L × per-layer bytes (layer_activation_bytes) + one recomputed unit + head_residuals (with a
+        pipeline of p stages, m microbatches and v visits: L x (v·m + p - 1)/(p·v·m) layers' and 1/p of the head's),
         for the minibatch's share of this device (/ data·fsdp·expert, and the sequence / context) with
         tensor-parallel terms split (Dims.t), and every term under sequence parallelism (Dims.sp);
         with accumulate='loop' every minibatch's activations, as both XLA backends schedule the unrolled
@@ -393,7 +394,14 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         dense = layer_activation_bytes(dataclasses.replace(d, moe=None), tuple(m.remat), m.remat_policy, m.scan_layers)
         working = max(working, dense[1])
     per_minibatch = (blocks - dense_blocks) * layer + dense_blocks * (dense[0] if dense_blocks else 0)
-    per_minibatch += sum(head_residuals(d, causal_mask).values())
+    head = sum(head_residuals(d, causal_mask).values())
+    if run.mesh.stage > 1:  # a pipeline (jaxscale.model.pipeline): a stage keeps its L/(p·v) layers' residuals of one
+        # microbatch (1/m of the minibatch) in each of the loop's v·m + p - 1 iterations; the head runs on 1/p of the
+        # positions
+        p, m_, v = run.mesh.stage, run.pipeline_microbatches, run.pipeline_repeats
+        per_minibatch = per_minibatch * (v * m_ + p - 1) // (p * v * m_)
+        head //= p
+    per_minibatch += head
     live = run.num_minibatches if run.accumulate == "loop" else 1
     # Under FSDP one layer's weights are gathered whole with their whole gradient (_gathered_layer_bytes, 4 + 4
     # bytes a trained parameter); at ZeRO stage 2 the weights are whole already and only one layer's whole
