@@ -14,10 +14,34 @@ from jaxscale.train import loop as train_loop
 def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.3f} GiB"
 
+
 def _cache_text(row: dict) -> str:
     if row.get("compile_cache_hit"):
         return f" (from the compilation cache; it saved {row['compile_cache_saved_s']:.1f} s)"
     return "" if row.get("compile_cache_hit") is None else " (compiled: not in the compilation cache)"
+
+
+def pipeline_schedule(row: dict) -> tuple[int, int, int] | None:
+    """(stages p, microbatches m, visits v) of a row's pipeline (its config columns), None without one."""
+    stages = int(row.get("config.mesh.stage") or 1)
+    if stages == 1:
+        return None
+    microbatches = int(row.get("config.mesh.pipeline_microbatches") or 0) or stages
+    return stages, microbatches, int(row.get("config.mesh.pipeline_repeats") or 1)
+
+
+def pipeline_line(row: dict) -> str | None:
+    """The summary's pipeline line: its schedule, the compiled loop's iterations and the bubble they leave."""
+    found = pipeline_schedule(row)
+    if found is None:
+        return None
+    (p, m, v), iterations = found, row.get("compiled_pipeline_iterations")
+    name = "GPipe" if v == 1 else f"circular, {v} visits a stage"
+    loop = "loop iterations not read" if not iterations else (
+        f"{iterations} loop iterations in the compiled program, bubble {(iterations - v * m) / iterations:.1%} of the "
+        "stages' layer work")  # fmt: skip
+    return f"  pipeline: {p} stages, {name}, {m} microbatches in flight: {loop}"
+
 
 def summary(row: dict) -> str:
     """A short human-readable account of a result row."""
@@ -29,10 +53,13 @@ def summary(row: dict) -> str:
         )
         lines += [line for line in [finetune.summary_line(row)] if line]  # what trains (and what is frozen)
         if row.get("grad_accumulation"):
-            where = {"in_backward": "each layer's gradient added into the accumulator inside the backward pass",
-                     "after_backward": "each minibatch's whole gradient made, then added"}[row["grad_accumulation"]]
+            where = {
+                "in_backward": "each layer's gradient added into the accumulator inside the backward pass",
+                "after_backward": "each minibatch's whole gradient made, then added",
+            }[row["grad_accumulation"]]
             lines.append(f"  accumulation: {row['config.train.num_minibatches']} minibatches, {where} "
                          f"(train.grad_accumulation={row['config.train.grad_accumulation']})")  # fmt: skip
+        lines += [line for line in [pipeline_line(row)] if line]
         lines.append(
             f"  compiled plan ({row['compiled_backend']}): peak {_gib(row['compiled_peak_bytes'])} = "
             f"args {_gib(row['compiled_argument_bytes'])} + out {_gib(row['compiled_output_bytes'])} - "

@@ -217,3 +217,17 @@ def test_a_plan_only_row_has_no_device_peak_even_where_the_allocator_has_one(mon
     row = run.run(load_config("bf16_remat"), tmp_path / "plan", "plan", plan_only=True, progress=False)
     assert row["status"] == "ok" and row["plan_only"] is True
     assert row["device_peak_bytes"] is None and row["device_peak_note"] == "plan only: no step ran on the device"
+
+
+def test_the_summary_names_a_pipelines_schedule_and_its_compiled_bubble():
+    """A row with 4 stages, 8 microbatches in flight and the compiled loop's 11 iterations: 3 of 11 idle (hand count);
+    circular with 2 visits and 19 iterations: 3 of 19; no line without a pipeline."""
+    from jaxscale.run_summary import pipeline_line
+
+    row = {"config.mesh.stage": 4, "config.mesh.pipeline_microbatches": 8, "config.mesh.pipeline_repeats": 1,
+           "compiled_pipeline_iterations": 11}  # fmt: skip
+    assert pipeline_line(row) == ("  pipeline: 4 stages, GPipe, 8 microbatches in flight: 11 loop iterations in the "
+                                  "compiled program, bubble 27.3% of the stages' layer work")  # fmt: skip
+    circular = {**row, "config.mesh.pipeline_repeats": 2, "compiled_pipeline_iterations": 19}
+    assert "circular, 2 visits a stage" in pipeline_line(circular) and f"bubble {3 / 19:.1%}" in pipeline_line(circular)
+    assert pipeline_line({"config.mesh.stage": 1}) is None

@@ -7,18 +7,10 @@ import pathlib
 
 from jaxscale.plan.pipeline_schedules import AnalyticSchedule
 from jaxscale.report.mesh_tables import GIB, _fits, _num, _per_gpu, markdown, sweep_rows
+from jaxscale.run_summary import pipeline_schedule
 
 GB = 1e9
 _KINDS = ("collective_permute", "all_to_all", "all_reduce", "all_gather")  # the table's collective columns, in order
-
-
-def _schedule(row: dict) -> tuple[int, int, int] | None:
-    """(stages p, microbatches m, visits v) of a row's pipeline, None without one."""
-    stages = int(row.get("config.mesh.stage") or 1)
-    if stages == 1:
-        return None
-    microbatches = int(row.get("config.mesh.pipeline_microbatches") or 0) or stages
-    return stages, microbatches, int(row.get("config.mesh.pipeline_repeats") or 1)
 
 
 def _bytes(row: dict, kind: str) -> float:
@@ -31,7 +23,7 @@ def pipeline_table(rows: pathlib.Path, sweep: str) -> str:
     step per GPU), the predicted step (its matmul seconds include the bubble's iterations) and tokens/s per GPU."""
     cells = []
     for row in sweep_rows(rows, sweep):
-        found = _schedule(row)
+        found = pipeline_schedule(row)
         iterations = row.get("compiled_pipeline_iterations")
         if found:
             p, m, v = found
@@ -60,7 +52,7 @@ def schedules_table(rows: pathlib.Path, sweep: str) -> str:
     program keeps (Block remat: each layer's input, every iteration's)."""
     cells = []
     for row in sweep_rows(rows, sweep):
-        found = _schedule(row)
+        found = pipeline_schedule(row)
         if not found:
             continue
         p, m, v = found
