@@ -236,6 +236,10 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.mesh.stage = 1  # pipeline stages: the layer stack split over this axis, microbatches streamed through it
     c.mesh.pipeline_microbatches = 0  # microbatches in flight per minibatch (0: mesh.stage)
     c.mesh.pipeline_repeats = 1  # 1: GPipe; v > 1: circular (interleaved) with v visits of each stage
+    # with FSDP (ZeRO-3) inside a pipeline: gather each stage's weights once a pass over the minibatch, and
+    # reduce-scatter their gradients once, instead of in every iteration (MaxText's pipeline_fsdp_ag_once); the
+    # stage's weights are then held whole (over fsdp) for the pass
+    c.mesh.pipeline_gather_once = False
 
     for group, values in all_presets()[preset].items():
         c[group].update(values)

@@ -69,9 +69,9 @@ class ModelConfig:
     fp8: str = "none"
     fp8_targets: tuple[str, ...] = ("attention", "mlp")
     fp8_amax_history: int = 1024
-    # the pipeline's (microbatches, repeats), from the mesh group (step_model; jaxscale.model.pipeline): not a
-    # field of the `model` group
-    pipeline: tuple[int, int] = dataclasses.field(default=(0, 1), metadata={"from_mesh": True})
+    # the pipeline's (microbatches, repeats, gather_once), from the mesh group (step_model; jaxscale.model.pipeline):
+    # not a field of the `model` group
+    pipeline: tuple[int, int, bool] = dataclasses.field(default=(0, 1, False), metadata={"from_mesh": True})
 
     @property
     def num_heads(self) -> int:
@@ -301,7 +301,8 @@ def step_model(config: ml_collections.ConfigDict) -> ModelConfig:
     if mesh.batch_split * mesh.context == 1:
         model = dataclasses.replace(model, reduce_dtype="compute")
     if mesh.stage > 1:
-        model = dataclasses.replace(model, pipeline=(config.mesh.pipeline_microbatches, config.mesh.pipeline_repeats))
+        pipeline = (config.mesh.pipeline_microbatches, config.mesh.pipeline_repeats, config.mesh.pipeline_gather_once)
+        model = dataclasses.replace(model, pipeline=pipeline)
     return model
 
 

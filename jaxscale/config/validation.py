@@ -214,6 +214,8 @@ def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
     _non_negative_int(mesh.pipeline_microbatches, "mesh.pipeline_microbatches")
     _check(isinstance(mesh.pipeline_repeats, int) and mesh.pipeline_repeats >= 1, "mesh.pipeline_repeats",
            f"must be an integer >= 1 (1: GPipe), got {mesh.pipeline_repeats!r}")  # fmt: skip
+    _check(isinstance(mesh.pipeline_gather_once, bool), "mesh.pipeline_gather_once",
+           f"must be True or False, got {mesh.pipeline_gather_once!r}")  # fmt: skip
     stages = mesh.stage
     if stages == 1:
         return

@@ -38,6 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxscale.config.layout_rules import STATE_AXES
 from jaxscale.model.axes import constrain, mesh_axis_size
 
 STAGE_AXIS = "stage"  # the mesh axis (and the logical name of the stage dimension: jaxscale.config.layout_rules)
@@ -65,6 +66,25 @@ def inner_rules(rules: tuple) -> tuple:
         return kept or None
 
     return tuple((name, mapped if name in PIPELINE_NAMES else without(mapped)) for name, mapped in rules)
+
+
+def gathered_rules(rules: tuple) -> tuple:
+    """`rules` with the model state's axes (layout_rules.STATE_AXES) taken out of "embed": the weights whole over them,
+    as FSDP gathers them; inside the pipeline (mesh.pipeline_gather_once), so a stage's weights are gathered once a
+    pass and their gradients reduce-scattered once, and the pipeline's per-device groups (`device_groups`) take every
+    axis that splits the batch.
+
+    Args:
+      rules: a logical-to-mesh rules table (the loop's, `inner_rules`).
+
+    Returns:
+      The table with "embed" whole on the state axes.
+    """
+    def whole(mapped: str | tuple | None) -> str | tuple | None:
+        kept = tuple(a for a in ((mapped,) if isinstance(mapped, str) else mapped or ()) if a not in STATE_AXES)
+        return kept or None
+
+    return tuple((name, whole(mapped) if name == "embed" else mapped) for name, mapped in rules)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,7 +119,7 @@ class Transformer(nn.Module):
         in (and goes out) with its positions split over the stages, as the embedding and the head run; the loop runs
         with pipeline.inner_rules."""
         cfg = self.config
-        microbatches, repeats = cfg.pipeline
+        microbatches, repeats, gather_once = cfg.pipeline
         schedule = pipeline.Schedule(stages, microbatches or stages, repeats)
         stacked = {col: tree["blocks"] for col, tree in self.variables.items() if "blocks" in tree}
         block = block_cls(cfg, self.train, parent=None)  # unbound: applied to each layer's variables
@@ -133,7 +133,8 @@ class Transformer(nn.Module):
         def layer(variables: dict, h: jax.Array) -> jax.Array:
             return block.apply(variables, h, None)[0]
 
-        with nn.logical_axis_rules(pipeline.inner_rules(tuple(nn.get_logical_axis_rules()))):  # the loop's layout
+        rules = pipeline.inner_rules(tuple(nn.get_logical_axis_rules()))
+        with nn.logical_axis_rules(pipeline.gathered_rules(rules) if gather_once else rules):  # the loop's layout
             staged = pipeline.stage_layout(stacked, schedule, names)
             return pipeline.run(layer, staged, x, schedule, pipeline.device_groups(), names)
 

@@ -311,6 +311,27 @@ def test_pipeline_hands_activations_on_by_collective_permutes_and_reduces_gradie
     assert 2 * table <= sum(c.bytes for c in over_stages if c.executions == 1) <= 2 * table + 1024
 
 
+def test_fsdp_in_a_pipeline_gathers_each_weight_once_a_pass_with_pipeline_gather_once():
+    """2 stages x FSDP 4, GPipe with 4 microbatches (5 iterations), one minibatch: by default each stage's weights are
+    all-gathered over fsdp in every iteration (inside the loop: at least 5 executions of each); with
+    mesh.pipeline_gather_once they are gathered once a pass and no gather runs in the loop; the gradients equal one
+    device's either way."""
+    from jaxscale.measure import collectives, hlo
+
+    fields = {**PIPELINE, "mesh.stage": 2, "mesh.pipeline_microbatches": 4, "train.num_minibatches": 1}
+    _assert_same_function((1, 4, 1), preset="tiny-llama", **fields, **{"mesh.pipeline_gather_once": True})
+
+    def gathers(once: bool) -> set[int]:
+        config = _config((1, 4, 1), "tiny-llama", **fields, **{"mesh.pipeline_gather_once": once})
+        placement = sharding.placement(config, jax.devices()[:8])
+        text = placement.step().lower(*placement.abstract_inputs()).compile().as_text()
+        weights = [c for c in collectives.count_collectives(hlo.parse(text)) if c.kind == "all-gather" and c.bytes > 4096]
+        return {c.executions for c in weights}
+
+    assert max(gathers(False)) >= 5  # once per iteration at least (here per iteration and layer: 10)
+    assert gathers(True) == {1}
+
+
 @pytest.mark.parametrize("visits", [2, 3, 5])
 def test_circular_weights_reach_their_stages_by_one_all_to_all(visits):
     """pipeline.stage_major on 4 stages x tensor 2: a stack [L, 6, 4] split over the stages in contiguous blocks (and
