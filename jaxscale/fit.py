@@ -300,6 +300,12 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     for method_config in methods.values():  # the config as given, or each method's and precision's
         gpu_plan.check_fp8(method_config, fv.target)
     check_cost_flags(fv)
+    if mesh_shape(config).stage > 1:  # its minibatch must be a multiple of its microbatches: not what fit probes
+        raise UsageError(
+            f"mesh.stage={mesh_shape(config).stage}: fit does not search a pipeline's minibatch (it must split into "
+            "mesh.pipeline_microbatches of every device's rows, which the fit's probes do not keep); plan pipeline "
+            "layouts with python -m jaxscale.run --plan or a sweep (experiments/pipeline.py), or use mesh.stage=1"
+        )
     if fv.devices is not None or mesh_shape(config).devices > 1:
         if fv.target is None:
             raise UsageError(

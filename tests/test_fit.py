@@ -105,6 +105,8 @@ def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_pat
         (["--memory", "lots"], "--memory: 'lots' is not a positive memory size"),
         (["--memory", "4MiB", "--devices", "8"], "--devices / mesh 1x1x1: the fit planner plans a mesh for a GPU"),
         (["--memory", "4MiB", "--config.mesh.fsdp=2"], "add --target (e.g. --target h100 --devices 8)"),
+        (["--memory", "4MiB", "--config.model.scan_layers=True", "--config.mesh.stage=2"],
+         "mesh.stage=2: fit does not search a pipeline's minibatch"),
         (["--memory", "4MiB", "--rank", "predicted"], "--rank predicted: needs --target"),
         (["--memory", "4MiB", "--mem_fraction", "0.9"], "--mem_fraction: sets the share of a --target's memory"),
         (["--memory", "4MiB", "--gpu_hour_usd", "2"], "--gpu_hour_usd: prices a whole training; add --train_tokens"),
