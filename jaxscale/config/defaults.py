@@ -239,7 +239,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     # with FSDP (ZeRO-3) inside a pipeline: gather each stage's weights once a pass over the minibatch, and
     # reduce-scatter their gradients once, instead of in every iteration (MaxText's pipeline_fsdp_ag_once); the
     # stage's weights are then held whole (over fsdp) for the pass
-    c.mesh.pipeline_gather_once = False
+    c.mesh.pipeline_gather_once = False  # FSDP in a pipeline: weights gathered once a pass, not every iteration
 
     for group, values in all_presets()[preset].items():
         c[group].update(values)
