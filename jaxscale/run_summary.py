@@ -30,15 +30,25 @@ def pipeline_schedule(row: dict) -> tuple[int, int, int] | None:
     return stages, microbatches, int(row.get("config.mesh.pipeline_repeats") or 1)
 
 
+def compiled_bubble(row: dict) -> float | None:
+    """The share of a row's pipeline loop iterations no stage uses: (iterations - v·m) / iterations, the iterations
+    read from the compiled program (compiled_pipeline_iterations); None without a pipeline or that column."""
+    found, iterations = pipeline_schedule(row), row.get("compiled_pipeline_iterations")
+    if found is None or not iterations:
+        return None
+    _, m, v = found
+    return (iterations - v * m) / iterations
+
+
 def pipeline_line(row: dict) -> str | None:
     """The summary's pipeline line: its schedule, the compiled loop's iterations and the bubble they leave."""
     found = pipeline_schedule(row)
     if found is None:
         return None
-    (p, m, v), iterations = found, row.get("compiled_pipeline_iterations")
+    (p, m, v), bubble = found, compiled_bubble(row)
     name = "GPipe" if v == 1 else f"circular, {v} visits a stage"
-    loop = "loop iterations not read" if not iterations else (
-        f"{iterations} loop iterations in the compiled program, bubble {(iterations - v * m) / iterations:.1%} of the "
+    loop = "loop iterations not read" if bubble is None else (
+        f"{row['compiled_pipeline_iterations']} loop iterations in the compiled program, bubble {bubble:.1%} of the "
         "stages' layer work")  # fmt: skip
     return f"  pipeline: {p} stages, {name}, {m} microbatches in flight: {loop}"
 

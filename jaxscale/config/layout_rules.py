@@ -129,6 +129,11 @@ def _as_tuple(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def without(mapped: str | tuple[str, ...] | None, axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """A rules-table entry (or a PartitionSpec's) with the mesh axes `axes` removed (None if nothing is left)."""
+    return tuple(a for a in _as_tuple(mapped) if a not in axes) or None
+
+
 def mesh_axes(name: str, table: tuple = RULES) -> tuple[str, ...]:
     """The mesh axes of a logical name's first rule in `table`: what it is split over where no other dimension of the
     array took them (() where it is never split, or the name is not in it). `split_axes` says what each dimension

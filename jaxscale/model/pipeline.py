@@ -38,7 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxscale.config.layout_rules import STATE_AXES
+from jaxscale.config.layout_rules import STATE_AXES, mesh_axes, without
 from jaxscale.model.axes import constrain, mesh_axis_size
 
 STAGE_AXIS = "stage"  # the mesh axis (and the logical name of the stage dimension: jaxscale.config.layout_rules)
@@ -61,11 +61,7 @@ def inner_rules(rules: tuple) -> tuple:
       The table for the loop.
     """
 
-    def without(mapped: str | tuple | None) -> str | tuple | None:
-        kept = tuple(a for a in ((mapped,) if isinstance(mapped, str) else mapped or ()) if a != STAGE_AXIS)
-        return kept or None
-
-    return tuple((name, mapped if name in PIPELINE_NAMES else without(mapped)) for name, mapped in rules)
+    return tuple((name, mapped if name in PIPELINE_NAMES else without(mapped, (STAGE_AXIS,))) for name, mapped in rules)
 
 
 def gathered_rules(rules: tuple) -> tuple:
@@ -80,11 +76,7 @@ def gathered_rules(rules: tuple) -> tuple:
     Returns:
       The table with "embed" whole on the state axes.
     """
-    def whole(mapped: str | tuple | None) -> str | tuple | None:
-        kept = tuple(a for a in ((mapped,) if isinstance(mapped, str) else mapped or ()) if a not in STATE_AXES)
-        return kept or None
-
-    return tuple((name, whole(mapped) if name == "embed" else mapped) for name, mapped in rules)
+    return tuple((name, without(mapped, STATE_AXES) if name == "embed" else mapped) for name, mapped in rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +96,6 @@ class Schedule:
     def bubble(self) -> float:
         """The share of the stages' layer work that is idle: (p - 1) / (v·m + p - 1)."""
         return (self.stages - 1) / self.iterations
-
-    @property
-    def name(self) -> str:
-        """The schedule's name: "gpipe" (one visit of each stage) or "circular"."""
-        return "gpipe" if self.repeats == 1 else "circular"
 
 
 def stage_layout(stacked: Any, schedule: Schedule, names: Any | None = None) -> Any:
@@ -271,12 +258,10 @@ def device_groups() -> Groups | None:
     reduce-scattered each iteration, as FSDP does each microbatch) and that split is over more than one device; else
     None (one device, the step's own per-device groups already, or FSDP)."""
     rules = tuple(nn.get_logical_axis_rules())
-    table = dict(reversed(rules))  # a name's first rule
-    as_tuple = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)  # noqa: E731
-    axes = tuple(a for a in as_tuple(table.get("batch")) if mesh_axis_size(a) > 1)
-    if not axes or set(axes) & set(as_tuple(table.get("embed"))):
+    axes = tuple(a for a in mesh_axes("batch", rules) if mesh_axis_size(a) > 1)
+    if not axes or set(axes) & set(mesh_axes("embed", rules)):
         return None
-    inner = tuple((name, tuple(a for a in as_tuple(mapped) if a not in axes) or None) for name, mapped in rules)
+    inner = tuple((name, without(mapped, axes)) for name, mapped in rules)
     return Groups(axes, math.prod(mesh_axis_size(a) for a in axes), inner)
 
 

@@ -7,7 +7,7 @@ import pathlib
 
 from jaxscale.plan.pipeline_schedules import AnalyticSchedule
 from jaxscale.report.mesh_tables import GIB, _fits, _num, _per_gpu, markdown, sweep_rows
-from jaxscale.run_summary import pipeline_schedule
+from jaxscale.run_summary import compiled_bubble, pipeline_schedule
 
 GB = 1e9
 _KINDS = ("collective_permute", "all_to_all", "all_reduce", "all_gather")  # the table's collective columns, in order
@@ -28,7 +28,7 @@ def pipeline_table(rows: pathlib.Path, sweep: str) -> str:
         if found:
             p, m, v = found
             name = "GPipe" if v == 1 else f"circular, {v} visits"
-            bubble = "-" if not iterations else f"{(iterations - v * m) / iterations:.1%}"
+            bubble = _num(compiled_bubble(row), ".1%")
             expected = f"{(p - 1) / (v * m + p - 1):.1%}"
         else:
             name, m, bubble, expected = "no pipeline", "-", "-", "-"

@@ -45,7 +45,7 @@ from jaxscale.config import (
     check_mesh_devices,
     mesh_shape,
 )
-from jaxscale.config.layout_rules import RULES, gradient_rules, rules  # the rules table: its one home
+from jaxscale.config.layout_rules import RULES, gradient_rules, rules, without  # the rules table: its one home
 from jaxscale.measure.params import removed_axis
 from jaxscale.model import nf4
 from jaxscale.train import fused_step, offload, quantized_state
@@ -217,12 +217,6 @@ def make_layout(config: ml_collections.ConfigDict, mesh: Mesh, init_fn: Callable
                   rules=param_table, local=local_accumulation(config, mesh, state.params))  # fmt: skip
 
 
-def _without(mapped: str | tuple[str, ...] | None, axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
-    """A rules-table entry (or a PartitionSpec's) with the mesh axes `axes` removed (None if nothing is left)."""
-    kept = tuple(a for a in ((mapped,) if isinstance(mapped, str) else mapped or ()) if a not in axes)
-    return kept or None
-
-
 def local_accumulation(config: ml_collections.ConfigDict, mesh: Mesh, param_shardings: Any) -> LocalAccumulation | None:
     """How the step accumulates gradients on each device and reduces them once a step, where
     jaxscale.config.accumulates_locally says it does (data parallelism and ZeRO-1/2 with several minibatches: DDP's
@@ -232,10 +226,10 @@ def local_accumulation(config: ml_collections.ConfigDict, mesh: Mesh, param_shar
     if not accumulates_locally(config):
         return None
     axes = dict(RULES)["batch"]  # the group axis splits as the batch does; inside a group nothing else may
-    inner = tuple((name, _without(mapped, axes)) for name, mapped in rules(config, params=True))
+    inner = tuple((name, without(mapped, axes)) for name, mapped in rules(config, params=True))
 
     def carry_sharding(sharding: NamedSharding) -> NamedSharding:  # [groups, *the parameter's own layout]
-        return NamedSharding(mesh, PartitionSpec(axes, *(_without(entry, axes) for entry in sharding.spec)))
+        return NamedSharding(mesh, PartitionSpec(axes, *(without(entry, axes) for entry in sharding.spec)))
 
     carry = jax.tree_util.tree_map(carry_sharding, param_shardings)
     return LocalAccumulation(axes=axes, count=mesh_shape(config).batch_split, rules=inner, carry=carry)
