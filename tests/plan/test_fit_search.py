@@ -189,8 +189,48 @@ def test_the_tie_band_is_recomputed_from_every_committed_gpu_prediction_against_
     band = (math.floor(min(ratios) * 100) / 100, math.ceil(max(ratios) * 100) / 100)
     assert fit_recommend.PREDICTED_OVER_MEASURED == band
     assert all(band[0] <= r <= band[1] for r in ratios)
-    assert fit_recommend.TIE_RATIO == pytest.approx(band[1] / band[0], rel=1e-12)
     assert min(notebook) > band[0] and max(notebook) < band[1]  # the A5000 check alone is the narrower band
+
+
+MEASURED_SWEEPS = ("seed_table_seed", "fp8_seed", "fp8_llama3.2-1b", "moe_dispatch_olmoe-1b-7b")  # on an H200
+
+
+def _sweep_spreads() -> dict[str, float]:
+    """Each sweep's highest predicted/measured step over its lowest (variants of one model on one GPU): the lab's H200
+    sweeps (a variant's deviceless plan joined to its measured row by name), the notebook's A5000 table, and the
+    published runs grouped by project, model, GPU and GPU count (two runs or more; excluded runs left out)."""
+    from jaxscale import published as published_runs
+
+    def rows(directory: str) -> list[dict]:
+        path = REPO / "experiments" / "results" / directory / "results.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    sweeps: dict[str, list[float]] = {"a5000 notebook": _committed_ratios("seed_table_seed_plan_a5000",
+                                                                           "predicted_over_notebook")}
+    for sweep in MEASURED_SWEEPS:
+        measured = {r["name"]: r["step_s_median"] for r in rows(f"{sweep}_h200") if r.get("step_s_median")}
+        planned = {r["name"]: r["predicted_step_s"] for r in rows(f"{sweep}_plan_h200") if r.get("predicted_step_s")}
+        sweeps[sweep] = [planned[name] / measured[name] for name in measured if name in planned]
+        assert len(sweeps[sweep]) >= 2, sweep
+    runs = {run["id"]: run for run in published_runs.load_runs()}
+    for row in rows("published"):
+        compared = published_runs.compare(runs[row["variant"]], row)
+        if not compared["published_excluded"] and compared["predicted_over_published_step"] is not None:
+            key = " / ".join(str(row[k]) for k in ("published_project", "published_model", "published_gpu",
+                                                   "published_n_gpus"))  # fmt: skip
+            sweeps.setdefault(key, []).append(compared["predicted_over_published_step"])
+    return {key: max(ratios) / min(ratios) for key, ratios in sweeps.items() if len(ratios) >= 2}
+
+
+def test_the_tie_ratio_is_the_widest_spread_of_predicted_over_measured_within_one_models_sweep_on_one_gpu():
+    """Two variants' predicted/measured differ by at most their sweep's spread, so the ratio of their predictions is
+    off the ratio of their measurements by at most that: the tie ratio is the widest spread, rounded up."""
+    spreads = _sweep_spreads()
+    assert len(spreads) >= 6 and spreads["a5000 notebook"] == pytest.approx(1.035 / 0.817, abs=0.002)
+    assert fit_recommend.TIE_RATIO == fit_recommend.RATIO_SPREAD == math.ceil(max(spreads.values()) * 100) / 100
+    assert max(spreads, key=spreads.get) == "seed_table_seed"  # 1.378: bf16_scan 1.12 against bf16_remat_1minibatch 0.81
+    low, high = fit_recommend.PREDICTED_OVER_MEASURED
+    assert fit_recommend.TIE_RATIO < high / low  # the order of two predictions is surer than either prediction
 
 
 def test_docs_fit_md_states_the_band_and_the_seed_tie_as_the_committed_rows_give_them():
@@ -199,23 +239,28 @@ def test_docs_fit_md_states_the_band_and_the_seed_tie_as_the_committed_rows_give
     text = " ".join((REPO / "docs" / "fit.md").read_text().split())
     low, high = fit_recommend.PREDICTED_OVER_MEASURED
     assert f"the predicted step was {low:g} to {high:g} of the measured one" in text
-    assert f"within {high:g} / {low:g} = {fit_recommend.TIE_RATIO:.2f}× of each other" in text
+    spreads = _sweep_spreads()
+    assert f"The widest such spread, rounded up, is {fit_recommend.TIE_RATIO:.2f}" in text
+    assert f"the seed table measured on an H200 beside its deviceless plans (docs/gpu.md: 1.12 for bf16_scan against " \
+           f"0.81 for bf16_remat_1minibatch, {spreads['seed_table_seed']:.3f})" in text
+    assert f"the notebook's A5000 table (docs/predict.md, Check 1: 0.82 to 1.04, {spreads['a5000 notebook']:.2f})" in text
     path = REPO / "experiments" / "results" / "fit_bf16_remat_seed_a5000" / "results.jsonl"
     rows = {r["fit_remat"]: r for r in map(json.loads, path.read_text().splitlines())}
     best, why = fit_recommend.recommend(list(rows.values()), rank="predicted")
     assert f"recommendation: {best['fit_remat']} at minibatch {best['fit_largest_minibatch']}: {why}" in text
     fastest = best["predicted_tokens_per_s"]
-    assert best["fit_remat"] == "MLP+Attn" and why.count(": within the predictor's error") == 1
+    assert best["fit_remat"] == "MLP+Attn" and why.count("within 1.38x of it") == 1
     assert all(rows[c]["predicted_tokens_per_s"] / fastest > 0.95 for c in ("Block", "Block, save_qkv_proj"))
     slower = 1 - rows["no remat"]["predicted_tokens_per_s"] / fastest
-    free = (rows["no remat"]["fit_usable_bytes"] - rows["no remat"]["compiled_peak_bytes"]) / 2**30
-    assert (f"Block and save_qkv_proj are predicted within 5% of it and no remat {slower:.0%} below it, all inside "
-            f"the predictor's error, and no remat leaves the most of the budget free ({free:.2f} GiB") in text
+    assert fastest / rows["no remat"]["predicted_tokens_per_s"] > fit_recommend.TIE_RATIO  # outside the band
+    free = (rows["Block, save_qkv_proj"]["fit_usable_bytes"] - rows["Block, save_qkv_proj"]["compiled_peak_bytes"]) / 2**30
+    assert (f"and save_qkv_proj leaves the most of the budget free among the tied ({free:.2f} GiB, every answer sitting "
+            f"at the edge); no remat, {slower:.0%} below it, is outside the band.") in text
 
 
 @pytest.mark.parametrize(
     "second, tied",
-    [(99_500.0, True), (28_200.0, True), (28_100.0, False), (20_000.0, False)],  # 100,000 / 28,110.6 = 2.17 / 0.61
+    [(99_500.0, True), (72_500.0, True), (72_400.0, False), (20_000.0, False)],  # 100,000 / 72,463.8 = 1.38
 )
 def test_choices_within_the_predictors_error_are_a_tie_that_names_the_roomier_alternative(second, tied):
     """The faster prediction is recommended either way; inside the band the recommendation says it is a tie and
@@ -229,12 +274,11 @@ def test_choices_within_the_predictors_error_are_a_tie_that_names_the_roomier_al
     assert best["fit_choice"] == "block" and why.startswith("fastest predicted: 100,000 tokens/s")
     if tied:
         assert "but a tie" in why and "block leaves 1.00 GiB of the usable budget free" in why  # 20 - 19 GiB
-        low, high = fit_recommend.PREDICTED_OVER_MEASURED  # the tie names its band and where the band comes from
-        assert (f"within the predictor's error, its predicted step {low:g}-{high:g}x the measured one over the "
-                "published runs and the notebook's A5000 table (docs/published.md, docs/predict.md)") in why
+        assert ("within 1.38x of it, the predictor's error on the order of two choices, the widest spread of "
+                "predicted/measured step across the variants of one model on one GPU") in why  # the band and its source
         assert "the tied choice leaving the most is mlp_attn (3.00 GiB" in why  # 20 - 17 GiB
     else:
-        assert "more than the predictor's error ahead" in why and "tie" not in why
+        assert "more than 1.38x ahead of the others, the predictor's error on the order" in why and "tie" not in why
     rows[0]["compiled_peak_bytes"] = 16 * gib  # the fastest is also the roomiest
     if tied:
         assert (
