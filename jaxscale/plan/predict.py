@@ -10,9 +10,11 @@ precision, float32 CUDA cores for elementwise work; a fused attention kernel's m
 times ATTENTION_EFFICIENCY instead of GEMM_EFFICIENCY, with no tile quantization), and a collective moves its
 ring-algorithm bytes over the slowest link its group crosses (NVLink within the target's NVLink domain, PCIe
 beyond it, the network across hosts: with a NIC per GPU, all of a host's NICs together, as NCCL spreads its
-rings over them, capped by the links inside the host; `link_bytes_per_s`). The step is the sum over kernels
-times their launches (XLA runs one compute kernel at a time on one stream), except what async collectives
-overlap: a collective compiled as a -start/-done pair runs on its own stream, and only the part of it that
+rings over them, capped by the links inside the host; `link_bytes_per_s`). Within an H100, H200 or A100 NVLink
+domain an all-reduce, all-gather or reduce-scatter instead takes the time published nccl-tests runs measured for its
+buffer size, latency included (jaxscale.plan.collective_rates); the pure roofline keeps the link rate. The step is
+the sum over kernels times their launches (XLA runs one compute kernel at a time on one stream), except what async
+collectives overlap: a collective compiled as a -start/-done pair runs on its own stream, and only the part of it that
 outlasts the compute kernels the program launches between its start and its -done counts (`exposed`;
 predicted_collective_hidden_s is the rest). A synchronous collective counts whole.
 `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch cost: the pure roofline.
@@ -72,7 +74,7 @@ import ml_collections
 from jaxscale.config import mesh_shape
 from jaxscale.config.spec import tokens_per_step
 from jaxscale.measure import collectives, flops, kernels, peaks
-from jaxscale.plan import targets
+from jaxscale.plan import collective_rates, targets
 
 GEMM_EFFICIENCY = 0.80
 ATTENTION_EFFICIENCY = {8: 0.50, 9: 0.35, 10: 0.35}  # by compute capability major: Ampere/Ada, Hopper, Blackwell
@@ -191,6 +193,9 @@ class Roofline:
     # The host link (a GPU's PCIe slot, per direction): a kernel's bytes in host memory (kernels.Kernel.host_bytes,
     # jaxscale.train.offload) cross it. None: host memory is the device's own (a CPU), priced as memory.
     host_link_bytes_per_s: float | None = None
+    # Published nccl-tests times by buffer size (jaxscale.plan.collective_rates), by collective: a collective of one of
+    # these kinds within the NVLink domain takes its table's time for its size instead of the datasheet link rate.
+    collective_tables: dict[str, collective_rates.SizeTable] | None = None
 
 
 def gpu_roofline(
@@ -238,7 +243,9 @@ def gpu_roofline(
         launch_s=LAUNCH_S,
         network_rails=devices_per_host if target.network_bandwidth else 1,
         host_link_bytes_per_s=float(target.pcie_bandwidth),
-        source=f"{peak.source}; {target.source}; links: {target.interconnect_source}; efficiencies: GEMM "
+        collective_tables=collective_rates.tables_for(target.name) if nvlink else None,
+        source=f"{peak.source}; {target.source}; links: {target.interconnect_source}; "
+        f"{collective_rates.source_text(target.name if nvlink else '')}; efficiencies: GEMM "
         f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, fused attention "
         f"{attention:.0%} (published FlashAttention-2 figure for compute capability {generation}.x), memory "
         f"{MEMORY_EFFICIENCY:.0%}, launch {LAUNCH_S * 1e6:.1f} us per kernel (jaxscale/plan/predict.py)",
@@ -321,8 +328,9 @@ def _roofline_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, fl
         bandwidth = link_bytes_per_s(roof, group)
         if op == "collective-permute" and group > roof.devices_per_host:  # each GPU sends its buffer on its own NIC
             bandwidth = min(bandwidth, roof.network_bytes_per_s)
-        seconds = collective_factor(op, group) * payload / bandwidth
-        return seconds, seconds
+        bound = collective_factor(op, group) * payload / bandwidth
+        table = (roof.collective_tables or {}).get(op) if 1 < group <= roof.link_devices else None
+        return (collective_rates.seconds(table, op, group, payload) if table else bound), bound
     if kernel.category == "matmul":
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])
         efficiency = roof.gemm_efficiency * quantization(kernel.gemm, roof.cores)

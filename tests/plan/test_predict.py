@@ -97,8 +97,11 @@ def test_an_h100_collective_uses_nvswitch_within_8_gpus_and_the_network_across_h
     roof = predict.gpu_roofline(targets.TARGETS["h100"])
     within = _kernel("collective", collective=("all-reduce", 8, 10**9))
     across = _kernel("collective", collective=("all-gather", 16, 10**9))
-    # 8 GPUs on one NVSwitch: 2 * 7/8 * 1e9 B over 450 GB/s = 3.889 ms
-    assert predict.kernel_seconds(within, roof)[0] == pytest.approx(0.00388889, rel=1e-5)
+    # 8 GPUs on one NVSwitch: the pure roofline is 2 * 7/8 * 1e9 B over 450 GB/s = 3.889 ms; the prediction takes
+    # nccl-tests' bus bandwidth near 1e9 B on H100s (355.35 GB/s published at 1 GiB, 347.80 at 512 MiB), so it lies
+    # between 1.75e9 B / 355.35 GB/s = 4.925 ms and 1.75e9 / 347.80 = 5.032 ms (tests/plan/test_collective_rates.py)
+    predicted, bound = predict.kernel_seconds(within, roof)
+    assert bound == pytest.approx(0.00388889, rel=1e-5) and 1.75e9 / 355.35e9 < predicted < 1.75e9 / 347.80e9
     # 16 GPUs on 2 hosts: NCCL's 8 rings each cross the host boundary on their own 400 Gb/s (50 GB/s) NIC, so
     # the hosts' 8 NICs carry 400 GB/s together, below NVSwitch's 450 GB/s: 15/16 * 1e9 B / 400 GB/s = 2.344 ms
     assert predict.kernel_seconds(across, roof)[0] == pytest.approx(0.00234375, rel=1e-5)
