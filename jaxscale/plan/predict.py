@@ -74,7 +74,7 @@ import ml_collections
 from jaxscale.config import mesh_shape
 from jaxscale.config.spec import tokens_per_step
 from jaxscale.measure import collectives, flops, kernels, peaks
-from jaxscale.plan import collective_rates, targets
+from jaxscale.plan import collective_rates, gemm_rates, targets
 
 GEMM_EFFICIENCY = 0.80
 ATTENTION_EFFICIENCY = {8: 0.50, 9: 0.35, 10: 0.35}  # by compute capability major: Ampere/Ada, Hopper, Blackwell
@@ -196,6 +196,9 @@ class Roofline:
     # Published nccl-tests times by buffer size (jaxscale.plan.collective_rates), by collective: a collective of one of
     # these kinds within the NVLink domain takes its table's time for its size instead of the datasheet link rate.
     collective_tables: dict[str, collective_rates.SizeTable] | None = None
+    # GEMMs at the rate measured for their shape (jaxscale.plan.gemm_rates: OpenXLA's H100 table) where it has one,
+    # instead of gemm_efficiency x tile quantization. False: the formula for every GEMM.
+    gemm_table: bool = False
 
 
 def gpu_roofline(
@@ -244,9 +247,12 @@ def gpu_roofline(
         network_rails=devices_per_host if target.network_bandwidth else 1,
         host_link_bytes_per_s=float(target.pcie_bandwidth),
         collective_tables=collective_rates.tables_for(target.name) if nvlink else None,
+        gemm_table=generation in gemm_rates.ARCHITECTURES,
         source=f"{peak.source}; {target.source}; links: {target.interconnect_source}; "
         f"{collective_rates.source_text(target.name if nvlink else '')}; efficiencies: GEMM "
-        f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, fused attention "
+        + (f"bf16/fp16/TF32 at the rate measured for its shape ({gemm_rates.SOURCE}), other dtypes "
+           if generation in gemm_rates.ARCHITECTURES else "")
+        + f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, fused attention "
         f"{attention:.0%} (published FlashAttention-2 figure for compute capability {generation}.x), memory "
         f"{MEMORY_EFFICIENCY:.0%}, launch {LAUNCH_S * 1e6:.1f} us per kernel (jaxscale/plan/predict.py)",
     )
@@ -333,7 +339,10 @@ def _roofline_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, fl
         return (collective_rates.seconds(table, op, group, payload) if table else bound), bound
     if kernel.category == "matmul":
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])
-        efficiency = roof.gemm_efficiency * quantization(kernel.gemm, roof.cores)
+        measured = gemm_rates.rate(kernel.flop_dtype, kernel.gemm) if roof.gemm_table else None
+        # the measured rate as a share of the dtype's peak (at most all of it: the pure roofline stays a bound)
+        formula = roof.gemm_efficiency * quantization(kernel.gemm, roof.cores)
+        efficiency = min(1.0, measured / peak) if measured else formula
     elif kernel.category == "attention":
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])
         efficiency = roof.attention_efficiency

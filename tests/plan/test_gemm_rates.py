@@ -1,0 +1,65 @@
+"""jaxscale.plan.gemm_rates: OpenXLA's measured H100 GEMM table as the predictor reads it.
+
+The source prints each shape's rate as FLOP/s; XLA computed it as 2·b·m·n·k over a measured whole number of
+nanoseconds, which gives the transcription a check of its own. Two rows quoted here were read from the source file
+(tensorflow/tensorflow @ 9bebee8, third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h), not from the
+module."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jaxscale.measure import kernels
+from jaxscale.plan import gemm_rates, predict, targets
+from jaxscale.plan.gemm_table_sm90 import SM90
+
+# b=1, m=n=k=1024 and b=1, m=4096, n=2048, k=4096, "BF16xBF16->BF16", as printed in the source
+SOURCE_ROWS = {(1, 1024, 1024, 1024): 246723764705882, (1, 4096, 2048, 4096): 764093096602028}
+
+
+def test_the_table_is_the_full_grid_and_every_rate_is_a_whole_number_of_nanoseconds():
+    assert len(SM90) == 3 * 5**3 and len({row[:4] for row in SM90}) == len(SM90)
+    sizes = (256, 512, 1024, 2048, 4096)
+    assert {row[:4] for row in SM90} == {(b, m, n, k) for b in (1, 2, 4) for m in sizes for n in sizes for k in sizes}
+    for b, m, n, k, *rates in SM90:
+        for rate in rates:
+            nanoseconds = 2 * b * m * n * k / rate * 1e9
+            assert abs(nanoseconds - round(nanoseconds)) < 1e-6, (b, m, n, k, rate)
+    for shape, rate in SOURCE_ROWS.items():
+        assert gemm_rates.rate("bf16", shape) == pytest.approx(rate, rel=1e-12)
+
+
+def test_between_grid_shapes_the_rate_is_log_linear_and_outside_it_the_edge_rows_hold():
+    low, high = gemm_rates.rate("bf16", (1, 1024, 2048, 1024)), gemm_rates.rate("bf16", (1, 2048, 2048, 1024))
+    middle = gemm_rates.rate("bf16", (1, round(1024 * math.sqrt(2)), 2048, 1024))
+    assert middle == pytest.approx(math.sqrt(low * high), rel=1e-3)  # the geometric middle of m: the geometric mean
+    big = gemm_rates.rate("bf16", (1, 4096, 4096, 4096))
+    assert gemm_rates.rate("bf16", (1, 65536, 14336, 8192)) == big  # past 4096 every dimension takes 4096's rate
+    assert gemm_rates.rate("bf16", (16, 4096, 4096, 4096)) == gemm_rates.rate("bf16", (4, 4096, 4096, 4096))
+    assert gemm_rates.rate("bf16", (1, 64, 256, 256)) == gemm_rates.rate("bf16", (1, 256, 256, 256))
+    assert gemm_rates.rate("f8", (1, 4096, 4096, 4096)) is None and gemm_rates.rate("bf16", None) is None
+
+
+def _gemm(dtype: str, shape: tuple[int, int, int, int]) -> kernels.Kernel:
+    b, m, n, k = shape
+    size = 2 if dtype == "bf16" else 1
+    return kernels.Kernel(name="g", category="matmul", detail="gemm", trips=(), times=1, flops=2.0 * b * m * n * k,
+                          flop_dtype=dtype, bytes_read=size * b * (m * k + k * n), bytes_written=size * b * m * n,
+                          gemm=shape)  # fmt: skip
+
+
+def test_an_h100_bf16_gemm_runs_at_its_measured_rate_and_other_targets_and_fp8_keep_the_formula():
+    shape = (1, 1024, 1024, 1024)
+    gemm = _gemm("bf16", shape)
+    for name in ("h100", "h200"):  # compute-bound here: 8.7 us of compute against ~2 us of memory
+        predicted, bound = predict.kernel_seconds(gemm, predict.gpu_roofline(targets.TARGETS[name]))
+        assert predicted == pytest.approx(gemm.flops / SOURCE_ROWS[shape], rel=1e-9)
+        assert bound == pytest.approx(gemm.flops / 989.4e12, rel=1e-3)  # the pure roofline: the dense peak
+    a100 = predict.gpu_roofline(targets.TARGETS["a100-80gb"])  # no table: 80% of 312 TFLOP/s, 64 tiles on 108 SMs
+    assert predict.kernel_seconds(gemm, a100)[0] == pytest.approx(gemm.flops / (312e12 * 0.80 * 64 / 108), rel=1e-3)
+    fp8 = _gemm("f8", (1, 4096, 4096, 4096))  # FP8 on the H100: 80% of 1,978.9 TFLOP/s, 1024 tiles in 8 waves of 132
+    h100 = predict.gpu_roofline(targets.TARGETS["h100"])
+    assert predict.kernel_seconds(fp8, h100)[0] == pytest.approx(fp8.flops / (1978.9e12 * 0.80 * 1024 / 1056), rel=1e-3)
+    assert "measured H100 GEMM table" in h100.source and "measured H100 GEMM table" not in a100.source
