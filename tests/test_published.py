@@ -420,3 +420,41 @@ def test_docs_published_md_states_the_moe_first_sights_as_the_runs_file_gives_th
         plans.append(f"{run['first_sight']['plan_peak_gib']:.1f}")
     assert f"plans of {', '.join(plans[:-1])} and {plans[-1]} GiB" in text
     assert f"predict {min(ratios):.2f}x to {max(ratios):.2f}x the published steps" in text
+
+
+ISSUE_42_RUNS = (  # the runs registered for issue 42, in the order of their docs paragraph
+    "dgxc-maxtext-l3-70b-128xh100-fsdp128-bf16", "dgxc-maxtext-l3-70b-128xh100-fsdp128-fp8",
+    "jaxtoolbox-pax-gpt5b-256xh100-te-bf16", "jaxtoolbox-pax-gpt5b-256xh100-te-fp8",
+    "dgxc-pax-gpt5b-16xh100-dp2-fsdp8-te-bf16", "llmfoundry-mpt7b-8xh100-fsdp-bf16-noac",
+    "llmfoundry-mpt3b-8xh100-fsdp-fp8-noac", "llmfoundry-mpt70b-64xh100-fsdp-bf16-fullac",
+    "llmfoundry-mpt13b-128xh100-fsdp-bf16-fullac", "fmsfsdp-llama2-7b-96xh100-hsdp-compile",
+    "vectorlm-l3-8b-lora-1xa100-80gb-s2048",
+)
+
+
+def test_docs_published_md_states_the_issue_42_first_sights_as_the_runs_file_gives_them():
+    """The paragraph on the twelve runs registered for issue 42: each first sight over its published step (the
+    published step from the runs file's figures, tokens or sequences per second turned into a step by the batch), and
+    the excluded full fine-tune's plan against its card."""
+    runs = {run["id"]: run for run in published.load_runs()}
+    text = " ".join((REPO / "docs" / "published.md").read_text().split())
+
+    def step(run: dict) -> float:
+        measured, tokens = run["measured"], run["global_batch"] * run["seq_len"]
+        if measured["step_time_s"]:
+            return measured["step_time_s"]
+        if measured["tokens_per_s_per_gpu"]:
+            return tokens / (measured["tokens_per_s_per_gpu"] * run["n_gpus"])
+        return run["global_batch"] / measured["sequences_per_s"]
+
+    ratios = {i: runs[i]["first_sight"]["predicted_step_s"] / step(runs[i]) for i in ISSUE_42_RUNS}
+    r = [f"{ratios[i]:.2f}" for i in ISSUE_42_RUNS]
+    assert (f"First sight / published: MaxText 70B bf16 {r[0]}, FP8 {r[1]}; Paxml 5B on 256 H100s bf16 {r[2]}, FP8 "
+            f"{r[3]}, on 16 H100s {r[4]}; MPT-7B {r[5]}, MPT-3B FP8 {r[6]}, MPT-70B {r[7]}, MPT-13B {r[8]}; fms-fsdp "
+            f"{r[9]}; VectorLM LoRA {r[10]}.") in text
+    full = runs["vectorlm-l3-8b-full-1xa100-80gb-s2048"]["first_sight"]
+    assert not full["plan_fits"] and f"plans {full['plan_peak_gib']:.1f} GiB on an 80 GB card" in text
+    maxtext = [ratios[i] for i in list(ISSUE_42_RUNS)[:2]]
+    others = [ratios[i] for i in list(ISSUE_42_RUNS)[2:]]
+    assert max(abs(x - 1) for x in maxtext) < 0.09 and "(MaxText, within 9%)" in text
+    assert f"predicted {1 - max(others):.0%}-{1 - min(others):.0%} faster than they ran".replace("%-", "-") in text
