@@ -263,11 +263,16 @@ def test_a_mesh_is_planned_per_device_on_8_target_gpus(tmp_path):
     assert one["compiled_collective_count"] == 0
     assert row["compiled_collective_reduce_scatter_count"] > 0 and row["compiled_collective_all_gather_count"] > 0
     assert row["compiled_collective_bytes"] > 0 and row["analytic_peak_bytes"] > 0
-    # The predictor costs exactly the collectives the row counts: their ring bytes over one host's NVLink, the
-    # part the compute between their starts and -dones hides and the part it does not.
+    # The predictor costs the collectives the row counts (the part the compute between their starts and -dones
+    # hides and the part it does not) at published nccl-tests times (jaxscale.plan.collective_rates): each
+    # all-reduce, all-gather and reduce-scatter at least the H100 tables' smallest latency floor (22.98 us,
+    # reduce-scatter at 64 KiB), and all of them at least their ring bytes over NVLink's datasheet 450 GB/s, which no
+    # measured collective reaches.
     link = predict.gpu_roofline(targets.TARGETS["h100"]).link_bytes_per_s
     costed = row["predicted_collective_s"] + row["predicted_collective_hidden_s"]
-    assert costed == pytest.approx(row["compiled_collective_ring_bytes"] / link, rel=1e-6)
+    tabled = sum(row[f"compiled_collective_{kind}_count"] for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+    assert tabled > 0 and costed >= tabled * 22.98e-6
+    assert costed > row["compiled_collective_ring_bytes"] / link
 
 
 @needs_extra
