@@ -22,11 +22,11 @@ on real GPUs, read from the sources named in each; none is fitted to a training 
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 
 from jaxscale.measure import collectives
+from jaxscale.plan import log_grid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,15 +100,7 @@ def tables_for(target_name: str) -> dict[str, SizeTable]:
 
 def bus_bytes_per_s(table: SizeTable, size: float) -> float:
     """The table's bus bandwidth at `size` bytes: linear in log-log between measured sizes, the end rows' outside."""
-    if size <= table.sizes[0]:
-        return table.bus_bytes_per_s(0)
-    if size >= table.sizes[-1]:
-        return table.bus_bytes_per_s(len(table.sizes) - 1)
-    upper = bisect.bisect_left(table.sizes, size)
-    lower = upper - 1
-    share = math.log(size / table.sizes[lower]) / math.log(table.sizes[upper] / table.sizes[lower])
-    low, high = table.bus_bytes_per_s(lower), table.bus_bytes_per_s(upper)
-    return math.exp(math.log(low) + share * math.log(high / low))
+    return math.exp(sum(w * math.log(table.bus_bytes_per_s(i)) for i, w in log_grid.bracket(table.sizes, size)))
 
 
 def seconds(table: SizeTable, op: str, group: int, size: float) -> float:

@@ -15,10 +15,10 @@ faster memory shows in the roofline's memory term. Not fitted to any training ru
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 
+from jaxscale.plan import log_grid
 from jaxscale.plan.gemm_table_sm90 import SM90
 
 SOURCE = ("OpenXLA's measured H100 GEMM table (tensorflow/tensorflow @ 9bebee8, third_party/xla/xla/service/gpu/model/"
@@ -31,17 +31,6 @@ _GRID = {row[:4]: row for row in SM90}
 ARCHITECTURES = {9}
 
 
-def _bracket(values: tuple[int, ...], x: float) -> list[tuple[int, float]]:
-    """The grid values around x (clamped into the grid) with their weights, linear in log2."""
-    x = min(max(x, values[0]), values[-1])
-    upper = bisect.bisect_left(values, x)
-    if values[upper] == x:
-        return [(values[upper], 1.0)]
-    lower = upper - 1
-    share = math.log2(x / values[lower]) / math.log2(values[upper] / values[lower])
-    return [(values[lower], 1.0 - share), (values[upper], share)]
-
-
 def rate(flop_dtype: str, gemm: tuple[int, int, int, int] | None) -> float | None:
     """FLOP/s of a GEMM of (batch, m, n, k) with `flop_dtype` operands on an H100, by the table; None where the table
     has no column for the dtype or the kernel has no shape."""
@@ -49,7 +38,8 @@ def rate(flop_dtype: str, gemm: tuple[int, int, int, int] | None) -> float | Non
     if column is None or gemm is None:
         return None
     batch, m, n, k = gemm
-    axes = (_bracket(_BATCHES, max(1, batch)), _bracket(_SIZES, m), _bracket(_SIZES, n), _bracket(_SIZES, k))
+    axes = [[(grid[i], w) for i, w in log_grid.bracket(grid, x)]
+            for grid, x in ((_BATCHES, max(1, batch)), (_SIZES, m), (_SIZES, n), (_SIZES, k))]
     log_rate = 0.0
     for corner in itertools.product(*axes):
         weight = math.prod(w for _, w in corner)
