@@ -195,8 +195,8 @@ def test_the_tie_band_is_recomputed_from_every_committed_gpu_prediction_against_
 MEASURED_SWEEPS = ("seed_table_seed", "fp8_seed", "fp8_llama3.2-1b", "moe_dispatch_olmoe-1b-7b")  # on an H200
 
 
-def _sweep_spreads() -> dict[str, float]:
-    """Each sweep's highest predicted/measured step over its lowest (variants of one model on one GPU): the lab's H200
+def _sweep_ratios() -> dict[str, list[float]]:
+    """Each sweep's predicted/measured steps (variants of one model on one GPU): the lab's H200
     sweeps (a variant's deviceless plan joined to its measured row by name), the notebook's A5000 table, and the
     published runs grouped by project, model, GPU and GPU count (two runs or more; excluded runs left out)."""
     from jaxscale import published as published_runs
@@ -219,7 +219,12 @@ def _sweep_spreads() -> dict[str, float]:
             key = " / ".join(str(row[k]) for k in ("published_project", "published_model", "published_gpu",
                                                    "published_n_gpus"))  # fmt: skip
             sweeps.setdefault(key, []).append(compared["predicted_over_published_step"])
-    return {key: max(ratios) / min(ratios) for key, ratios in sweeps.items() if len(ratios) >= 2}
+    return {key: ratios for key, ratios in sweeps.items() if len(ratios) >= 2}
+
+
+def _sweep_spreads() -> dict[str, float]:
+    """Each sweep's highest predicted/measured step over its lowest."""
+    return {key: max(ratios) / min(ratios) for key, ratios in _sweep_ratios().items()}
 
 
 def test_the_tie_ratio_is_the_widest_spread_of_predicted_over_measured_within_one_models_sweep_on_one_gpu():
@@ -245,6 +250,12 @@ def test_docs_fit_md_states_the_band_and_the_seed_tie_as_the_committed_rows_give
            f"0.81 for bf16_remat_1minibatch, {spreads['seed_table_seed']:.3f})" in text
     notebook = spreads["a5000 notebook"]
     assert f"the notebook's A5000 table (docs/predict.md, Check 1: 0.82 to 1.04, {notebook:.2f})" in text
+    named = {"seed_table_seed", "a5000 notebook"}
+    titan8 = next(k for k in spreads if k.startswith("torchtitan / Llama 3.1 8B") and k.endswith(" / 8"))
+    low8, high8 = min(_sweep_ratios()[titan8]), max(_sweep_ratios()[titan8])
+    assert f"torchtitan's Llama 3.1 8B runs on 8 H100s ({low8:.2f} to {high8:.2f}, {spreads[titan8]:.2f}:" in text
+    others = [v for k, v in spreads.items() if k not in named | {titan8}]
+    assert f"issue 42: {min(others):.2f} to {max(others):.2f})" in text
     path = REPO / "experiments" / "results" / "fit_bf16_remat_seed_a5000" / "results.jsonl"
     rows = {r["fit_remat"]: r for r in map(json.loads, path.read_text().splitlines())}
     best, why = fit_recommend.recommend(list(rows.values()), rank="predicted")

@@ -63,3 +63,16 @@ def test_an_h100_bf16_gemm_runs_at_its_measured_rate_and_other_targets_and_fp8_k
     h100 = predict.gpu_roofline(targets.TARGETS["h100"])
     assert predict.kernel_seconds(fp8, h100)[0] == pytest.approx(fp8.flops / (1978.9e12 * 0.80 * 1024 / 1056), rel=1e-3)
     assert "measured H100 GEMM table" in h100.source and "measured H100 GEMM table" not in a100.source
+
+
+def test_docs_predict_md_quotes_the_tables_rates_as_the_module_gives_them():
+    """docs/predict.md's GEMM-table row: the rate at 4096^3 and its share of the H100's dense bf16 peak, and the
+    1000 x 3000 x 700 example against the formula (0.80 of the peak with 128 x 128 tiles in waves over 132 SMs)."""
+    from conftest import REPO
+
+    text = " ".join((REPO / "docs" / "predict.md").read_text().split())
+    big = gemm_rates.rate("bf16", (1, 4096, 4096, 4096))
+    mid = gemm_rates.rate("bf16", (1, 1000, 3000, 700))
+    formula = 989.4e12 * 0.80 * predict.quantization((1, 1000, 3000, 700), 132)
+    assert f"({big / 1e12:.0f} TFLOP/s bf16 at 4096³, {big / 989.4e12:.2f} of the peak" in text
+    assert f"(1000 x 3000 x 700: {mid / 1e12:.0f} against {formula / 1e12:.0f} TFLOP/s)" in text
