@@ -170,6 +170,7 @@ def fit_choice(config, choice: str, plan: fit_search.Planner, cache: ProbeCache,
         start,
         limits["limit"],
         limits["max_compiles"],
+        fit_search.minibatch_step(config),  # a pipeline's minibatches are multiples of its microbatches
     )
     row = fit_search.fit_row(config, choice, search, settings)
     row.update(fit_probes_reused=cache.reused - reused_before, fit_wall_s=time.perf_counter() - start_time)
@@ -300,12 +301,6 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
     for method_config in methods.values():  # the config as given, or each method's and precision's
         gpu_plan.check_fp8(method_config, fv.target)
     check_cost_flags(fv)
-    if mesh_shape(config).stage > 1:  # its minibatch must be a multiple of its microbatches: not what fit probes
-        raise UsageError(
-            f"mesh.stage={mesh_shape(config).stage}: fit does not search a pipeline's minibatch (it must split into "
-            "mesh.pipeline_microbatches of every device's rows, which the fit's probes do not keep); plan pipeline "
-            "layouts with python -m jaxscale.run --plan or a sweep (experiments/pipeline.py), or use mesh.stage=1"
-        )
     if fv.devices is not None or mesh_shape(config).devices > 1:
         if fv.target is None:
             raise UsageError(
@@ -314,7 +309,7 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
             )
         if mesh_shape(config).devices != (fv.devices or 1):  # a 1x1x1 mesh would plan one of the N GPUs
             raise UsageError(
-                f"mesh: data x fsdp x tensor = {mesh_text(config)} plans {mesh_shape(config).devices} GPU(s), "
+                f"mesh: {mesh_shape(config).axes_text} = {mesh_text(config)} plans {mesh_shape(config).devices} GPU(s), "
                 f"but --devices is {fv.devices or 1}; choose sizes whose product is {fv.devices or 1} "
                 f"(e.g. --config.mesh.fsdp={fv.devices or 1})"
             )
@@ -416,7 +411,7 @@ def _what_would_fit(rows: list[dict], config: ml_collections.ConfigDict, context
     if found is None:
         shared = context["budget_at"] is not None and context["fraction"] is not None
         names = ", ".join(lever.name for lever in fit_levers.applicable(config, shared, context["fraction"]))
-        return f"what would fit: none of the levers ({names}), alone or together, at minibatch 1"
+        return f"what would fit: none of the levers ({names}), alone or together, at minibatch {fit_search.minibatch_step(config)}"
     return fit_levers.answer(*found)
 
 

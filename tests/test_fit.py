@@ -106,7 +106,7 @@ def test_measure_runs_the_largest_batch_and_recommends_by_measured_speed(tmp_pat
         (["--memory", "4MiB", "--devices", "8"], "--devices / mesh 1x1x1: the fit planner plans a mesh for a GPU"),
         (["--memory", "4MiB", "--config.mesh.fsdp=2"], "add --target (e.g. --target h100 --devices 8)"),
         (["--memory", "4MiB", "--config.model.scan_layers=True", "--config.model.dropout_rate=0.0",
-          "--config.mesh.stage=2"], "mesh.stage=2: fit does not search a pipeline's minibatch"),
+          "--config.mesh.stage=2"], "--devices / mesh 1x1x1x1x1x2: the fit planner plans a mesh for a GPU target"),
         (["--memory", "4MiB", "--rank", "predicted"], "--rank predicted: needs --target"),
         (["--memory", "4MiB", "--mem_fraction", "0.9"], "--mem_fraction: sets the share of a --target's memory"),
         (["--memory", "4MiB", "--gpu_hour_usd", "2"], "--gpu_hour_usd: prices a whole training; add --train_tokens"),
@@ -218,6 +218,42 @@ def test_fit_plans_a_mesh_on_several_target_gpus_per_device(tmp_path, capsys):
     assert row["status"] == "ok" and row["fit_devices"] == 2 and row["plan_devices"] == 2
     assert row["config.data.batch_size"] == 2 * 2 * row["fit_largest_minibatch"]  # 2 minibatches x 2 devices
     assert row["compiled_peak_bytes"] <= 12 * 2**20 and row["predicted_tokens_per_s"] > 0
+
+
+PIPELINE = ["--config.model.scan_layers=True", "--config.model.dropout_rate=0.0", "--config.mesh.stage=2",
+            "--config.mesh.pipeline_microbatches=4", "--config.train.num_minibatches=1", "--target", "h100",
+            "--devices", "2", "--gemm", "cublas", "--xla_limit", "ignore", "--remat", "block"]  # fmt: skip
+
+
+def test_fit_plans_a_pipeline_on_target_gpus_at_a_multiple_of_its_microbatches(tmp_path, capsys):
+    """A pipeline of 2 stages and 4 microbatches on 2 target GPUs, the search bounded at minibatch 10: the analytic
+    start (44) is brought to the largest multiple of 4 within the bound, 8, which fits the 6 MiB budget (planned
+    5.5 MiB), so one compile answers and the answer is complete (the bound fits)."""
+    assert _fit(tmp_path, *PIPELINE, "--memory", "6MiB", "--max_minibatch", "10") == 0
+    out = capsys.readouterr().out
+    assert "x2, mesh 1x1x1x1x1x2 (data x fsdp x tensor x context x expert x stage); per device" in out
+    (row,) = _rows(tmp_path, "fit_bf16_remat_tiny_h100_x2")
+    assert row["status"] == "ok" and row["fit_probes"][0][0] == 8 and row["fit_compiles"] == 1
+    assert row["fit_largest_minibatch"] == 8 and row["fit_search_complete"] and row["config.data.batch_size"] == 8
+    assert row["analytic_largest_minibatch"] % 4 == 0 and row["compiled_peak_bytes"] <= 6 * 2**20
+    assert row["compiled_peak_bytes"] > 2 * row["analytic_peak_bytes"]  # docs/fit.md: the analytic start is far off
+    assert "recommendation: Block at minibatch 8:" in out
+
+
+@pytest.mark.slow
+def test_fit_searches_a_pipelines_minibatch_in_multiples_of_its_microbatches(tmp_path, capsys):
+    """The same pipeline searched to its edge (5 compiles, ~40 s): every minibatch compiled is a multiple of 4, the
+    answer's largest fits and the next multiple of 4 does not, and the recommendation names that minibatch."""
+    assert _fit(tmp_path, *PIPELINE, "--memory", "6MiB", "--max_minibatch", "64") == 0
+    out = capsys.readouterr().out
+    (row,) = _rows(tmp_path, "fit_bf16_remat_tiny_h100_x2")
+    largest = row["fit_largest_minibatch"]
+    assert row["status"] == "ok" and row["fit_search_complete"] and largest % 4 == 0
+    assert all(minibatch % 4 == 0 for minibatch, _, _ in row["fit_probes"])
+    fits = {minibatch: fit for minibatch, _, fit in row["fit_probes"]}
+    assert fits[largest] and fits[largest + 4] is False and row["fit_first_too_large_minibatch"] == largest + 4
+    assert row["config.data.batch_size"] == largest and row["compiled_peak_bytes"] <= 6 * 2**20
+    assert f"recommendation: Block at minibatch {largest}:" in out
 
 
 def test_a_partial_plan_is_reused_only_to_say_it_does_not_fit(tmp_path):

@@ -156,7 +156,8 @@ def what_would_fit(
     def tried(levers: list[Lever]) -> fit_search.Probe:
         share = max([lever.mem_fraction for lever in levers if lever.mem_fraction], default=None)
         budget = budget_at(share) if share and budget_at else usable
-        return fit_search.probe(plan, with_levers(config, levers), choice, 1, budget, respect_xla_limit)
+        smallest = fit_search.minibatch_step(config)  # 1, or a pipeline's microbatches
+        return fit_search.probe(plan, with_levers(config, levers), choice, smallest, budget, respect_xla_limit)
 
     for lever in active:
         probe = tried([lever])
@@ -175,4 +176,4 @@ def answer(levers: list[Lever], probe: fit_search.Probe) -> str:
     gib = (probe.peak_bytes or 0) / 2**30
     named = "; ".join(f"{lever.name} ({lever.cost})" for lever in levers)
     flags = " ".join(lever.flags for lever in levers)
-    return f"what would fit: {named}: its plan at minibatch 1 is {gib:.3g} GiB and fits; rerun with {flags}"
+    return f"what would fit: {named}: its plan at minibatch {probe.minibatch} is {gib:.3g} GiB and fits; rerun with {flags}"

@@ -12,7 +12,9 @@ four compiles.
 
 The minibatch is per device: `with_minibatch` sets data.batch_size = minibatch x train.num_minibatches x the
 devices the batch is split over (the mesh's data x fsdp axes), and `target_planner(..., devices=N)` plans the
-config's mesh on N target GPUs, so every plan and budget is per device.
+config's mesh on N target GPUs, so every plan and budget is per device. A pipeline (mesh.stage > 1) splits each
+device's minibatch into its microbatches, so there the search steps by `minibatch_step(config)` (the microbatches)
+and every minibatch it tries, and answers, is a multiple of it.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class Search:
     largest: Probe | None  # the largest fitting minibatch found
     too_large: Probe | None  # the smallest minibatch above it that did not fit
     limit: int = DEFAULT_LIMIT  # the largest minibatch the search could try
+    step: int = 1  # every minibatch tried is a multiple of it (a pipeline's microbatches; `minibatch_step`)
 
     @property
     def compiles(self) -> int:
@@ -168,14 +171,21 @@ class Search:
 
     @property
     def complete(self) -> bool:
-        """Whether the answer is the edge: the bracket closed (largest + 1 does not fit), the limit fits, or
-        minibatch 1 does not fit. False when --max_compiles or a failed compile stopped the search first:
-        `largest` is then only a lower bound."""
+        """Whether the answer is the edge: the bracket closed (largest + step does not fit), the limit fits, or
+        the smallest minibatch (one step) does not fit. False when --max_compiles or a failed compile stopped the
+        search first: `largest` is then only a lower bound."""
         if self.largest is None:
-            return self.too_large is not None and self.too_large.minibatch == 1
+            return self.too_large is not None and self.too_large.minibatch == self.step
         if self.too_large is None:
             return self.largest.minibatch == self.limit
-        return self.too_large.minibatch == self.largest.minibatch + 1
+        return self.too_large.minibatch == self.largest.minibatch + self.step
+
+
+def minibatch_step(config: ml_collections.ConfigDict) -> int:
+    """The granule of a per-device minibatch: a pipeline's microbatches (mesh.pipeline_microbatches, or mesh.stage
+    when 0), which must divide every device's rows of a minibatch (config validation); 1 without a pipeline."""
+    mesh = mesh_shape(config)
+    return (config.mesh.pipeline_microbatches or mesh.stage) if mesh.stage > 1 else 1
 
 
 def finetune_fields(method: str) -> tuple[str, ...]:
@@ -409,8 +419,10 @@ def search_largest(
     start: int = 1,
     limit: int = DEFAULT_LIMIT,
     max_compiles: int = DEFAULT_MAX_COMPILES,
+    step: int = 1,
 ) -> Search:
-    """The largest minibatch in [1, limit] whose probe fits, by grow-then-bisect within `max_compiles`.
+    """The largest minibatch in [1, limit] whose probe fits, by grow-then-bisect within `max_compiles`; with
+    `step` > 1 only multiples of it are tried (the search runs in steps, each probe at steps x step).
 
     Assumes that fitting is monotone in the minibatch (a larger minibatch never needs less memory). The steps
     aim at `usable`, or at XLA's own lower limit once a probe's rematerialization warning has named it (a GPU
@@ -422,25 +434,35 @@ def search_largest(
     Returns:
       The Search; largest is None when minibatch 1 does not fit (or every compile failed).
     """
-    probes = _Probes(measure, usable, max_compiles)
-    low, high = _grow(probes, start, limit)
+    def in_steps(steps: int) -> Probe:  # the search's arithmetic counts steps; the probe compiles steps x step
+        return dataclasses.replace(measure(steps * step), minibatch=steps)
+
+    def rows(found: Probe | None) -> Probe | None:
+        return None if found is None else dataclasses.replace(found, minibatch=found.minibatch * step)
+
+    probes = _Probes(in_steps if step > 1 else measure, usable, max_compiles)
+    low, high = _grow(probes, max(1, start // step), max(1, limit // step))
     if low is not None and high is not None:
         low, high = _bisect(probes, low, high)
-    return Search(list(probes.seen.values()), low, high, max(1, limit))
+    seen = [rows(p) for p in probes.seen.values()] if step > 1 else list(probes.seen.values())
+    low, high = (rows(low), rows(high)) if step > 1 else (low, high)
+    return Search(seen, low, high, max(1, limit // step) * step, step)
 
 
 def analytic_largest_minibatch(
     config: ml_collections.ConfigDict, choice: str, usable: int, limit: int = DEFAULT_LIMIT
 ) -> int:
-    """The analytic memory model's answer (a prediction): largest minibatch whose analytic peak <= usable, or 0.
+    """The analytic memory model's answer (a prediction): largest minibatch whose analytic peak <= usable, or 0;
+    a multiple of `minibatch_step(config)` (a pipeline's microbatches).
 
     The analytic peak is affine in the minibatch (states fixed, activations linear), so two evaluations suffice.
     """
-    one = memory.analytic_memory(with_minibatch(config, choice, 1))["analytic_peak_bytes"]
-    two = memory.analytic_memory(with_minibatch(config, choice, 2))["analytic_peak_bytes"]
+    step = minibatch_step(config)
+    one = memory.analytic_memory(with_minibatch(config, choice, step))["analytic_peak_bytes"]
+    two = memory.analytic_memory(with_minibatch(config, choice, 2 * step))["analytic_peak_bytes"]
     if one > usable:
         return 0
-    return int(min(limit, 1 + (usable - one) // max(two - one, 1)))
+    return step * int(min(limit // step, 1 + (usable - one) // max(two - one, 1)))
 
 
 def fit_row(config: ml_collections.ConfigDict, choice: str, search: Search, settings: dict[str, Any]) -> dict:

@@ -92,12 +92,14 @@ def describe(places: dict[str, str]) -> str:
 
 
 def activation_costs(config: ml_collections.ConfigDict) -> dict[str, tuple[int, float]]:
-    """activation -> (bytes it keeps, recompute FLOPs it saves) per step at minibatch 1, from the analytic models:
-    the policy keeping it alone on the device against the policy keeping nothing (both under Block remat)."""
+    """activation -> (bytes it keeps, recompute FLOPs it saves) per step at the smallest minibatch (1, or a
+    pipeline's microbatches), from the analytic models: the policy keeping it alone on the device against the policy
+    keeping nothing (both under Block remat)."""
     names = activations(config.model.family)
+    smallest = fit_search.minibatch_step(config)
 
     def analytic(places: dict[str, str]) -> tuple[int, float]:
-        run = RunSpec.from_config(fit_search.with_minibatch(config, policy_name(places), 1))
+        run = RunSpec.from_config(fit_search.with_minibatch(config, policy_name(places), smallest))
         return memory.analytic_memory(run)["analytic_peak_bytes"], flops.recompute_flops_per_step(run)
 
     nothing_bytes, nothing_flops = analytic(dict.fromkeys(names, "remat"))

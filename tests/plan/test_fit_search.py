@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO
 
 from jaxscale.config import base_config, mesh_shape
+from jaxscale.measure import memory
 from jaxscale.plan import fit_recommend, fit_search, gpu_plan
 
 
@@ -127,6 +128,44 @@ def test_search_respects_max_compiles_and_stops_on_a_failed_compile():
 
     search = fit_search.search_largest(broken, 100, start=8)
     assert search.largest is None and search.compiles == 1
+
+
+@pytest.mark.parametrize("answer", [4, 5, 6, 7, 36, 301])
+@pytest.mark.parametrize("start", [1, 3, 40, 500])
+def test_a_pipelines_search_tries_only_multiples_of_its_microbatches(answer, start):
+    """step=3 (a pipeline's 3 microbatches): minibatches that are not multiples of 3 are never compiled (validation
+    refuses them), and the answer is the largest multiple of 3 that fits, the next multiple the first that does not."""
+    base, per_sequence = 1000, 37
+    usable = base + per_sequence * answer + per_sequence // 2  # answer fits, answer + 1 does not
+    calls: list[int] = []
+    search = fit_search.search_largest(_linear(base, per_sequence, usable, calls), usable, start, 4096, UNCAPPED, 3)
+    edge = answer // 3 * 3  # by hand: 4, 5 -> 3; 6, 7 -> 6; 36 -> 36; 301 -> 300
+    assert all(m % 3 == 0 for m in calls) and len(calls) == len(set(calls)) == search.compiles
+    assert [p.minibatch for p in search.probes] == calls  # the probes carry the minibatch compiled
+    assert search.largest.minibatch == edge and search.too_large.minibatch == edge + 3 and search.complete
+    assert search.compiles <= BOUND
+    nothing = fit_search.search_largest(_linear(base, per_sequence, base, []), base, start, 4096, UNCAPPED, 3)
+    assert nothing.largest is None and nothing.too_large.minibatch == 3 and nothing.complete
+    top = fit_search.search_largest(_linear(0, 1, 10**9, []), 10**9, start, 100, UNCAPPED, 3)
+    assert top.largest.minibatch == 99 and top.too_large is None and top.complete  # the limit, rounded down
+
+
+def test_a_pipelines_analytic_answer_is_the_largest_multiple_of_its_microbatches_within_the_budget():
+    config = base_config("tiny-llama", "fit")
+    config.model.scan_layers = True
+    config.mesh.update(stage=2, pipeline_microbatches=4)
+    assert fit_search.minibatch_step(config) == 4
+    assert fit_search.minibatch_step(base_config("tiny-llama", "fit")) == 1
+    config.mesh.pipeline_microbatches = 0  # 0: one microbatch per stage
+    assert fit_search.minibatch_step(config) == 2
+    config.mesh.pipeline_microbatches = 4
+
+    def peak(minibatch: int) -> int:  # the analytic model itself, minibatch by minibatch
+        return memory.analytic_memory(fit_search.with_minibatch(config, "block", minibatch))["analytic_peak_bytes"]
+
+    usable = (peak(20) + peak(24)) // 2  # 20 fits, 24 does not
+    assert fit_search.analytic_largest_minibatch(config, "block", usable) == 20
+    assert fit_search.analytic_largest_minibatch(config, "block", peak(4) - 1) == 0
 
 
 def test_minibatch_is_per_device_and_multiplies_the_data_parallel_axes():
