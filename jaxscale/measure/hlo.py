@@ -49,13 +49,14 @@ class Instruction:
     operands: list[str]
     attributes: str
 
-    @property
-    def callees(self) -> list[tuple[str, str]]:
-        """(role, computation) pairs this instruction calls: calls=, body=, to_apply=, branches..."""
+    @functools.cached_property
+    def callees(self) -> tuple[tuple[str, str], ...]:
+        """(role, computation) pairs this instruction calls: calls=, body=, to_apply=, branches... (read once: the
+        walks of a program ask every instruction many times)."""
         found = [(m.group(1), m.group(2)) for m in _CALLEE.finditer(self.attributes)]
         for m in _CALLEE_LIST.finditer(self.attributes):
             found += [(m.group(1), c.strip().lstrip("%")) for c in m.group(2).split(",") if c.strip()]
-        return found
+        return tuple(found)
 
     @property
     def op_name(self) -> str:
@@ -77,12 +78,17 @@ class Module:
     num_partitions: int = 1  # devices one SPMD program runs on (the HloModule header's num_partitions)
 
 
+_PARENS = re.compile(r"[()]")
+_OPERAND_MARKS = re.compile(r"[,()\[\]{}]")
+
+
 def _split_balanced(text: str) -> tuple[str, str]:
     """Splits '(a, (b), c) rest' into ('a, (b), c', 'rest')."""
     depth = 0
-    for i, char in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(char, 0)
+    for match in _PARENS.finditer(text):
+        depth += 1 if match.group() == "(" else -1
         if depth == 0:
+            i = match.start()
             return text[1:i], text[i + 1 :]
     return text[1:], ""
 
@@ -97,21 +103,26 @@ def _parse_instruction(name: str, text: str) -> Instruction | None:
     if not match:
         return None
     operand_text, attributes = _split_balanced(rest[match.end() - 1 :])
-    operand_text = _COMMENT.sub("", operand_text)  # '/*index=5*/%x' names x
-    operands, depth, current = [], 0, ""
-    for char in operand_text + ",":
-        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            if current.strip():
-                operands.append(current.strip().split(" ")[-1].lstrip("%"))
-            current = ""
-        else:
-            current += char
+    operand_text = _COMMENT.sub("", operand_text) + ","  # '/*index=5*/%x' names x
+    operands, depth, start = [], 0, 0
+    for found in _OPERAND_MARKS.finditer(operand_text):  # each operand: '<shape> %name', split at top-level commas
+        mark = found.group()
+        if mark != ",":
+            depth += 1 if mark in "([{" else -1
+        elif depth == 0:
+            operand = operand_text[start : found.start()].strip()
+            if operand:
+                operands.append(operand.split(" ")[-1].lstrip("%"))
+            start = found.end()
     return Instruction(name, match.group(1), shape, operands, attributes)
 
 
+@functools.lru_cache(maxsize=4)
 def parse(text: str) -> Module:
-    """Parses `compiled.as_text()` (optimized HLO) into computations of instructions."""
+    """Parses `compiled.as_text()` (optimized HLO) into computations of instructions.
+
+    One plan's text is read by several measures (kernels, collectives, FLOPs, expert FLOPs, host memory): the last
+    few parses are kept, so each text is parsed once. The Module is shared between them: read it, never change it."""
     computations: dict[str, dict[str, Instruction]] = {}
     entry, current, partitions = "", None, 1
     for line in text.splitlines():
