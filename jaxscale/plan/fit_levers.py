@@ -8,6 +8,12 @@ applies). Cheapest first means: what costs no speed (the allocator's share), the
 (the loss in chunks, bf16 weights, the update inside the backward pass), then smaller optimizer state (bf16 first moment, 8-bit moments, Adafactor: a different
 optimizer), then the optimizer state in host memory (time on the host link), then, for fine-tuning, LoRA and QLoRA
 (different methods). Each lever is one compile.
+
+On several target GPUs whose mesh has a data-parallel axis (state replicated on each of its devices), two layout
+levers move that axis's devices (`layout_levers`): to FSDP (ZeRO-3: every weight gathered at its use, gradients
+reduce-scattered: link time, mostly hidden), tried after the chunked loss; and to two pipeline stages (each device
+holds half the layers and their state; the bubble idles (p-1)/(m+p-1) of the step), tried after the host-memory
+state. Of the two only FSDP joins the levers used together.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 import ml_collections
 
-from jaxscale.config import ConfigError, validate
+from jaxscale.config import ConfigError, mesh_shape, validate
 from jaxscale.config.overrides import apply_overrides
 from jaxscale.plan import fit_search
 
@@ -50,6 +56,7 @@ class Lever:
     applies: Callable[[ml_collections.ConfigDict, float], bool] = lambda config, fraction: True
     finetune: str | None = None
     optimizer: bool = False
+    layout: bool = False  # it moves the mesh's devices (layout_levers): made for one config, not in LEVERS
 
 
 def _adam(config: ml_collections.ConfigDict) -> bool:
@@ -91,14 +98,50 @@ LEVERS: tuple[Lever, ...] = (
 )  # fmt: skip
 
 
+PIPELINE_STAGES = 2  # the pipeline lever's stages: the fewest, the smallest bubble
+
+
+def layout_levers(config: ml_collections.ConfigDict) -> list[Lever]:
+    """The layout levers for `config`'s mesh: none unless its data-parallel axis (mesh.data) has devices to move.
+
+    fsdp: mesh.data's devices join mesh.fsdp (the state split over all of them). pipeline: mesh.data halved and
+    PIPELINE_STAGES stages made of the other half (the layers scanned; mesh.pipeline_microbatches as configured, 0
+    being one a stage, so each device's minibatch is a multiple of them; its state half the layers'); a config the pipeline cannot carry
+    (dropout, a mixture of experts, ...) fails validation and the lever is not tried."""
+    data, fsdp = config.mesh.data, config.mesh.fsdp
+    if data < 2:
+        return []
+    zero = config.mesh.zero_stage
+    found = [Lever("fsdp", f"link time: the data-parallel axis's {data} devices shard the state too (mesh.fsdp "
+                   f"{data * fsdp} at ZeRO stage {zero}: what it splits gathered where it is used, its gradients "
+                   "reduce-scattered)",
+                   {"mesh.data": 1, "mesh.fsdp": data * fsdp},
+                   f"--config.mesh.data=1 --config.mesh.fsdp={data * fsdp}", layout=True)]  # fmt: skip
+    if data % PIPELINE_STAGES == 0:
+        p = PIPELINE_STAGES
+        found.append(Lever(
+            "pipeline", f"the bubble: {p} pipeline stages from the data-parallel axis (each device holds 1/{p} of "
+            f"the layers and their state; GPipe idles (p-1)/(m+p-1) of the step, {p - 1}/{2 * p - 1} at {p} "
+            "microbatches; jaxscale/model/pipeline.py)",
+            {"mesh.data": data // p, "mesh.stage": p, "model.scan_layers": True},
+            f"--config.mesh.data={data // p} --config.mesh.stage={p} --config.model.scan_layers=True", layout=True,
+        ))  # fmt: skip
+    return found
+
+
 def with_levers(config: ml_collections.ConfigDict, levers: list[Lever]) -> ml_collections.ConfigDict:
     """A validated copy of `config` with the levers' changes (a fine-tuning method's through fit_search.with_finetune,
     the one place its LoRA rank is chosen)."""
     config = copy.deepcopy(config)
+    rows = config.data.batch_size // config.train.num_minibatches // mesh_shape(config).batch_split
     for lever in levers:
         apply_overrides(config, lever.changes, f"lever {lever.name}")
         if lever.finetune:
             config = fit_search.with_finetune(config, lever.finetune)
+    if any(lever.layout for lever in levers):  # each device's rows kept (a multiple of a pipeline's microbatches)
+        step = fit_search.minibatch_step(config)
+        rows = -(-max(rows, 1) // step) * step
+        config.data.batch_size = rows * config.train.num_minibatches * mesh_shape(config).batch_split
     validate(config)
     return config
 
@@ -118,13 +161,19 @@ def together(levers: list[Lever]) -> list[Lever]:
     of which only the last (they replace one another: a command that set them all would ask for 8-bit Adam moments
     of Adafactor, or LoRA and QLoRA at once)."""
     last = [lever for lever in levers if lever.optimizer][-1:] + [lever for lever in levers if lever.finetune][-1:]
-    return [lever for lever in levers if not (lever.optimizer or lever.finetune) or lever in last]
+    last += [lever for lever in levers if lever.layout][:1]  # FSDP, not a pipeline too: both move mesh.data
+    return [lever for lever in levers if not (lever.optimizer or lever.finetune or lever.layout) or lever in last]
 
 
 def applicable(config: ml_collections.ConfigDict, shared: bool, fraction: float | None) -> list[Lever]:
-    """The levers what_would_fit tries for `config`, in LEVERS' order: those that apply to it (Lever.applies) and
-    make a config the lab builds, the allocator's share only where the budget is one (`shared`)."""
-    return [lv for lv in LEVERS if (lv.mem_fraction is None or shared) and lv.applies(config, fraction or 1)
+    """The levers what_would_fit tries for `config`, in LEVERS' order with its layout levers placed (FSDP after
+    the chunked loss, the pipeline after the host-memory state): those that apply to it (Lever.applies) and make a
+    config the lab builds, the allocator's share only where the budget is one (`shared`)."""
+    order = list(LEVERS)
+    for lever in layout_levers(config):
+        after = "chunked_loss" if lever.name == "fsdp" else "offload_state"
+        order.insert(next((i + 1 for i, lv in enumerate(order) if lv.name == after), len(order)), lever)
+    return [lv for lv in order if (lv.mem_fraction is None or shared) and lv.applies(config, fraction or 1)
             and _valid(config, [lv])]  # fmt: skip
 
 
@@ -156,8 +205,9 @@ def what_would_fit(
     def tried(levers: list[Lever]) -> fit_search.Probe:
         share = max([lever.mem_fraction for lever in levers if lever.mem_fraction], default=None)
         budget = budget_at(share) if share and budget_at else usable
-        smallest = fit_search.minibatch_step(config)  # 1, or a pipeline's microbatches
-        return fit_search.probe(plan, with_levers(config, levers), choice, smallest, budget, respect_xla_limit)
+        levered = with_levers(config, levers)
+        smallest = fit_search.minibatch_step(levered)  # 1, or a pipeline's microbatches
+        return fit_search.probe(plan, levered, choice, smallest, budget, respect_xla_limit)
 
     for lever in active:
         probe = tried([lever])

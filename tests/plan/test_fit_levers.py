@@ -72,3 +72,57 @@ def test_a_lever_the_model_cannot_take_is_not_tried():
     assert fit_levers._valid(moe, [levers["offload_state"]])
     tried = {lever.name for lever in fit_levers.applicable(moe, shared=True, fraction=0.75)}
     assert "offload_state" in tried and not tried & {"lora_all", "qlora_all"}
+
+
+def test_a_data_parallel_mesh_gets_the_fsdp_and_pipeline_levers_in_their_places():
+    """On a mesh with a data-parallel axis the lever list gains FSDP (after the chunked loss) and two pipeline stages
+    (after the host-memory state), each keeping the mesh's device count and validating; FSDP alone joins the levers
+    used together (both move mesh.data); no data axis, no layout lever; a model the pipeline cannot carry (a mixture
+    of experts) gets FSDP only."""
+    config = load_config("bf16_remat", "tiny-llama")
+    config.mesh.update(data=4, fsdp=2)
+    config.data.batch_size = 16  # 2 minibatches of 1 row a device
+    names = [lever.name for lever in fit_levers.applicable(config, shared=True, fraction=0.75)]
+    assert names == ["mem_fraction", "fsdp", "bf16_weights", "bf16_state", "int8_state", "adafactor", "offload_state",
+                     "pipeline", "lora_all", "qlora_all"]  # seq 32: no chunked loss  # fmt: skip
+    levers = {lever.name: lever for lever in fit_levers.layout_levers(config)}
+    fsdp, pipeline = (fit_levers.with_levers(config, [levers[name]]) for name in ("fsdp", "pipeline"))
+    assert (fsdp.mesh.data, fsdp.mesh.fsdp, fsdp.mesh.stage) == (1, 8, 1)
+    assert (pipeline.mesh.data, pipeline.mesh.fsdp, pipeline.mesh.stage) == (2, 2, 2) and pipeline.model.scan_layers
+    assert fit_search.minibatch_step(pipeline) == 2  # one microbatch a stage: the probes step by 2
+    # each device's rows a minibatch kept: 1 with FSDP (16 over 2 minibatches x 8), rounded up to the pipeline's 2
+    # microbatches (2 minibatches x 2 rows x data 2 x fsdp 2 = 16)
+    assert fsdp.data.batch_size == 16 and pipeline.data.batch_size == 16
+    assert levers["pipeline"].flags == "--config.mesh.data=2 --config.mesh.stage=2 --config.model.scan_layers=True"
+    together = [lever.name for lever in fit_levers.together(fit_levers.applicable(config, True, 0.75))]
+    assert "fsdp" in together and "pipeline" not in together
+    assert fit_levers._valid(config, fit_levers.together(fit_levers.applicable(config, True, 0.75)))
+    config.mesh.update(data=1, fsdp=8)
+    assert fit_levers.layout_levers(config) == []
+    moe = load_config("bf16_remat", "tiny-moe")
+    moe.mesh.data = 2
+    assert [lever.name for lever in fit_levers.applicable(moe, True, 0.75) if lever.layout] == ["fsdp"]
+
+
+@pytest.mark.slow
+def test_a_data_parallel_mesh_that_does_not_fit_is_answered_by_a_layout_lever_on_target_gpus(monkeypatch):
+    """tiny-llama on 2 deviceless H100s, data parallel: its own plan at minibatch 1, FSDP's at 1 and the pipeline's
+    at 2 (one microbatch a stage), compiled here; splitting the state (FSDP) or the layers (the pipeline) plans less
+    than replicating them, and at a budget just below the data-parallel plan what_would_fit names the first layout
+    lever whose plan is within it (the other levers set aside)."""
+    plan = fit_search.target_planner("h100", "cublas", None, False, 2)
+    config = load_config("bf16_remat", "tiny-llama")
+    config.mesh.data, config.data.batch_size, config.train.num_minibatches = 2, 4, 1
+    levers = {lever.name: lever for lever in fit_levers.layout_levers(config)}
+
+    def peak(made, minibatch):
+        return fit_search.device_peak(plan(fit_search.with_minibatch(made, "block", minibatch)))
+
+    own = peak(config, 1)
+    fsdp = peak(fit_levers.with_levers(config, [levers["fsdp"]]), 1)
+    pipeline = peak(fit_levers.with_levers(config, [levers["pipeline"]]), 2)
+    assert fsdp < own and pipeline < peak(config, 2)
+    monkeypatch.setattr(fit_levers, "LEVERS", ())
+    found = fit_levers.what_would_fit(config, "block", plan, own - 1, respect_xla_limit=False)
+    first = "fsdp" if fsdp <= own - 1 else "pipeline" if pipeline <= own - 1 else None
+    assert (found[0][0].name if found else None) == first
