@@ -106,8 +106,8 @@ def layout_levers(config: ml_collections.ConfigDict) -> list[Lever]:
 
     fsdp: mesh.data's devices join mesh.fsdp (the state split over all of them). pipeline: mesh.data halved and
     PIPELINE_STAGES stages made of the other half (the layers scanned; mesh.pipeline_microbatches as configured, 0
-    being one a stage, so each device's minibatch is a multiple of them; its state half the layers'); a config the pipeline cannot carry
-    (dropout, a mixture of experts, ...) fails validation and the lever is not tried."""
+    being one a stage, so each device's minibatch is a multiple of them; its state half the layers'); a config the
+    pipeline cannot carry (dropout, a mixture of experts, ...) fails validation and the lever is not tried."""
     data, fsdp = config.mesh.data, config.mesh.fsdp
     if data < 2:
         return []
@@ -226,4 +226,5 @@ def answer(levers: list[Lever], probe: fit_search.Probe) -> str:
     gib = (probe.peak_bytes or 0) / 2**30
     named = "; ".join(f"{lever.name} ({lever.cost})" for lever in levers)
     flags = " ".join(lever.flags for lever in levers)
-    return f"what would fit: {named}: its plan at minibatch {probe.minibatch} is {gib:.3g} GiB and fits; rerun with {flags}"
+    at = f"its plan at minibatch {probe.minibatch} is {gib:.3g} GiB and fits"
+    return f"what would fit: {named}: {at}; rerun with {flags}"
