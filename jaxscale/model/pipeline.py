@@ -37,6 +37,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config.layout_rules import STATE_AXES, mesh_axes, without
 from jaxscale.model.axes import constrain, mesh_axis_size
@@ -171,6 +172,10 @@ def is_names(x: Any) -> bool:
     return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
 
 
+LAYER_INPUT = "pipeline_layer_input"
+VISIT_POLICY = jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)
+
+
 def visit_params(staged: Any, t: jax.Array, schedule: Schedule) -> Any:
     """Each stage's parameters for its visit at iteration t: [p, v, n, ...] -> [p, n, ...], stage s's visit
     (t - s) div m (clipped to the visits there are).
@@ -276,11 +281,17 @@ def _loop(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Arra
 
     def one_stage(params: Any, h: jax.Array) -> jax.Array:  # params [n, ...], h [b, T, H]
         def body(carry: jax.Array, layer_params: Any) -> tuple[jax.Array, None]:
-            return layer(layer_params, carry), None
+            return layer(layer_params, checkpoint_name(carry, LAYER_INPUT)), None
 
         return jax.lax.scan(body, h, params)[0]
 
     stages = jax.vmap(one_stage, spmd_axis_name=STAGE_AXIS)
+
+    def visit(staged: Any, t: jax.Array, inputs: jax.Array) -> jax.Array:
+        return stages(visit_params(staged, t, schedule), inputs)
+
+    if v > 1:  # circular: the iteration's picked weights recomputed in the backward pass, not kept (see VISIT_POLICY)
+        visit = jax.checkpoint(visit, policy=VISIT_POLICY, prevent_cse=False)
 
     def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
         outputs, done = carry  # outputs [p, b, T, H]: each stage's last; done [m, b, T, H]: the last stage's
@@ -289,7 +300,7 @@ def _loop(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Arra
         shifted = jnp.concatenate([outputs[-1:], outputs[:-1]], axis=0)  # stage s - 1's output to stage s
         inputs = jnp.where((stage_ids == 0).reshape(p, *(1,) * len(first.shape)), first[None], shifted)
         inputs = constrain(inputs, (STAGE_AXIS, *STREAM))
-        outputs = constrain(stages(visit_params(staged, t, schedule), inputs), (STAGE_AXIS, *STREAM))
+        outputs = constrain(visit(staged, t, inputs), (STAGE_AXIS, *STREAM))
         k = t - (p - 1)  # the visit the last stage finished
         valid = (k >= 0) & (k < v * m)
         j = jnp.clip(k, 0, v * m - 1) % m

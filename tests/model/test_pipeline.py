@@ -4,6 +4,8 @@ same function on meshes of 8 devices: tests/train/test_sharding_devices.py (test
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,3 +97,20 @@ def test_inside_the_loop_only_the_pipelines_names_keep_the_stage_axis():
     assert inside["stream_seq"] == inside["seq"] == ("context",)
     assert inside["layers"] == inside["stage"] == inside["stage_seq"] == "stage"
     assert inside["batch"] == outside["batch"] and inside["embed"] == outside["embed"]
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_the_backward_pass_keeps_no_copy_of_the_weights_per_iteration(repeats):
+    """The circular schedule picks each iteration's weights by the iteration's index (two visits, then a select per
+    stage): kept for the backward pass, that was a copy of a stage's weights in every iteration of the loop (the Llama
+    3.1 8B plan of 4 stages x 2 visits: 70.6 GiB against GPipe's 30.6). They are picked again in the backward pass
+    instead: the compiled gradient holds no array of the loop's iterations by a layer's weight matrix [H, H]; the
+    layers' inputs, one [b, T, H] an iteration and layer, are still kept."""
+    schedule = pipeline.Schedule(2, 4, repeats)
+    x = jax.random.normal(jax.random.PRNGKey(2), (B, T, H))
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(_pipelined(p, x, schedule) ** 2)))
+    text = grad.lower(_params(), x).compile().as_text()
+    shapes = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"f32\[([\d,]+)\]", text)}
+    per_iteration = {s for s in shapes if s[0] == schedule.iterations and len(s) > 2}
+    assert not [s for s in per_iteration if s[-2:] == (H, H)], per_iteration
+    assert [s for s in per_iteration if s[-2:] == (T, H)]  # the layers' inputs, an iteration's each
