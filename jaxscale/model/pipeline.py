@@ -173,6 +173,12 @@ def is_names(x: Any) -> bool:
 
 
 LAYER_INPUT = "pipeline_layer_input"
+# The circular schedule's weights for an iteration are picked from the stage's visits by the iteration's index
+# (visit_params): a value of every iteration, which the loop's backward pass would keep, a copy of the stage's visit
+# weights an iteration (the Llama 3.1 8B plan of 4 stages x 2 visits and 8 microbatches was 70.6 GiB against GPipe's
+# 30.6). Where its layers keep only their inputs (Block remat with nothing saved, `run`'s recompute_weights), an
+# iteration keeps the layers' inputs, by name, and the backward pass picks the weights again (a slice and a select):
+# the same matmuls, none of the copies. GPipe's weights do not depend on the iteration (kept once, outside the loop).
 VISIT_POLICY = jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)
 
 
@@ -206,6 +212,7 @@ def run(
     schedule: Schedule,
     groups: Groups | None = None,
     names: Any | None = None,
+    recompute_weights: bool = True,
 ) -> jax.Array:
     """x [B, T, H] through every layer of the stack, pipelined: the function `layer` applied L times in order.
 
@@ -219,12 +226,16 @@ def run(
         as one batch (the partitioner reduces each iteration's weight gradients over the devices that split it).
       names: the stack's per-layer logical names (`stage_layout`'s), which lay out each group's weights (and so
         their gradients) as the stage's own; None: only the group and stage dimensions are constrained.
+      recompute_weights: the circular schedule's per-iteration weights picked again in the backward pass rather
+        than kept (VISIT_POLICY), for layers that keep only their inputs (`layer` under Block remat saving nothing);
+        where a layer keeps more (no remat, a policy that saves), keeping only its inputs would recompute its forward
+        pass, so the weights are kept, a copy an iteration.
 
     Returns:
       The stack's output [B, T, H].
     """
     if groups is None:
-        return _loop(layer, staged, x, schedule)
+        return _loop(layer, staged, x, schedule, recompute_weights)
     batch, rest = x.shape[0], x.shape[1:]
     # [B, ...] -> [count, B / count, ...]: group g holds the rows of the g-th batch-splitting device
     rows = constrain(x.reshape(groups.count, batch // groups.count, *rest), ("batch", None, *STREAM[1:]))
@@ -241,7 +252,8 @@ def run(
         weights = jax.tree_util.tree_map(lambda w: own(w, None), staged)
     else:
         weights = jax.tree_util.tree_map(lambda n, w: own(w, n), names, staged, is_leaf=is_names)
-    per_group = jax.vmap(functools.partial(_loop, layer, schedule=schedule), spmd_axis_name=groups.axes)
+    loop = functools.partial(_loop, layer, schedule=schedule, recompute_weights=recompute_weights)
+    per_group = jax.vmap(loop, spmd_axis_name=groups.axes)
     with nn.logical_axis_rules(groups.rules):
         out = per_group(weights, rows)
     return out.reshape(batch, *rest)
@@ -270,7 +282,10 @@ def device_groups() -> Groups | None:
     return Groups(axes, math.prod(mesh_axis_size(a) for a in axes), inner)
 
 
-def _loop(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Array, schedule: Schedule) -> jax.Array:
+def _loop(
+    layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Array, schedule: Schedule,
+    recompute_weights: bool = True,
+) -> jax.Array:
     """`run` of one batch of rows: the schedule's loop."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     batch, rest = x.shape[0], x.shape[1:]
@@ -290,7 +305,7 @@ def _loop(layer: Callable[[Any, jax.Array], jax.Array], staged: Any, x: jax.Arra
     def visit(staged: Any, t: jax.Array, inputs: jax.Array) -> jax.Array:
         return stages(visit_params(staged, t, schedule), inputs)
 
-    if v > 1:  # circular: the iteration's picked weights recomputed in the backward pass, not kept (see VISIT_POLICY)
+    if v > 1 and recompute_weights:  # circular: the iteration's picked weights picked again, not kept (VISIT_POLICY)
         visit = jax.checkpoint(visit, policy=VISIT_POLICY, prevent_cse=False)
 
     def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:

@@ -136,7 +136,8 @@ class Transformer(nn.Module):
         rules = pipeline.inner_rules(tuple(nn.get_logical_axis_rules()))
         with nn.logical_axis_rules(pipeline.gathered_rules(rules) if gather_once else rules):  # the loop's layout
             staged = pipeline.stage_layout(stacked, schedule, names)
-            return pipeline.run(layer, staged, x, schedule, pipeline.device_groups(), names)
+            only_inputs = cfg.remat == ("Block",) and cfg.remat_policy == "nothing_saveable"  # what the layers keep
+            return pipeline.run(layer, staged, x, schedule, pipeline.device_groups(), names, only_inputs)
 
 
 def count_params(params) -> int:
