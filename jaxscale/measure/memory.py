@@ -358,7 +358,8 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         split like the optimizer state at every ZeRO stage (the step constrains them so: reduce-scatters), and
         whole where the step accumulates them on each device (accumulates_locally).
       activations: L × per-layer bytes (layer_activation_bytes) + one recomputed unit + head_residuals (with a
-        pipeline of p stages, m microbatches and v visits: L x (v·m + p - 1)/(p·v·m) layers' and 1/p of the head's),
+        pipeline of p stages, m microbatches and v visits: L x (v·m + p - 1)/(p·v·m) layers' and 1/p of the head's,
+        and with v > 1 the stack's weights and their gradients in the stage-major layout, 2 x their bytes),
         for the minibatch's share of this device (/ data·fsdp·expert, and the sequence / context) with
         tensor-parallel terms split (Dims.t), and every term under sequence parallelism (Dims.sp);
         with accumulate='loop' every minibatch's activations, as both XLA backends schedule the unrolled
@@ -395,12 +396,17 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         working = max(working, dense[1])
     per_minibatch = (blocks - dense_blocks) * layer + dense_blocks * (dense[0] if dense_blocks else 0)
     head = sum(head_residuals(d, causal_mask).values())
+    relayout = 0
     if run.mesh.stage > 1:  # a pipeline (jaxscale.model.pipeline): a stage keeps its L/(p·v) layers' residuals of one
         # microbatch (1/m of the minibatch) in each of the loop's v·m + p - 1 iterations; the head runs on 1/p of the
         # positions
         p, m_, v = run.mesh.stage, run.pipeline_microbatches, run.pipeline_repeats
         per_minibatch = per_minibatch * (v * m_ + p - 1) // (p * v * m_)
         head //= p
+        if v > 1:  # circular: the stack's weights in the stage-major layout (an all-to-all's copy of the device's
+            # share) and, in the backward pass, their gradients in it before they move back (jaxscale.model.pipeline)
+            stack = {k: shape for k, shape in trained_table(run).items() if "/blocks/" in k}
+            relayout = 2 * _weight_itemsize(run) * _held(stack, run.mesh._asdict(), tables["params"])
     per_minibatch += head
     live = run.num_minibatches if run.accumulate == "loop" else 1
     # Under FSDP one layer's weights are gathered whole with their whole gradient (_gathered_layer_bytes, 4 + 4
@@ -425,7 +431,7 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         "analytic_grads_bytes": minibatch_grads + accumulator,
         # optimizer state, and the bf16 weights' buffers (Kahan's compensation, the float32 master copy)
         "analytic_optimizer_bytes": optimizer_state_bytes(run) + bf16_buffer_bytes(run),
-        "analytic_activation_bytes": live * per_minibatch + working + gather,
+        "analytic_activation_bytes": live * per_minibatch + working + gather + relayout,
         "analytic_activation_per_layer_bytes": layer,
         # what one layer's backward pass reads (closed_form_residuals), whatever the layer keeps: the docs' yardstick
         "analytic_closed_form_per_layer_bytes": sum(map(_total, closed_form_residuals(d).values())),

@@ -423,7 +423,7 @@ def test_closed_form_is_what_the_backward_reads_by_hand(preset, elements):
     assert per_token == 2 * elements * 4096 + 4 * 32
 
 
-def test_a_pipelines_activations_follow_its_loop_within_a_quarter_of_the_compiled_plans():
+def test_a_pipelines_activations_follow_its_loop_and_its_relayout_within_a_quarter_of_the_compiled_plans():
     """With a pipeline a stage keeps its L/p layers' residuals of one microbatch in each of the loop's m + p - 1
     iterations (and runs the head on 1/p of the positions): the analytic peak of each GPipe plan of Llama 3.1 8B on 8
     H100s (experiments/pipeline.py, 4 stages x tensor 2, 1 to 16 microbatches, the committed rows' compiled peaks)
@@ -444,3 +444,12 @@ def test_a_pipelines_activations_follow_its_loop_within_a_quarter_of_the_compile
         analytic = memory.analytic_memory(variant.config)["analytic_peak_bytes"]
         ratio = analytic / rows[variant.name]["compiled_peak_bytes"]
         assert 0.8 < ratio < 1.25, (variant.name, ratio)
+    # The circular schedule (2 and 4 visits) holds the stack's weights in the stage-major layout and their gradients
+    # in it too, 2 x 4 bytes a parameter of the device's share of the stack: 0.98 and 0.93 of the plans with that
+    # term, 0.81 and 0.77 without it.
+    circular = [v for v in sweep.variants if v.name.startswith("pp4v")]
+    assert len(circular) == 2
+    for variant in circular:
+        analytic = memory.analytic_memory(variant.config)["analytic_peak_bytes"]
+        ratio = analytic / rows[variant.name]["compiled_peak_bytes"]
+        assert 0.9 < ratio < 1.1, (variant.name, ratio)
