@@ -438,18 +438,13 @@ def test_a_pipelines_activations_follow_its_loop_and_its_relayout_within_a_quart
         row = json.loads(line)
         rows[row["variant"]] = row
     sweep = load_sweep(f"{root}/experiments/pipeline.py:llama3.1-8b")
-    gpipe = [v for v in sweep.variants if v.name.startswith("pp4_tp2_m")]
-    assert len(gpipe) == 5
-    for variant in gpipe:
-        analytic = memory.analytic_memory(variant.config)["analytic_peak_bytes"]
-        ratio = analytic / rows[variant.name]["compiled_peak_bytes"]
-        assert 0.8 < ratio < 1.25, (variant.name, ratio)
-    # The circular schedule (2 and 4 visits) holds the stack's weights in the stage-major layout and their gradients
-    # in it too, 2 x 4 bytes a parameter of the device's share of the stack: 0.98 and 0.93 of the plans with that
-    # term, 0.81 and 0.77 without it.
-    circular = [v for v in sweep.variants if v.name.startswith("pp4v")]
-    assert len(circular) == 2
-    for variant in circular:
-        analytic = memory.analytic_memory(variant.config)["analytic_peak_bytes"]
-        ratio = analytic / rows[variant.name]["compiled_peak_bytes"]
-        assert 0.9 < ratio < 1.1, (variant.name, ratio)
+    # GPipe within a quarter; the circular schedule (2 and 4 visits), which holds the stack's weights in the
+    # stage-major layout and their gradients in it too (2 x 4 bytes a parameter of the device's share of the stack),
+    # within 10%: 0.98 and 0.93 of the plans with that term, 0.81 and 0.77 without it.
+    for prefix, count, (low, high) in (("pp4_tp2_m", 5, (0.8, 1.25)), ("pp4v", 2, (0.9, 1.1))):
+        variants = [v for v in sweep.variants if v.name.startswith(prefix)]
+        assert len(variants) == count
+        for variant in variants:
+            analytic = memory.analytic_memory(variant.config)["analytic_peak_bytes"]
+            ratio = analytic / rows[variant.name]["compiled_peak_bytes"]
+            assert low < ratio < high, (variant.name, ratio)
