@@ -309,7 +309,8 @@ def run_fit(fv: flags.FlagValues, config: ml_collections.ConfigDict) -> tuple[li
             )
         if mesh_shape(config).devices != (fv.devices or 1):  # a 1x1x1 mesh would plan one of the N GPUs
             raise UsageError(
-                f"mesh: {mesh_shape(config).axes_text} = {mesh_text(config)} plans {mesh_shape(config).devices} GPU(s), "
+                f"mesh: {mesh_shape(config).axes_text} = {mesh_text(config)} plans {mesh_shape(config).devices} "
+                f"GPU(s), "
                 f"but --devices is {fv.devices or 1}; choose sizes whose product is {fv.devices or 1} "
                 f"(e.g. --config.mesh.fsdp={fv.devices or 1})"
             )
@@ -411,7 +412,8 @@ def _what_would_fit(rows: list[dict], config: ml_collections.ConfigDict, context
     if found is None:
         shared = context["budget_at"] is not None and context["fraction"] is not None
         names = ", ".join(lever.name for lever in fit_levers.applicable(config, shared, context["fraction"]))
-        return f"what would fit: none of the levers ({names}), alone or together, at minibatch {fit_search.minibatch_step(config)}"
+        smallest = fit_search.minibatch_step(config)  # 1, or a pipeline's microbatches
+        return f"what would fit: none of the levers ({names}), alone or together, at minibatch {smallest}"
     return fit_levers.answer(*found)
 
 

@@ -312,6 +312,13 @@ def tokens_per_step(config: ml_collections.ConfigDict) -> int:
     return config.data.batch_size * config.data.seq_len
 
 
+def pipeline_microbatches(config: ml_collections.ConfigDict) -> int:
+    """A pipeline's microbatches a minibatch: mesh.pipeline_microbatches, or mesh.stage when 0; 1 without a
+    pipeline (mesh.stage 1)."""
+    stages = config.mesh.stage
+    return (config.mesh.pipeline_microbatches or stages) if stages > 1 else 1
+
+
 def minibatch_per_device(config: ml_collections.ConfigDict) -> int:
     """Sequences one device holds per minibatch: data.batch_size / train.num_minibatches / (data x fsdp x expert)."""
     return config.data.batch_size // config.train.num_minibatches // mesh_shape(config).batch_split
@@ -379,7 +386,7 @@ class RunSpec:
             bf16_rounding=config.optimizer.bf16_rounding if config.model.param_dtype == "bfloat16" else "",
             in_backward=config.optimizer.in_backward,
             tokens_per_step=tokens_per_step(config),
-            pipeline_microbatches=(config.mesh.pipeline_microbatches or stages) if stages > 1 else 1,
+            pipeline_microbatches=pipeline_microbatches(config),
             pipeline_repeats=config.mesh.pipeline_repeats if stages > 1 else 1,
             finetune=FinetuneSpec.from_config(config),
         )

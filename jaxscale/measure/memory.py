@@ -405,7 +405,7 @@ def analytic_memory(config: RunSpec | ml_collections.ConfigDict) -> dict[str, in
         head //= p
         if v > 1:  # circular: the stack's weights in the stage-major layout (an all-to-all's copy of the device's
             # share) and, in the backward pass, their gradients in it before they move back (jaxscale.model.pipeline)
-            stack = {k: shape for k, shape in trained_table(run).items() if "/blocks/" in k}
+            stack = {k: shape for k, shape in trained_table(run).items() if k.startswith(STACK_PREFIX)}
             relayout = 2 * _weight_itemsize(run) * _held(stack, run.mesh._asdict(), tables["params"])
     per_minibatch += head
     live = run.num_minibatches if run.accumulate == "loop" else 1

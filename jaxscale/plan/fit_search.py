@@ -30,7 +30,7 @@ import ml_collections
 
 from jaxscale.config import flatten, mesh_shape, remat_policies, validate
 from jaxscale.config.overrides import apply_overrides
-from jaxscale.config.spec import RunSpec, tokens_per_step
+from jaxscale.config.spec import RunSpec, pipeline_microbatches, tokens_per_step
 from jaxscale.measure import flops, memory
 from jaxscale.plan import gpu_plan
 from jaxscale.train import abstract_inputs, make_train_step, offload, param_columns, sharding
@@ -182,10 +182,9 @@ class Search:
 
 
 def minibatch_step(config: ml_collections.ConfigDict) -> int:
-    """The granule of a per-device minibatch: a pipeline's microbatches (mesh.pipeline_microbatches, or mesh.stage
-    when 0), which must divide every device's rows of a minibatch (config validation); 1 without a pipeline."""
-    mesh = mesh_shape(config)
-    return (config.mesh.pipeline_microbatches or mesh.stage) if mesh.stage > 1 else 1
+    """The granule of a per-device minibatch: a pipeline's microbatches (spec.pipeline_microbatches), which must
+    divide every device's rows of a minibatch (config validation); 1 without a pipeline."""
+    return pipeline_microbatches(config)
 
 
 def finetune_fields(method: str) -> tuple[str, ...]:
@@ -440,13 +439,12 @@ def search_largest(
     def rows(found: Probe | None) -> Probe | None:
         return None if found is None else dataclasses.replace(found, minibatch=found.minibatch * step)
 
-    probes = _Probes(in_steps if step > 1 else measure, usable, max_compiles)
+    probes = _Probes(in_steps, usable, max_compiles)
     low, high = _grow(probes, max(1, start // step), max(1, limit // step))
     if low is not None and high is not None:
         low, high = _bisect(probes, low, high)
-    seen = [rows(p) for p in probes.seen.values()] if step > 1 else list(probes.seen.values())
-    low, high = (rows(low), rows(high)) if step > 1 else (low, high)
-    return Search(seen, low, high, max(1, limit // step) * step, step)
+    seen = [rows(p) for p in probes.seen.values()]
+    return Search(seen, rows(low), rows(high), max(1, limit // step) * step, step)
 
 
 def analytic_largest_minibatch(
