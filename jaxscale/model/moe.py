@@ -249,16 +249,48 @@ def slot_positions(experts: jax.Array, num_experts: int, slots: int) -> tuple[ja
     return routed, position, routed * (position < slots)
 
 
+def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x [B, M, H] at rows index [B, N] of each sequence -> [B, N, H]; index M (one past the last row) reads zeros."""
+    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+    return jnp.take_along_axis(padded, index[..., None], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def move_rows(x: jax.Array, index: jax.Array, back: jax.Array, group: int) -> jax.Array:
+    """take_rows(x, index) whose gradient is a gather too: take_rows(cotangent, back) summed over `group` consecutive
+    rows, where `back` [B, M * group] is the inverse of `index` (row m of x went to the rows back[m*group:(m+1)*group]
+    of the result; N where it went nowhere). JAX's own transpose of a gather is a scatter-add into a zero buffer,
+    which XLA creates with the forward pass's (one multi-output fusion of broadcasts) when the layers are not scanned,
+    so every layer's [B, E x C, H] zeros were held from the forward pass to the backward (OLMoE unrolled: about 20h a
+    token a layer over the closed form); a gather needs none."""
+    return take_rows(x, index)
+
+
+def _move_rows_fwd(x, index, back, group):
+    return take_rows(x, index), (index, back, x.shape[1])
+
+
+def _move_rows_bwd(group, residuals, cotangent):
+    index, back, rows = residuals
+    gathered = take_rows(cotangent, back)  # [B, M * group, H]
+    gathered = gathered.reshape(gathered.shape[0], rows, group, gathered.shape[-1]).sum(axis=2)
+    return gathered, None, None
+
+
+move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
 def scatter_dispatch(
     h: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array], factor: float
 ) -> tuple[jax.Array, jax.Array]:
     """The capacity dispatch's function (the same slots, the same drops) by index instead of one-hot einsums:
-    each kept token choice is scattered to row e x C + place of a [B, E x C, H] buffer, the experts run on their
+    each kept token choice goes to row e x C + place of a [B, E x C, H] buffer, the experts run on their
     [B, E, C, H] slots as in capacity_dispatch (exchanged the same way under expert parallelism), and each choice
     gathers its slot's output back. GShard's one-hot einsums cost 2 x T x E x C x H FLOPs a sequence each way,
     which with many experts exceeds the experts' own matmuls (Qwen3-30B-A3B, 128 experts: C = 320 at factor
     1.25 and sequence 4096, 6.9e11 FLOPs an einsum against 3.1e11 for the experts' forward), and its [B, T, E, C]
-    masks are held for the backward pass; the scatter and gather move T x k x H elements each way.
+    masks are held for the backward pass; the two gathers (`move_rows`: each slot reads its token, each choice its
+    slot's output, and their gradients read back the other way) move T x k x H elements each way.
 
     Args: as capacity_dispatch.
 
@@ -271,18 +303,18 @@ def scatter_dispatch(
     routed, position, kept = slot_positions(experts, num_experts, slots)
     place = (position * routed).sum(axis=-1)  # [B, T, k] the choice's place in its expert's queue
     keep = kept.sum(axis=-1) > 0  # [B, T, k]
-    spill = num_experts * slots  # a dropped choice's row, cut off after the scatter
-    row = jnp.where(keep, experts * slots + place, spill).reshape(batch, seq * k)  # [B, T k]
-    copies = jnp.repeat(h, k, axis=1)  # [B, T k, H]: token t's i-th choice at t k + i
-    buffer = jax.vmap(lambda r, c: jnp.zeros((spill + 1, hidden_size), h.dtype).at[r].add(c))(row, copies)
-    buffer = constrain(buffer, BY_ROW[:3])  # each row's slots where its tokens are (else the partitioner may split
-    # the slot axis and all-reduce the scatter; its transpose, the gather's gradient, likewise)
-    x = exchange(buffer[:, :spill].reshape(batch, num_experts, slots, hidden_size), BY_ROW, BY_EXPERT)
+    spill = num_experts * slots  # a dropped choice's row: reads zeros
+    row = jnp.where(keep, experts * slots + place, spill).reshape(batch, seq * k)  # [B, T k]: choice t k + i's slot
+    # each slot's choice (the inverse of row: a kept choice has a slot of its own), seq * k where the slot is empty
+    choice = jax.vmap(lambda r: jnp.full((spill + 1,), seq * k, jnp.int32).at[r].set(
+        jnp.arange(seq * k, dtype=jnp.int32))[:spill])(row)  # fmt: skip
+    token = jnp.where(choice < seq * k, choice // k, seq)  # [B, E C]: the token each slot holds (seq: none)
+    buffer = constrain(move_rows(h, token, row, k), BY_ROW[:3])  # [B, E C, H]: each row's slots where its tokens
+    # are (else the partitioner may split the slot axis and all-reduce the gradient's sum)
+    x = exchange(buffer.reshape(batch, num_experts, slots, hidden_size), BY_ROW, BY_EXPERT)
     out = expert_swiglu(checkpoint_name(x, "moe_dispatched"), w, *_ON_SLOTS)  # [B, E, C, H]
-    out = exchange(out, BY_EXPERT, BY_ROW).reshape(batch, spill, hidden_size)
-    out = jnp.concatenate([out, jnp.zeros((batch, 1, hidden_size), out.dtype)], axis=1)  # the spill row: zeros
-    out = constrain(out, BY_ROW[:3])
-    gathered = jnp.take_along_axis(out, row[..., None], axis=1).reshape(batch, seq, k, hidden_size)
+    out = constrain(exchange(out, BY_EXPERT, BY_ROW).reshape(batch, spill, hidden_size), BY_ROW[:3])
+    gathered = move_rows(out, row, choice, 1).reshape(batch, seq, k, hidden_size)
     gathered = checkpoint_name(gathered, "moe_outputs")  # [B, T, k, H]: the choices' outputs, which the combine reads
     dropped = (routed.sum() - kept.sum()).astype(jnp.float32)
     return jnp.einsum("btkh,btk->bth", gathered, weights.astype(h.dtype)), dropped
