@@ -233,6 +233,38 @@ def test_scatter_dispatch_drops_as_capacity_does_with_the_same_loss_and_gradient
     assert float(sown[moe.METRICS]["dropped"][0]) > 0
 
 
+@pytest.mark.parametrize("group", [1, 3])
+def test_move_rows_gradient_is_the_gathers_transpose_without_a_scatter(group):
+    """move_rows against JAX's own autodiff of the same gather (take_along_axis on the rows with a zero row after
+    them, whose transpose is a scatter-add): result rows read source rows, each source row read by at most `group`
+    of them (the dispatch: a token by its k slots; the combine: a slot by one choice), some by none, some result rows
+    reading the zero row (a dropped choice, an empty slot). Same value and gradient (float32), and the gradient's
+    program holds no scatter, which is what keeps an unrolled layer from holding a zero buffer from its forward pass
+    to its backward (docs/measurements.md, the OLMoE paragraph)."""
+    rng = np.random.default_rng(0)
+    batch, rows, hidden, read = 2, 10, 4, 7  # `read` of the source rows are read, each by `group` result rows
+    index = np.stack([rng.permutation(np.concatenate([np.repeat(rng.permutation(rows)[:read], group), [rows] * 2]))
+                      for _ in range(batch)]).astype(np.int32)  # fmt: skip
+    back = np.full((batch, rows * group), index.shape[1], np.int32)  # by hand: where each source row went
+    for b, m in np.ndindex(batch, rows):
+        went = np.flatnonzero(index[b] == m)
+        back[b, m * group : m * group + len(went)] = went
+    x = jnp.asarray(rng.standard_normal((batch, rows, hidden)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((batch, index.shape[1], hidden)), jnp.float32)
+
+    def plain(x):
+        padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+        return (jnp.take_along_axis(padded, jnp.asarray(index)[..., None], axis=1) * weights).sum()
+
+    def moved(x):
+        return (moe.move_rows(x, jnp.asarray(index), jnp.asarray(back), group) * weights).sum()
+
+    np.testing.assert_allclose(float(moved(x)), float(plain(x)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(moved)(x)), np.asarray(jax.grad(plain)(x)), rtol=1e-6, atol=1e-6)
+    assert "scatter" in str(jax.make_jaxpr(jax.grad(plain))(x))
+    assert "scatter" not in str(jax.make_jaxpr(jax.grad(moved))(x))
+
+
 def _compiled_flops(fn, *shapes) -> float:
     """FLOPs of `fn` on bf16 arguments of `shapes` from XLA's cost analysis of the compiled program (no data)."""
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
