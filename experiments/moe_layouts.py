@@ -13,7 +13,8 @@ remat (nothing saved), the Pallas flash kernel, the output head and loss in chun
 when the step runs). The optimizer is Adafactor (optax's defaults): Adam's float32 state does not fit 8 H100s with
 either model in any layout (16 bytes a parameter: 93 GB a GPU for Mixtral before activations, 61 GB for Qwen3),
 which the `adam*` variants show at the fastest Adafactor layout, with Adam's state on the host
-(optimizer.offload_state) and with its first moment in bf16. At tiny-moe (4 experts) the layouts the 8 simulated
+(optimizer.offload_state), with its first moment in bf16, and with both moments in 8 bits (optimizer.state_dtype=int8,
+split like the parameters). At tiny-moe (4 experts) the layouts the 8 simulated
 CPU devices allow, 5 steps.
 """
 
@@ -63,7 +64,7 @@ def get_variants(config):
     """The capacity dispatch (GShard's one-hot einsums) and the scatter dispatch (the same slots by index) on every
     layout the model allows (mesh.expert divides the experts, mesh.tensor the K/V heads); the dense and ragged
     dispatches on FSDP alone (on an expert mesh they gather the experts' weights instead of exchanging tokens: not
-    expert-parallel compute); Adam three ways on the layout named by ADAM_LAYOUT (the fastest Adafactor layout of the
+    expert-parallel compute); Adam four ways on the layout named by ADAM_LAYOUT (the fastest Adafactor layout of the
     committed plans)."""
     m = config.model
     small = config.preset in SMALL
@@ -82,6 +83,7 @@ def get_variants(config):
         {"name": f"{best}_scatter_adam", **adam},
         {"name": f"{best}_scatter_adam_offload_state", **adam, "optimizer.offload_state": True},
         {"name": f"{best}_scatter_adam_bf16_mu", **adam, "optimizer.state_dtype": "bfloat16"},
+        {"name": f"{best}_scatter_adam_int8", **adam, "optimizer.state_dtype": "int8"},
     ]
     return variants
 

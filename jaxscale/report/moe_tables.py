@@ -16,7 +16,8 @@ def _optimizer(row: dict) -> str:
         return name
     if row.get("config.optimizer.offload_state"):
         return "adam, state on host"
-    return "adam, bf16 first moment" if row["config.optimizer.state_dtype"] == "bfloat16" else "adam"
+    return {"bfloat16": "adam, bf16 first moment", "int8": "adam, 8-bit moments"}.get(
+        row["config.optimizer.state_dtype"], "adam")
 
 
 def _number(value, scale: float = 1.0, spec: str = ".2f") -> str:
