@@ -267,11 +267,11 @@ def move_rows(x: jax.Array, index: jax.Array, back: jax.Array, group: int) -> ja
 
 
 def _move_rows_fwd(x, index, back, group):
-    return take_rows(x, index), (index, back, x.shape[1])
+    return take_rows(x, index), (back, x.shape[1])
 
 
 def _move_rows_bwd(group, residuals, cotangent):
-    index, back, rows = residuals
+    back, rows = residuals
     gathered = take_rows(cotangent, back)  # [B, M * group, H]
     gathered = gathered.reshape(gathered.shape[0], rows, group, gathered.shape[-1]).sum(axis=2)
     return gathered, None, None

@@ -67,6 +67,8 @@ from jaxscale.config.quantization import (  # the map's and the blocks' one home
     dynamic_map,
     moment_blocks,
 )
+from jaxscale.config.spec import MESH_AXES
+from jaxscale.model.axes import mesh_axis_size
 
 # Elements of a quantized parameter that one iteration of the update's loop dequantizes, updates and quantizes
 # (whole blocks: 2048 of INT8_BLOCK_SIZE): 16 MiB per float32 array of the chunk, so a step's float32 temporaries
@@ -212,10 +214,7 @@ def _chunk_counts(dims: tuple[int, ...], chunks: int, ways: int = 1) -> tuple[in
 def _state_ways() -> int:
     """The most devices of the mesh in context that split a parameter's optimizer state (every axis but data, which
     the state never splits: jaxscale.config.layout_rules); 1 without a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    return math.prod(int(size) for name, size in mesh.shape.items() if name != "data")
+    return math.prod(mesh_axis_size(axis) for axis in MESH_AXES if axis != "data")
 
 
 def _update_blocked(
