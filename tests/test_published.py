@@ -93,7 +93,8 @@ def test_a_run_whose_plan_does_not_fit_its_card_is_not_counted():
         return {"status": "ok", "variant": name, "published_n_gpus": 8, "plan_target": "h100", "published_step_s": 1.0,
                 "predicted_step_s": ratio, "predicted_over_published_step": ratio, "published_peak_gib": None,
                 "compiled_peak_bytes": 2**30, "plan_fits": fits,
-                "published_excluded": published.excluded(run, {"plan_fits": fits, "plan_fits_reason": "x"})}  # fmt: skip
+                "published_excluded": published.excluded(run, {"plan_fits": fits,
+                                                               "plan_fits_reason": "x"})}  # fmt: skip
 
     table = published.format_table([row("a", 1.1, True), row("b", 0.8, True), row("c", 3.0, False)])
     assert "| c (excluded: see its row) |" in table

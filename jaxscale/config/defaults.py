@@ -146,7 +146,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.model.softmax_dtype = "float32"  # dtype of attention logits and softmax (cast back afterwards)
     c.model.causal = True  # causal attention mask (next-token prediction needs it)
     c.model.remat = ()  # modules wrapped in nn.remat: any subset of ("MLP", "Attn", "Block")
-    c.model.remat_policy = "nothing_saveable"  # what remat keeps: one of REMAT_POLICIES, or per_activation:name=place,...
+    c.model.remat_policy = "nothing_saveable"  # kept by remat: one of REMAT_POLICIES, or per_activation:name=place,...
     c.model.residuals = "closed_form"  # sub-blocks no remat covers keep: closed_form (what backward reads), autodiff
     c.model.scan_layers = False  # stack the blocks with nn.scan (one compiled body) or unroll them
     c.model.attention = "reference"  # reference (einsum), xla or cudnn (jax.nn), chunked or flash (docs/attention.md)
@@ -198,7 +198,7 @@ def base_config(preset: str | None, name: str) -> ml_collections.ConfigDict:
     c.optimizer.bf16_rounding = "stochastic"  # update to bf16 weights (model.param_dtype): nearest, stochastic, kahan,
     # master (a float32 copy, split like the optimizer state)
     c.optimizer.offload_state = False  # optimizer state in pinned host memory, on the device only for the update
-    c.optimizer.in_backward = False  # each scanned layer updated as its gradient is made; no whole gradient (fused_step)
+    c.optimizer.in_backward = False  # update each scanned layer as its gradient is made: no whole gradient (fused_step)
 
     # Fine-tuning (jaxscale.config.finetune, docs/finetune.md): which parameters train; the rest stay frozen.
     c.finetune = ml_collections.ConfigDict()

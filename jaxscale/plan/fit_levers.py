@@ -5,9 +5,9 @@ levers one at a time on that question's config (each on top of the config as giv
 minibatch-1 plan was smallest) and names the first whose minibatch-1 plan fits, with the plan that shows it; if no
 single lever does, all of them together (of the optimizer levers, which replace one another, the last that
 applies). Cheapest first means: what costs no speed (the allocator's share), then what costs a little compute
-(the loss in chunks, bf16 weights, the update inside the backward pass), then smaller optimizer state (bf16 first moment, 8-bit moments, Adafactor: a different
-optimizer), then the optimizer state in host memory (time on the host link), then, for fine-tuning, LoRA and QLoRA
-(different methods). Each lever is one compile.
+(the loss in chunks, bf16 weights, the update inside the backward pass), then smaller optimizer state (bf16 first
+moment, 8-bit moments, Adafactor: a different optimizer), then the optimizer state in host memory (time on the host
+link), then, for fine-tuning, LoRA and QLoRA (different methods). Each lever is one compile.
 
 On several target GPUs whose mesh has a data-parallel axis (state replicated on each of its devices), two layout
 levers move that axis's devices (`layout_levers`): to FSDP (ZeRO-3: every weight gathered at its use, gradients

@@ -119,8 +119,8 @@ TABLES: tuple[DocTable, ...] = (
     DocTable("fp8-h200", "docs/fp8.md", tuple(f"{RESULTS}/fp8_{model}_{kind}h200/results.jsonl"
                                               for model in ("seed", "llama3.2-1b") for kind in ("plan_", "")),
              gpu_tables.fp8_table),  # fmt: skip
-    DocTable("fit-fp8-llama3.1-8b-h100", "docs/fp8.md", (f"{RESULTS}/fit_precision_llama3.1-8b_flash_h100_x8/results.jsonl",),
-             gpu_tables.precision_fit_table),  # fmt: skip
+    DocTable("fit-fp8-llama3.1-8b-h100", "docs/fp8.md",
+             (f"{RESULTS}/fit_precision_llama3.1-8b_flash_h100_x8/results.jsonl",), gpu_tables.precision_fit_table),
     *(DocTable(f"fit-levers-llama3.1-8b-{gpu}", "docs/finetune.md",
                (f"{RESULTS}/finetune_levers_llama3.1-8b_{gpu}_mem95/results.jsonl",), gpu_tables.precision_fit_table)
       for gpu in ("h100", "rtx4090")),  # fmt: skip
@@ -128,7 +128,8 @@ TABLES: tuple[DocTable, ...] = (
                (f"{RESULTS}/finetune_bf16_llama3.1-8b_{gpu}_mem95/results.jsonl",), gpu_tables.precision_fit_table)
       for gpu in ("h100", "rtx4090")),  # fmt: skip
     *(DocTable(f"fit-in-backward-llama3.1-8b-{gpu}", "docs/finetune.md",
-               (f"{RESULTS}/finetune_in_backward_llama3.1-8b_{gpu}_mem95/results.jsonl",), gpu_tables.precision_fit_table)
+               (f"{RESULTS}/finetune_in_backward_llama3.1-8b_{gpu}_mem95/results.jsonl",),
+               gpu_tables.precision_fit_table)
       for gpu in ("h100", "rtx4090")),  # fmt: skip
     DocTable("fit-paged-llama3.1-8b-rtx4090", "docs/finetune.md",
              (f"{RESULTS}/finetune_paged_llama3.1-8b_rtx4090_mem95/results.jsonl",), gpu_tables.precision_fit_table),

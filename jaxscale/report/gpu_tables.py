@@ -100,7 +100,8 @@ def precision_fit_table(path: pathlib.Path) -> str:
                       row.get("fit_remat", row["variant"]), str(largest) if largest else f"none ({row.get('status')})",
                       f"{row['compiled_peak_bytes'] / GIB:.1f}" if largest else "-",
                       f"{row['predicted_step_s']:.3f}" if largest else "-",
-                      f"{tokens / devices:,.0f}" if tokens else "-", _pct(row.get("predicted_mfu") if largest else None),
+                      f"{tokens / devices:,.0f}" if tokens else "-",
+                      _pct(row.get("predicted_mfu") if largest else None),
                       _pct(row.get("predicted_mfu_fp8_peak") if largest else None)))  # fmt: skip
     return markdown(header, lines)
 
@@ -117,8 +118,8 @@ def plan_then_measured_table(plan_path: pathlib.Path, measured_path: pathlib.Pat
       The markdown table.
     """
     measured = _by_variant(measured_path)
-    header = ("variant", "plan GiB", "plan fits", "predicted s (plan, first)", "on the GPU", "measured s (median / p90)",
-              "device GiB", "first sight: pred / meas")  # fmt: skip
+    header = ("variant", "plan GiB", "plan fits", "predicted s (plan, first)", "on the GPU",
+              "measured s (median / p90)", "device GiB", "first sight: pred / meas")  # fmt: skip
     lines = []
     for variant, plan in _by_variant(plan_path).items():
         row = measured.get(variant, {})

@@ -1,4 +1,5 @@
-"""model.remat_policy = "per_activation:...": each activation kept, offloaded or recomputed (MaxText's custom policy)."""
+"""model.remat_policy = "per_activation:...": each activation kept, offloaded or recomputed (MaxText's custom
+policy)."""
 
 from __future__ import annotations
 

@@ -416,8 +416,8 @@ def test_analytic_state_under_expert_parallelism_is_the_layouts_shards(mesh, fie
     validate(config)
     shape = sharding.mesh_shape(config).physical
     init_fn = train.make_init_fn(config)
-    layout = sharding.make_layout(config, AbstractMesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * len(shape)),
-                                  init_fn)  # fmt: skip
+    abstract = AbstractMesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
+    layout = sharding.make_layout(config, abstract, init_fn)
     state = sharding.abstract_inputs(config, layout, init_fn)[0]
     held = sharding.state_bytes_per_device(state)
     row = memory.analytic_memory(config)

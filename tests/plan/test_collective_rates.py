@@ -95,7 +95,8 @@ def test_docs_predict_md_quotes_the_tables_rows_as_the_module_holds_them():
     text = (REPO / "docs" / "predict.md").read_text()
     sizes = (64 * 1024, MIB, 16 * MIB, 128 * MIB, GIB, 8 * GIB)
     rows = {"NVLink 4 (h100, h200): all-reduce": ("nvlink4", "all-reduce"),
-            "NVLink 4: all-gather": ("nvlink4", "all-gather"), "NVLink 4: reduce-scatter": ("nvlink4", "reduce-scatter"),
+            "NVLink 4: all-gather": ("nvlink4", "all-gather"),
+            "NVLink 4: reduce-scatter": ("nvlink4", "reduce-scatter"),
             "NVLink 3 (a100-40gb, a100-80gb): all-reduce": ("nvlink3", "all-reduce")}  # fmt: skip
     for label, (fabric, op) in rows.items():
         line = next(line for line in text.splitlines() if line.startswith(f"| {label}"))

@@ -8,6 +8,7 @@ import pathlib
 import shutil
 
 import pytest
+
 from jaxscale.report import docs_tables
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
