@@ -30,34 +30,61 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # backend's and do not change; the CPU plans' temporaries move a little (no test's tolerance is that narrow), and the
 # few tests whose claim is the default CPU program itself (bit-for-bit equality of two programs, JAX's one-second
 # threshold for caching a compile) run it in a child process without the flag (`with_default_cpu_codegen`).
+# A test whose cost is running steps, not compiling them (the :cpu preset's 300 steps of learning), runs in a child
+# with XLA's CPU defaults, LLVM's optimizations on (`with_optimized_cpu_codegen`): under the two flags its steps took
+# 1,425 s in `pytest -m slow` on a fresh clone, against the ~5 minutes its docstring gives on 2 quiet cores.
+LLVM_O0 = "--xla_backend_optimization_level=0"
 LEGACY_CPU_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 DEFAULT_CODEGEN = "JAXSCALE_TEST_DEFAULT_CPU_CODEGEN"  # set in such a child: it keeps XLA's default emitters
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-if not os.environ.get(DEFAULT_CODEGEN):
-    TEST_XLA_FLAGS += f" {LEGACY_CPU_EMITTERS}"
+OPTIMIZED_CODEGEN = "JAXSCALE_TEST_OPTIMIZED_CPU_CODEGEN"  # set in such a child: every XLA CPU default, LLVM optimizing
+_TEST_FLAGS = {
+    OPTIMIZED_CODEGEN: (),
+    DEFAULT_CODEGEN: (LLVM_O0,),
+    None: (LLVM_O0, LEGACY_CPU_EMITTERS),
+}
+_CODEGEN = next((name for name in (OPTIMIZED_CODEGEN, DEFAULT_CODEGEN) if os.environ.get(name)), None)
+TEST_XLA_FLAGS = " ".join(_TEST_FLAGS[_CODEGEN])
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def _codegen_env(codegen: str) -> dict[str, str]:
+    """This process's environment for a child that compiles with `codegen`'s flags (_TEST_FLAGS) in place of ours."""
+    ours = set(_TEST_FLAGS[None])
+    flags = [f for f in os.environ["XLA_FLAGS"].split() if f not in ours] + list(_TEST_FLAGS[codegen])
+    return dict(os.environ, XLA_FLAGS=" ".join(flags), **{codegen: "1"})
 
 
 def default_cpu_codegen_env() -> dict[str, str]:
     """This process's environment for a child that compiles with XLA's default CPU emitters."""
-    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if f != LEGACY_CPU_EMITTERS)
-    return dict(os.environ, XLA_FLAGS=flags, **{DEFAULT_CODEGEN: "1"})
+    return _codegen_env(DEFAULT_CODEGEN)
 
 
-def with_default_cpu_codegen(request) -> bool:
-    """True where this test runs its body here with XLA's default CPU emitters (a child this function started);
-    elsewhere it runs the test in such a child, asserts that it passed, and returns False (the caller returns)."""
-    if os.environ.get(DEFAULT_CODEGEN):
+def _in_child(request, codegen: str, timeout_s: int) -> bool:
+    """True where this test runs its body here, in a child compiling with `codegen`'s flags; elsewhere it runs the
+    test in such a child, asserts that it passed, and returns False (the caller returns)."""
+    if os.environ.get(codegen):
         return True
     repo = pathlib.Path(__file__).resolve().parents[1]
     path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "slow or not slow",
          request.node.nodeid],
-        cwd=repo, env=dict(default_cpu_codegen_env(), PYTHONPATH=path), capture_output=True, text=True, timeout=900,
+        cwd=repo, env=dict(_codegen_env(codegen), PYTHONPATH=path), capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
     return False
+
+
+def with_default_cpu_codegen(request) -> bool:
+    """True where this test runs its body here with XLA's default CPU emitters (a child this function started);
+    elsewhere it runs the test in such a child, asserts that it passed, and returns False (the caller returns)."""
+    return _in_child(request, DEFAULT_CODEGEN, timeout_s=900)
+
+
+def with_optimized_cpu_codegen(request, timeout_s: int = 3600) -> bool:
+    """As with_default_cpu_codegen, with every XLA CPU default (LLVM's optimizations on too): for a test whose time
+    is its steps' execution, not their compile."""
+    return _in_child(request, OPTIMIZED_CODEGEN, timeout_s)
 
 
 def xla_flags_with(flag: str) -> str:
