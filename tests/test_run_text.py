@@ -249,10 +249,10 @@ def test_a_resume_with_another_shape_or_other_data_is_one_line_with_exit_2(tmp_p
 @pytest.mark.slow
 def test_the_cpu_preset_learns_english_below_its_unigram_entropy(pydoc_bytes, tmp_path, request):
     """The :cpu model and batch (bf16_remat: 4 layers, hidden 256, 16 x 256 tokens) on the pydoc bytes for 300
-    steps: 5 minutes on 2 quiet cores, 20 on busy ones, compiled as a run compiles it (XLA's CPU defaults, in a
-    child: conftest.with_optimized_cpu_codegen). The reference schedule decays the learning rate by 1%
-    per step (to 5% of the peak by step 300: made for 10 timed steps, not for learning), so here it decays by
-    1% per 100 steps; the bytes tokenizer makes model.vocab_size 256."""
+    steps: 483 s alone on this project's 2-core machine (2026-12-07), longer on busy cores, compiled as a run
+    compiles it (XLA's CPU defaults, in a child: conftest.with_optimized_cpu_codegen). The reference schedule
+    decays the learning rate by 1% per step (to 5% of the peak by step 300: made for 10 timed steps, not for
+    learning), so here it decays by 1% per 100 steps; the bytes tokenizer makes model.vocab_size 256."""
     if not with_optimized_cpu_codegen(request):
         return
     config = text_config("bf16_remat", "cpu", pydoc_bytes, steps=300, warmup_steps=0, eval_every=100)
