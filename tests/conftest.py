@@ -32,7 +32,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # threshold for caching a compile) run it in a child process without the flag (`with_default_cpu_codegen`).
 # A test whose cost is running steps, not compiling them (the :cpu preset's 300 steps of learning), runs in a child
 # with XLA's CPU defaults, LLVM's optimizations on (`with_optimized_cpu_codegen`): under the two flags its steps took
-# 1,425 s in `pytest -m slow` on a fresh clone, against the ~5 minutes its docstring gives on 2 quiet cores.
+# 1,425 s in `pytest -m slow` on a fresh clone; alone in such a child, 483 s.
 LLVM_O0 = "--xla_backend_optimization_level=0"
 LEGACY_CPU_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 DEFAULT_CODEGEN = "JAXSCALE_TEST_DEFAULT_CPU_CODEGEN"  # set in such a child: it keeps XLA's default emitters
