@@ -40,8 +40,12 @@ RUNS_FILE = REPO / "experiments" / "published_runs.json"
 RESULTS_NAME = "published"
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a run's id names its directory under runs/
 # the fields this command reads, and their JSON types (positive for numbers, non-empty for text and lists)
-RUN_FIELDS = {"id": str, "project": str, "source": str, "model": str, "gpu": str, "n_gpus": int, "seq_len": int,
-              "global_batch": int, "lab": dict}  # fmt: skip
+RUN_FIELDS = {"id": str, "project": str, "framework": str, "source": str, "model": str, "gpu": str, "n_gpus": int,
+              "seq_len": int, "global_batch": int, "lab": dict}  # fmt: skip
+# The software stack whose kernels ran the step (the errors are split by it): PyTorch (eager or torch.compile, with
+# its own or Hugging Face models), PyTorch + Megatron-Core (NVIDIA's NeMo and Megatron-Bridge: Transformer Engine's
+# kernels), JAX (XLA's GPU compiler, as the lab), CUDA (llm.c's hand-written kernels).
+FRAMEWORKS = ("PyTorch", "PyTorch + Megatron-Core", "JAX", "CUDA")
 # A run has `measured` (its published figures) and/or `first_sight` (the lab's prediction, registered before the
 # figures entered the repository: `--register`); a new run has neither until it is registered.
 FIRST_SIGHT_FIELDS = ("predicted_step_s", "commit", "registered")
@@ -99,6 +103,9 @@ def check_fields(published: dict, index: int = 0) -> None:
                 raise UsageError(f"{where}: {prefix}{field}: missing; a run needs {needed}")
             if not _has_kind(node[field], kind):
                 raise UsageError(f"{where}: {prefix}{field}: must be {_KINDS[kind]}, got {node[field]!r}")
+    if published["framework"] not in FRAMEWORKS:
+        raise UsageError(f"{where}: framework: must be one of {', '.join(map(repr, FRAMEWORKS))}, got "
+                         f"{published['framework']!r}")  # fmt: skip
     if not _SAFE_ID.fullmatch(name):
         raise UsageError(f"{where}: id: use letters, digits, '_', '-' and '.' (it names the run's directory)")
     if "measured" in published and not isinstance(published["measured"], dict):
@@ -241,6 +248,7 @@ def compare(published: dict, row: dict) -> dict[str, Any]:
     return {
         "published_id": published["id"],
         "published_project": published["project"],
+        "published_framework": published["framework"],
         "published_source": published["source"],
         "published_model": published["model"],
         "published_gpu": published["gpu"],
@@ -352,13 +360,9 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
             f"| {_number(row.get('first_sight_over_published_step'))} | {_number(row.get('published_peak_gib'), 1)} "
             f"| {_number(plan_gib, 1)} |"
         )
-    held = [r for r in rows if r.get("status") == "ok" and not r.get("published_excluded")]
-    development = [r for r in held if not r.get("first_sight_step_s")]
-    measured = [r for r in rows if r.get("status") == "ok" and r.get("first_sight_step_s")
-                and not r.get("published_pending")]  # fmt: skip
-    registered = [r for r in measured if not r.get("first_sight_excluded")]  # the first-sight error's runs
-    fit_since = [r for r in measured if r.get("first_sight_excluded") and not r.get("published_excluded")]
-    time_ratios = [r["predicted_over_published_step"] for r in development if r.get("predicted_over_published_step")]
+    sets = _held(rows)
+    development, registered, fit_since = sets["development"], sets["registered"], sets["fit_since"]
+    time_ratios = _ratios(development, "predicted_over_published_step")
     memory_ratios = [r["plan_over_published_memory"] for r in development if r.get("plan_over_published_memory")]
     memory_error = mean_abs_error(memory_ratios)
     lines.append("")
@@ -367,23 +371,86 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
         f"{_number(None if memory_error is None else 100 * memory_error, 1)}% over {len(memory_ratios)} runs"
     )
     if any(r.get("first_sight_step_s") for r in rows if r.get("status") == "ok"):  # a run registered
-        first = [r["first_sight_over_published_step"] for r in registered if r.get("first_sight_over_published_step")]
+        first = _ratios(registered, "first_sight_over_published_step")
         first_memory = mean_abs_error([r["first_sight_plan_over_published_memory"] for r in registered
                                        if r.get("first_sight_plan_over_published_memory")])  # fmt: skip
         memory_runs = sum(bool(r.get("first_sight_plan_over_published_memory")) for r in registered)
-        now = [r["predicted_over_published_step"] for r in registered
-               if r.get("predicted_over_published_step") and not r.get("published_excluded")]  # fmt: skip
-        waiting = sum(bool(r.get("published_pending")) for r in held)
+        now = _ratios(registered, "predicted_over_published_step")
+        waiting = sum(bool(r.get("published_pending")) for r in sets["held"])
         lines.append("")
         lines.append(f"{_summary(first, 'time, first sight (pre-registered)')}; the current predictor on them: "
                      f"{_summary(now)}; memory at first sight: "
                      f"{_number(None if first_memory is None else 100 * first_memory, 1)}% over {memory_runs} runs; "
                      f"{waiting} registered runs await their figures")  # fmt: skip
         if fit_since:  # first sights of plans that did not fit: counted apart, by the current predictor only
-            since = [r["predicted_over_published_step"] for r in fit_since if r.get("predicted_over_published_step")]
+            since = _ratios(fit_since, "predicted_over_published_step")
             lines.append("")
             lines.append(f"{_summary(since, 'time, registered runs whose plan fits only since their first sight')} "
                          f"(the current predictor; not in either error above)")  # fmt: skip
+        lines += ["", split_table(rows)]
+    return "\n".join(lines)
+
+
+def _held(rows: list[dict]) -> dict[str, list[dict]]:
+    """The compared rows (format_table's) sorted into the sets the errors are taken over: `held` (planned and not
+    excluded), the `development` set (held, no first sight), `registered` (a first sight with its figures, not
+    excluded at first sight: the first-sight error's runs) and `fit_since` (excluded at first sight, not now)."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    held = [r for r in ok if not r.get("published_excluded")]
+    measured = [r for r in ok if r.get("first_sight_step_s") and not r.get("published_pending")]
+    return {
+        "held": held,
+        "development": [r for r in held if not r.get("first_sight_step_s")],
+        "registered": [r for r in measured if not r.get("first_sight_excluded")],
+        "fit_since": [r for r in measured if r.get("first_sight_excluded") and not r.get("published_excluded")],
+    }
+
+
+def _ratios(rows: list[dict], key: str) -> list[float]:
+    """The rows' predicted / published ratios under `key`; the current predictor's (predicted_over_published_step)
+    only where the run is not excluded now."""
+    now = key == "predicted_over_published_step"
+    return [r[key] for r in rows if r.get(key) and not (now and r.get("published_excluded"))]
+
+
+def _cell(ratios: Sequence[float]) -> str:
+    """One split-table cell: 'X% over N (M within ±25%)', or '–' without runs."""
+    if not ratios:
+        return "–"
+    within = sum(0.75 <= r <= 1.25 for r in ratios)
+    return f"{100 * mean_abs_error(ratios):.1f}% over {len(ratios)} ({within} within ±25%)"
+
+
+SPLITS = (  # how split_table groups the runs: (label, the row's key)
+    ("GPU", "plan_target"),
+    ("framework", "published_framework"),
+    ("first sight made by", "first_sight_commit"),
+)
+
+
+def split_table(rows: list[dict]) -> str:
+    """The time errors of format_table's summary lines split by GPU target, by framework and by the commit whose
+    predictor made the first sight: for each group the first-sight error, the current predictor on the same runs,
+    and the current predictor on the group's development-set runs (rows as format_table compares them)."""
+    sets = _held(rows)
+    lines = [
+        "| runs | first sight (pre-registered) | the current predictor on them | development set, current predictor |",
+        "|---|---|---|---|",
+    ]
+
+    def line(label: str, keep) -> str:
+        registered = [r for r in sets["registered"] if keep(r)]
+        development = [r for r in sets["development"] if keep(r)]
+        return (f"| {label} | {_cell(_ratios(registered, 'first_sight_over_published_step'))} "
+                f"| {_cell(_ratios(registered, 'predicted_over_published_step'))} "
+                f"| {_cell(_ratios(development, 'predicted_over_published_step'))} |")  # fmt: skip
+
+    lines.append(line("all", lambda r: True))
+    for label, key in SPLITS:
+        held = sets["registered"] + sets["development"]
+        for value in sorted({r.get(key) for r in held if r.get(key)}):
+            shown = value[:7] if key == "first_sight_commit" else value
+            lines.append(line(f"{label}: {shown}", lambda r, key=key, value=value: r.get(key) == value))
     return "\n".join(lines)
 
 

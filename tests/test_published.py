@@ -114,8 +114,8 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch):
 
 
 TINY_RUN = {
-    "id": "tiny-a5000", "project": "test", "source": "this test", "model": "tiny", "gpu": "RTX A5000",
-    "n_gpus": 1, "seq_len": 32, "global_batch": 8, "measured": {"step_time_s": 0.01},
+    "id": "tiny-a5000", "project": "test", "framework": "JAX", "source": "this test", "model": "tiny",
+    "gpu": "RTX A5000", "n_gpus": 1, "seq_len": 32, "global_batch": 8, "measured": {"step_time_s": 0.01},
     "lab": {"config": "configs/bf16_remat.py", "preset": "tiny", "overrides": {"data.batch_size": 8},
             "target": "a5000", "devices": 1, "gemm": "triton", "differences": ["none: a test"]},
 }  # fmt: skip
@@ -165,6 +165,8 @@ BAD_RUNS = {  # a change to a good run -> what its one line must say (the run an
     "batch_not_published": (_set(TINY_RUN, "global_batch", 16),
                             "lab.overrides: data.batch_size is 8, but the run's global_batch is 16"),
     "unknown_target": (_set(TINY_RUN, "lab.target", "rtx3090"), "lab.target: unknown 'rtx3090'; allowed: "),
+    "unknown_framework": (_set(TINY_RUN, "framework", "Keras"),
+                          "framework: must be one of 'PyTorch', 'PyTorch + Megatron-Core', 'JAX', 'CUDA', got 'Keras'"),
 }  # fmt: skip
 
 
@@ -459,3 +461,30 @@ def test_docs_published_md_states_the_issue_42_first_sights_as_the_runs_file_giv
     others = [ratios[i] for i in list(ISSUE_42_RUNS)[2:]]
     assert max(abs(x - 1) for x in maxtext) < 0.09 and "(MaxText, within 9%)" in text
     assert f"predicted {1 - max(others):.0%}-{1 - min(others):.0%} faster than they ran".replace("%-", "-") in text
+
+
+def test_the_split_table_counts_each_group_by_hand():
+    """split_table on five compared rows whose errors are counted by hand: two first sights on H100s (0.80 and 1.10,
+    PyTorch and JAX, one predictor commit), one of them replanned since (1.05); a development-set A100 run (1.30); an
+    excluded run and a run excluded only at first sight (neither in any first-sight cell)."""
+    def row(variant, target, framework, now, first=None, commit=None, **flags):
+        return {"variant": variant, "status": "ok", "plan_target": target, "published_framework": framework,
+                "predicted_over_published_step": now, "first_sight_over_published_step": first,
+                "first_sight_step_s": 1.0 if first else None, "first_sight_commit": commit, **flags}  # fmt: skip
+
+    rows = [
+        row("a", "h100", "PyTorch", now=0.80, first=0.80, commit="1234567890"),
+        row("b", "h100", "JAX", now=1.05, first=1.10, commit="1234567890"),
+        row("c", "a100-80gb", "CUDA", now=1.30),
+        row("d", "h100", "PyTorch", now=3.0, published_excluded="a reason"),
+        row("e", "h100", "PyTorch", now=0.9, first=2.0, commit="1234567890", first_sight_excluded=True),
+    ]
+    lines = published.split_table(rows).splitlines()
+    assert lines[2] == ("| all | 15.0% over 2 (2 within ±25%) | 12.5% over 2 (2 within ±25%) "
+                        "| 30.0% over 1 (0 within ±25%) |")
+    assert "| GPU: a100-80gb | – | – | 30.0% over 1 (0 within ±25%) |" in lines
+    assert "| GPU: h100 | 15.0% over 2 (2 within ±25%) | 12.5% over 2 (2 within ±25%) | – |" in lines
+    assert "| framework: JAX | 10.0% over 1 (1 within ±25%) | 5.0% over 1 (1 within ±25%) | – |" in lines
+    assert "| framework: PyTorch | 20.0% over 1 (1 within ±25%) | 20.0% over 1 (1 within ±25%) | – |" in lines
+    assert "| first sight made by: 1234567 | 15.0% over 2 (2 within ±25%) | 12.5% over 2 (2 within ±25%) | – |" in lines
+    assert len(lines) == 2 + 1 + 2 + 3 + 1  # header, all, two GPUs, three frameworks, one commit
