@@ -77,8 +77,9 @@ TABLES: dict[str, dict[str, SizeTable]] = {
 # was found, its table serves the other two.
 BORROWED = {"nvlink3": {"all-gather": "all-reduce", "reduce-scatter": "all-reduce"}}
 # Which fabric's tables a planning target's NVLink domain takes (jaxscale.plan.targets.TARGETS): the H200 has the
-# H100's NVLink 4 and NVSwitch baseboard (no H200 table was found).
-FABRIC = {"h100": "nvlink4", "h200": "nvlink4", "a100-40gb": "nvlink3", "a100-80gb": "nvlink3"}
+# H100's NVLink 4 and NVSwitch baseboard (no H200 table was found), as torchtitan's 96 GB H100 hosts have.
+FABRIC = {"h100": "nvlink4", "h100-96gb-500w": "nvlink4", "h200": "nvlink4", "a100-40gb": "nvlink3",
+          "a100-80gb": "nvlink3"}  # fmt: skip
 FABRIC_SOURCE = {
     "nvlink4": "nccl-tests on 4 H100 SXM5 of an NVSwitch host, NCCL 2.29.2 (waynehacking8/nccl-collectives-bench @ "
     "8ab7496, results/quiet/{all_reduce,all_gather,reduce_scatter}.txt)",

@@ -199,6 +199,9 @@ class Roofline:
     # GEMMs at the rate measured for their shape (jaxscale.plan.gemm_rates: OpenXLA's H100 table) where it has one,
     # instead of gemm_efficiency x tile quantization. False: the formula for every GEMM.
     gemm_table: bool = False
+    # The card's sustained compute over the rates above (targets.GpuTarget.compute_scale: a power-limited card):
+    # every kernel's compute time is divided by it, its memory and link time are not.
+    compute_scale: float = 1.0
 
 
 def gpu_roofline(
@@ -248,8 +251,12 @@ def gpu_roofline(
         host_link_bytes_per_s=float(target.pcie_bandwidth),
         collective_tables=collective_rates.tables_for(target.name) if nvlink else None,
         gemm_table=generation in gemm_rates.ARCHITECTURES,
+        compute_scale=sum(target.compute_scale) / 2,
         source=f"{peak.source}; {target.source}; links: {target.interconnect_source}; "
-        f"{collective_rates.source_text(target.name if nvlink else '')}; efficiencies: GEMM "
+        + (f"compute at {sum(target.compute_scale) / 2:.3f} of the rates below (the middle of "
+           f"{target.compute_scale[0]:.3f}-{target.compute_scale[1]:.3f}: {target.compute_scale_source}); "
+           if target.compute_scale != (1.0, 1.0) else "")
+        + f"{collective_rates.source_text(target.name if nvlink else '')}; efficiencies: GEMM "
         + (f"bf16/fp16/TF32 at the rate measured for its shape ({gemm_rates.SOURCE}), other dtypes "
            if generation in gemm_rates.ARCHITECTURES else "")
         + f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, fused attention "
@@ -348,7 +355,7 @@ def _roofline_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, fl
         efficiency = roof.attention_efficiency
     else:
         peak, efficiency = roof.vector_flops_per_s, 1.0
-    compute = kernel.flops / peak
+    compute = kernel.flops / (peak * roof.compute_scale)
     host = kernel.host_bytes if roof.host_link_bytes_per_s else 0  # over the host link, at its full rate
     link = host / roof.host_link_bytes_per_s if host else 0.0
     memory = (kernel.bytes - host) / roof.memory_bytes_per_s
@@ -484,10 +491,18 @@ def target_columns(
     fp8_peak = None if fp8_peak is None else fp8_peak * devices
     per_mode = {mode: step_columns(config, found, roof, peak, fp8_peak) for mode, found in by_mode.items()}
     best = min(per_mode, key=lambda m: per_mode[m]["predicted_step_s"])
+    bounds = {}
+    if target.compute_scale != (1.0, 1.0):  # the step at each end of the card's compute range, slowest first
+        bounds["predicted_step_s_range"] = [
+            min(step_columns(config, found, dataclasses.replace(roof, compute_scale=end), peak, fp8_peak)[
+                "predicted_step_s"] for found in by_mode.values())
+            for end in target.compute_scale
+        ]  # fmt: skip
     return {
         **per_mode[best],
         "predicted_gemm": best,
         **{f"predicted_{mode}_step_s": columns["predicted_step_s"] for mode, columns in per_mode.items()},
+        **bounds,
     }
 
 

@@ -25,6 +25,8 @@ MIB = 2**20
 RUNTIME_VERSION = (12, 8, 0)
 DNN_VERSION = (9, 8, 0)
 
+TORCHTITAN_H100_BENCHMARK = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ "
+                             "820504e20d1149fbf0b98c567af24c4b0433b22d")
 _OPENXLA_SPECS = "OpenXLA xla/tools/hlo_opt/gpu_specs/{} (figures read from a real device)"
 
 
@@ -63,6 +65,12 @@ class GpuTarget:
     pcie_bandwidth: int = 31_500_000_000
     network_bandwidth: int | None = None
     interconnect_source: str = "not given: PCIe 4.0 x16 assumed, no NVLink, no network"
+    # The board power limit the card runs at (None: its default). The card's sustained compute over the rates the
+    # predictor's GEMM, attention and vector figures are for (the datasheet part at its default limit): a range where
+    # the source gives only bounds, planned at its middle and reported at both ends (jaxscale.plan.predict).
+    power_limit_w: int | None = None
+    compute_scale: tuple[float, float] = (1.0, 1.0)
+    compute_scale_source: str = ""
 
     def validate(self) -> None:
         """Raises ValueError naming the first field XLA cannot plan with (zero memory makes its limit 0)."""
@@ -73,6 +81,10 @@ class GpuTarget:
         if (self.nvlink_bandwidth is None) != (self.nvlink_domain is None) or (self.nvlink_domain or 2) < 2:
             raise ValueError(f"target {self.name}: nvlink_bandwidth and nvlink_domain (>= 2 GPUs) go together, "
                              f"got {self.nvlink_bandwidth!r} and {self.nvlink_domain!r}")  # fmt: skip
+        low, high = self.compute_scale
+        if not 0 < low <= high <= 1:
+            raise ValueError(f"target {self.name}: compute_scale must be 0 < low <= high <= 1, got "
+                             f"{self.compute_scale}")  # fmt: skip
         if self.config_text is not None:
             return
         if not self.clock_rate_ghz > 0:
@@ -94,6 +106,9 @@ INTERCONNECT_SOURCES: dict[str, str] = {
     "joined by 6 NVSwitches (NVLink domain of 8), one 200 Gb/s HDR InfiniBand ConnectX-6 per GPU (25 GB/s)",
     "h100": "H100 datasheet: NVLink 900 GB/s (bidirectional), PCIe 5.0 x16; DGX H100 datasheet: 8 H100 SXM5 GPUs "
     "joined by 4 NVSwitches (NVLink domain of 8), one 400 Gb/s ConnectX-7 per GPU (50 GB/s)",
+    "h100-96gb-500w": "torchtitan's benchmark (benchmarks/llama3_h100_202412_torchtitan.md): \"Each host has 8 NVIDIA "
+    "H100 GPUs fully connected with NVLink\" (NVLink domain of 8, taken at the H100's NVLink 4, 900 GB/s "
+    "bidirectional), PCIe 5.0 x16; \"backend RDMA network with 400 Gb/s per GPU\" (50 GB/s)",
     "h200": "H200 datasheet: NVLink 900 GB/s (bidirectional), PCIe 5.0 x16; HGX H200 (8 GPUs on NVSwitch: "
     "NVLink domain of 8) networked like DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s)",
     "b200": "NVIDIA HGX B200 datasheet: fifth-generation NVLink 1.8 TB/s (bidirectional) per GPU, 8 GPUs on "
@@ -189,6 +204,31 @@ TARGETS: dict[str, GpuTarget] = {
             pcie_bandwidth=PCIE5_X16,
             network_bandwidth=50_000_000_000,
             interconnect_source=INTERCONNECT_SOURCES["h100"],
+        ),
+        GpuTarget(
+            name="h100-96gb-500w",
+            device_kind="NVIDIA H100 96GB HBM2e",  # no device string of this card was published: named for it
+            compute_capability=(9, 0),
+            core_count=132,
+            device_memory_size=96_000_000_000,
+            memory_bandwidth=2_400_000_000_000,
+            l2_cache_size=50 * MIB,
+            clock_rate_ghz=1.98,
+            source=f"{TORCHTITAN_H100_BENCHMARK}: \"Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak "
+            "memory bandwidth\" (96 GB taken as 96e9 bytes, the least the label allows: CUDA's figure for this card is "
+            "not published), \"HBM2e-based SXM H100\": an SXM H100's 132 SMs, L2 and clock as the h100 target",
+            nvlink_bandwidth=450_000_000_000,
+            nvlink_domain=8,
+            pcie_bandwidth=PCIE5_X16,
+            network_bandwidth=50_000_000_000,
+            interconnect_source=INTERCONNECT_SOURCES["h100-96gb-500w"],
+            power_limit_w=500,
+            # the H100 NVL's dense bf16 peak over the H100 SXM5's (NVIDIA datasheets: 1,671 and 1,979 TFLOP/s sparse)
+            compute_scale=(835.5 / 989.4, 1.0),
+            compute_scale_source=f"{TORCHTITAN_H100_BENCHMARK}: \"We used the default 500W power limit\"; "
+            "\"HBM2e-based SXM H100 with lower TDP, the actual peak TFLOPs number is between SXM and NVL, and we don't "
+            "know its exact value\": from the H100 NVL's dense bf16 peak over the SXM5's (835.5 / 989.4 TFLOP/s) to "
+            "the SXM5's rates",
         ),
         GpuTarget(
             name="h200",

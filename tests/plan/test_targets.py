@@ -91,10 +91,11 @@ def test_a_device_is_named_after_its_planning_target_or_its_kind():
 
 # GPUs per NVLink domain, from the datasheets: the RTX A5000's bridge joins 2; DGX/HGX A100, H100 and H200
 # baseboards join 8 SXM GPUs through NVSwitch; the L4 and RTX 4090 have no NVLink.
-NVLINK_DOMAINS = {"a5000": 2, "a100-40gb": 8, "a100-80gb": 8, "h100": 8, "h200": 8, "l4": None, "rtx4090": None}
+NVLINK_DOMAINS = {"a5000": 2, "a100-40gb": 8, "a100-80gb": 8, "h100": 8, "h100-96gb-500w": 8, "h200": 8, "l4": None,
+                  "rtx4090": None}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", REQUIRED)
+@pytest.mark.parametrize("name", NVLINK_DOMAINS)
 def test_each_target_knows_how_many_gpus_its_nvlink_joins_and_cites_it(name):
     target = targets.TARGETS[name]
     assert target.nvlink_domain == NVLINK_DOMAINS[name]
@@ -129,3 +130,39 @@ def test_the_docs_table_of_targets_lists_every_target_with_its_fields():
         assert int(memory.replace(",", "")) == target.device_memory_size, name
         assert int(bandwidth) == target.memory_bandwidth // 10**9 and float(l2) == target.l2_cache_size / 2**20, name
         assert float(ghz) == target.clock_rate_ghz, name
+
+
+def test_torchtitans_h100_target_holds_the_figures_its_benchmark_publishes():
+    """The 96 GB HBM2e H100 at 500 W (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): its memory and
+    bandwidth as quoted, and its compute range from the H100 NVL's dense bf16 peak to the SXM5's, the two datasheet
+    figures the benchmark bounds the card's peak by (NVIDIA: 1,671 and 1,979 TFLOP/s with sparsity, halved)."""
+    from jaxscale.measure import peaks
+
+    card = targets.TARGETS["h100-96gb-500w"]
+    assert "96GB HBM2e with 2.4 TB/sec peak memory bandwidth" in card.source
+    assert card.memory_bandwidth == 2.4e12 and card.device_memory_size == 96e9
+    assert card.power_limit_w == 500 and "We used the default 500W power limit" in card.compute_scale_source
+    assert "the actual peak TFLOPs number is between SXM and NVL" in card.compute_scale_source
+    nvl, sxm = peaks.find_peak("NVIDIA H100 NVL").bfloat16, peaks.find_peak("NVIDIA H100 80GB HBM3").bfloat16
+    assert (nvl, sxm) == (1671e12 / 2, 1978.8e12 / 2) or (nvl, sxm) == (1671e12 / 2, 989.4e12)
+    assert card.compute_scale == (nvl / sxm, 1.0)
+    assert targets.TARGETS["h100"].compute_scale == (1.0, 1.0) and targets.TARGETS["h100"].power_limit_w is None
+
+
+def test_a_power_limited_card_slows_compute_by_the_middle_of_its_range_and_memory_by_its_bandwidth():
+    """Hand count on one compute-bound GEMM and one memory-bound fusion: on the 96 GB H100 at 500 W the GEMM takes the
+    80 GB H100's time over the middle of (835.5 / 989.4, 1), the fusion its time x 3.35232 / 2.4 (the bandwidths)."""
+    from jaxscale.measure import kernels
+    from jaxscale.plan import predict
+
+    gemm = kernels.Kernel(name="dot", category="matmul", detail="gemm", trips=(), times=1, flops=2 * 8192**3,
+                          flop_dtype="bf16", bytes_read=2 * 2 * 8192**2, bytes_written=2 * 8192**2,
+                          gemm=(1, 8192, 8192, 8192))  # fmt: skip
+    fusion = kernels.Kernel(name="add", category="fusion", detail="loop", trips=(), times=1, flops=2**20,
+                            flop_dtype="vector", bytes_read=2**30, bytes_written=2**30)  # fmt: skip
+    full = predict.gpu_roofline(targets.TARGETS["h100"])
+    capped = predict.gpu_roofline(targets.TARGETS["h100-96gb-500w"])
+    middle = (835.5 / 989.4 + 1) / 2
+    assert predict.kernel_seconds(gemm, capped)[0] == pytest.approx(predict.kernel_seconds(gemm, full)[0] / middle)
+    assert predict.kernel_seconds(fusion, capped)[0] == pytest.approx(
+        predict.kernel_seconds(fusion, full)[0] * 3_352_320_000_000 / 2.4e12)
