@@ -18,7 +18,6 @@ import datetime
 import json
 import pathlib
 import re
-import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -32,6 +31,8 @@ from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, want
 from jaxscale.config import ConfigError, load_config_file, validate
 from jaxscale.config.overrides import apply_overrides
 from jaxscale.plan import gpu_plan, targets
+from jaxscale.report.published_errors import error_ratios, held_sets, mean_abs_error, split_table, summary_line
+from jaxscale.report.published_errors import number_text as _number
 from jaxscale.sweep.results import ResultsFile
 
 GIB = 2**30
@@ -310,23 +311,6 @@ def record(store: ResultsFile, row: dict, had_ok_row: bool) -> str | None:
     return f"{row['variant']}: {row['status']}: {row.get('error')}"
 
 
-def mean_abs_error(ratios: Sequence[float]) -> float | None:
-    """Mean of |ratio - 1| (0.15 = 15%), or None without ratios."""
-    return statistics.fmean(abs(r - 1) for r in ratios) if ratios else None
-
-
-def _number(value: float | None, digits: int = 2) -> str:
-    return "–" if value is None else f"{value:,.{digits}f}"
-
-
-def _summary(ratios: Sequence[float], label: str = "") -> str:
-    """'<label>: mean absolute error X% over N runs, M within ±25%' of predicted / published ratios."""
-    error = mean_abs_error(ratios)
-    within = sum(0.75 <= r <= 1.25 for r in ratios)
-    text = f"mean absolute error {_number(None if error is None else 100 * error, 1)}% over {len(ratios)} runs, "
-    return f"{label}: {text}{within} within ±25%" if label else f"{text}{within} within ±25%"
-
-
 def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
     """The markdown table: one line per run, then the mean absolute errors.
 
@@ -360,97 +344,34 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
             f"| {_number(row.get('first_sight_over_published_step'))} | {_number(row.get('published_peak_gib'), 1)} "
             f"| {_number(plan_gib, 1)} |"
         )
-    sets = _held(rows)
+    sets = held_sets(rows)
     development, registered, fit_since = sets["development"], sets["registered"], sets["fit_since"]
-    time_ratios = _ratios(development, "predicted_over_published_step")
+    time_ratios = error_ratios(development, "predicted_over_published_step")
     memory_ratios = [r["plan_over_published_memory"] for r in development if r.get("plan_over_published_memory")]
     memory_error = mean_abs_error(memory_ratios)
     lines.append("")
     lines.append(
-        f"{_summary(time_ratios, 'time, development set')}; memory: "
+        f"{summary_line(time_ratios, 'time, development set')}; memory: "
         f"{_number(None if memory_error is None else 100 * memory_error, 1)}% over {len(memory_ratios)} runs"
     )
     if any(r.get("first_sight_step_s") for r in rows if r.get("status") == "ok"):  # a run registered
-        first = _ratios(registered, "first_sight_over_published_step")
+        first = error_ratios(registered, "first_sight_over_published_step")
         first_memory = mean_abs_error([r["first_sight_plan_over_published_memory"] for r in registered
                                        if r.get("first_sight_plan_over_published_memory")])  # fmt: skip
         memory_runs = sum(bool(r.get("first_sight_plan_over_published_memory")) for r in registered)
-        now = _ratios(registered, "predicted_over_published_step")
+        now = error_ratios(registered, "predicted_over_published_step")
         waiting = sum(bool(r.get("published_pending")) for r in sets["held"])
         lines.append("")
-        lines.append(f"{_summary(first, 'time, first sight (pre-registered)')}; the current predictor on them: "
-                     f"{_summary(now)}; memory at first sight: "
+        lines.append(f"{summary_line(first, 'time, first sight (pre-registered)')}; the current predictor on them: "
+                     f"{summary_line(now)}; memory at first sight: "
                      f"{_number(None if first_memory is None else 100 * first_memory, 1)}% over {memory_runs} runs; "
                      f"{waiting} registered runs await their figures")  # fmt: skip
         if fit_since:  # first sights of plans that did not fit: counted apart, by the current predictor only
-            since = _ratios(fit_since, "predicted_over_published_step")
+            since = error_ratios(fit_since, "predicted_over_published_step")
             lines.append("")
-            lines.append(f"{_summary(since, 'time, registered runs whose plan fits only since their first sight')} "
+            lines.append(f"{summary_line(since, 'time, registered runs whose plan fits only since their first sight')} "
                          f"(the current predictor; not in either error above)")  # fmt: skip
         lines += ["", split_table(rows)]
-    return "\n".join(lines)
-
-
-def _held(rows: list[dict]) -> dict[str, list[dict]]:
-    """The compared rows (format_table's) sorted into the sets the errors are taken over: `held` (planned and not
-    excluded), the `development` set (held, no first sight), `registered` (a first sight with its figures, not
-    excluded at first sight: the first-sight error's runs) and `fit_since` (excluded at first sight, not now)."""
-    ok = [r for r in rows if r.get("status") == "ok"]
-    held = [r for r in ok if not r.get("published_excluded")]
-    measured = [r for r in ok if r.get("first_sight_step_s") and not r.get("published_pending")]
-    return {
-        "held": held,
-        "development": [r for r in held if not r.get("first_sight_step_s")],
-        "registered": [r for r in measured if not r.get("first_sight_excluded")],
-        "fit_since": [r for r in measured if r.get("first_sight_excluded") and not r.get("published_excluded")],
-    }
-
-
-def _ratios(rows: list[dict], key: str) -> list[float]:
-    """The rows' predicted / published ratios under `key`; the current predictor's (predicted_over_published_step)
-    only where the run is not excluded now."""
-    now = key == "predicted_over_published_step"
-    return [r[key] for r in rows if r.get(key) and not (now and r.get("published_excluded"))]
-
-
-def _cell(ratios: Sequence[float]) -> str:
-    """One split-table cell: 'X% over N (M within ±25%)', or '–' without runs."""
-    if not ratios:
-        return "–"
-    within = sum(0.75 <= r <= 1.25 for r in ratios)
-    return f"{100 * mean_abs_error(ratios):.1f}% over {len(ratios)} ({within} within ±25%)"
-
-
-SPLITS = (  # how split_table groups the runs: (label, the row's key)
-    ("GPU", "plan_target"),
-    ("framework", "published_framework"),
-    ("first sight made by", "first_sight_commit"),
-)
-
-
-def split_table(rows: list[dict]) -> str:
-    """The time errors of format_table's summary lines split by GPU target, by framework and by the commit whose
-    predictor made the first sight: for each group the first-sight error, the current predictor on the same runs,
-    and the current predictor on the group's development-set runs (rows as format_table compares them)."""
-    sets = _held(rows)
-    lines = [
-        "| runs | first sight (pre-registered) | the current predictor on them | development set, current predictor |",
-        "|---|---|---|---|",
-    ]
-
-    def line(label: str, keep) -> str:
-        registered = [r for r in sets["registered"] if keep(r)]
-        development = [r for r in sets["development"] if keep(r)]
-        return (f"| {label} | {_cell(_ratios(registered, 'first_sight_over_published_step'))} "
-                f"| {_cell(_ratios(registered, 'predicted_over_published_step'))} "
-                f"| {_cell(_ratios(development, 'predicted_over_published_step'))} |")  # fmt: skip
-
-    lines.append(line("all", lambda r: True))
-    for label, key in SPLITS:
-        held = sets["registered"] + sets["development"]
-        for value in sorted({r.get(key) for r in held if r.get(key)}):
-            shown = value[:7] if key == "first_sight_commit" else value
-            lines.append(line(f"{label}: {shown}", lambda r, key=key, value=value: r.get(key) == value))
     return "\n".join(lines)
 
 

@@ -14,14 +14,14 @@ GIB = 2**30
 # lowest rounded down and the highest rounded up to two decimals. tests/plan/test_fit_search.py recomputes it from
 # those committed rows. It is how far one predicted tokens/s may be from the GPU's, not how far the order of two
 # predictions of one model on one GPU may be wrong: that is TIE_RATIO.
-PREDICTED_OVER_MEASURED = (0.60, 2.17)
+PREDICTED_OVER_MEASURED = (0.67, 2.17)
 # The error of the ratio of two predictions of one model on one GPU: within a sweep (variants of one model on one
 # GPU, each predicted and measured) two variants' predicted/measured differ by at most the sweep's highest over its
 # lowest, and so does the ratio of their predictions against the ratio of their measurements. The widest such spread
 # over every sweep the lab holds, rounded up to two decimals: the lab's measured H200 sweeps beside their deviceless
 # plans (experiments/results/<sweep>_h200 and <sweep>_plan_h200: the seed table 1.378, its bf16/FP8 pair and
 # Llama 3.2 1B's, the MoE dispatches), the notebook's A5000 table (1.267) and the published runs of one setup (one
-# project, model, GPU and GPU count; torchtitan's Llama 3.1 8B on 8 H100s, 1.372). tests/plan/test_fit_search.py
+# project, model, GPU and GPU count; torchtitan's Llama 3.1 8B on 8 H100s, 1.352). tests/plan/test_fit_search.py
 # recomputes it from the committed rows. Two choices whose predicted tokens/s are within TIE_RATIO of each other
 # could be in either order on the GPU, so the recommendation calls them a tie.
 TIE_RATIO = 1.38

@@ -491,13 +491,9 @@ def target_columns(
     fp8_peak = None if fp8_peak is None else fp8_peak * devices
     per_mode = {mode: step_columns(config, found, roof, peak, fp8_peak) for mode, found in by_mode.items()}
     best = min(per_mode, key=lambda m: per_mode[m]["predicted_step_s"])
-    bounds = {}
-    if target.compute_scale != (1.0, 1.0):  # the step at each end of the card's compute range, slowest first
-        bounds["predicted_step_s_range"] = [
-            min(step_columns(config, found, dataclasses.replace(roof, compute_scale=end), peak, fp8_peak)[
-                "predicted_step_s"] for found in by_mode.values())
-            for end in target.compute_scale
-        ]  # fmt: skip
+    ends = [dataclasses.replace(roof, compute_scale=end) for end in target.compute_scale]  # the step at each end
+    bounds = {"predicted_step_s_range": [min(step_columns(config, found, end, peak, fp8_peak)["predicted_step_s"]
+              for found in by_mode.values()) for end in ends]} if len(set(target.compute_scale)) > 1 else {}
     return {
         **per_mode[best],
         "predicted_gemm": best,
