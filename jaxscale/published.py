@@ -31,7 +31,14 @@ from jaxscale.cli import Usage, UsageError, fail, no_arguments, print_help, want
 from jaxscale.config import ConfigError, load_config_file, validate
 from jaxscale.config.overrides import apply_overrides
 from jaxscale.plan import gpu_plan, targets
-from jaxscale.report.published_errors import error_ratios, held_sets, mean_abs_error, split_table, summary_line
+from jaxscale.report.published_errors import (
+    error_ratios,
+    held_now,
+    held_sets,
+    mean_abs_error,
+    split_table,
+    summary_line,
+)
 from jaxscale.report.published_errors import number_text as _number
 from jaxscale.sweep.results import ResultsFile
 
@@ -359,7 +366,7 @@ def format_table(rows: list[dict], runs: Sequence[dict] | None = None) -> str:
         first_memory = mean_abs_error([r["first_sight_plan_over_published_memory"] for r in registered
                                        if r.get("first_sight_plan_over_published_memory")])  # fmt: skip
         memory_runs = sum(bool(r.get("first_sight_plan_over_published_memory")) for r in registered)
-        now = error_ratios(registered, "predicted_over_published_step")
+        now = error_ratios(held_now(registered), "predicted_over_published_step")
         waiting = sum(bool(r.get("published_pending")) for r in sets["held"])
         lines.append("")
         lines.append(f"{summary_line(first, 'time, first sight (pre-registered)')}; the current predictor on them: "

@@ -251,11 +251,11 @@ def gpu_roofline(
         host_link_bytes_per_s=float(target.pcie_bandwidth),
         collective_tables=collective_rates.tables_for(target.name) if nvlink else None,
         gemm_table=generation in gemm_rates.ARCHITECTURES,
-        compute_scale=sum(target.compute_scale) / 2,
+        compute_scale=target.planned_compute_scale,
         source=f"{peak.source}; {target.source}; links: {target.interconnect_source}; "
-        + (f"compute at {sum(target.compute_scale) / 2:.3f} of the rates below (the middle of "
+        + (f"compute at {target.planned_compute_scale:.3f} of the rates below (the middle of "
            f"{target.compute_scale[0]:.3f}-{target.compute_scale[1]:.3f}: {target.compute_scale_source}); "
-           if target.compute_scale != (1.0, 1.0) else "")
+           if target.planned_compute_scale < 1 else "")
         + f"{collective_rates.source_text(target.name if nvlink else '')}; efficiencies: GEMM "
         + (f"bf16/fp16/TF32 at the rate measured for its shape ({gemm_rates.SOURCE}), other dtypes "
            if generation in gemm_rates.ARCHITECTURES else "")

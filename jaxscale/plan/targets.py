@@ -72,6 +72,11 @@ class GpuTarget:
     compute_scale: tuple[float, float] = (1.0, 1.0)
     compute_scale_source: str = ""
 
+    @property
+    def planned_compute_scale(self) -> float:
+        """The compute_scale a plan is made at: the middle of the range (1.0 for a card at its datasheet rates)."""
+        return sum(self.compute_scale) / 2
+
     def validate(self) -> None:
         """Raises ValueError naming the first field XLA cannot plan with (zero memory makes its limit 0)."""
         for field in ("device_memory_size", "core_count", "memory_bandwidth", "l2_cache_size"):
