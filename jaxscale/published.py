@@ -188,6 +188,7 @@ def check_layout(published: dict, config: ml_collections.ConfigDict) -> None:
                              f"{published[key]}; set {field}={published[key]}")  # fmt: skip
     if lab["target"] not in targets.TARGETS:
         raise UsageError(f"{where}: lab.target: unknown {lab['target']!r}; allowed: {', '.join(targets.TARGETS)}")
+    check_power_limit(published)
     if lab.get("gemm", "both") not in gpu_plan.GEMM_CHOICES:
         raise UsageError(f"{where}: lab.gemm: unknown {lab['gemm']!r}; allowed: {', '.join(gpu_plan.GEMM_CHOICES)}")
     if lab["devices"] != published["n_gpus"]:
@@ -200,6 +201,30 @@ def check_layout(published: dict, config: ml_collections.ConfigDict) -> None:
     missing = gpu_plan.missing_cudnn() if config.model.attention == "cudnn" else None
     if missing:
         raise UsageError(f"{where}: {missing}")
+
+
+def check_power_limit(published: dict) -> None:
+    """A run names its target by what it ran on: a run that states a power limit plans on a target capped at that
+    limit, and a capped target plans only runs that state its limit (a target without one is the card at its own
+    board power).
+
+    Raises:
+      UsageError: one line naming the run, gpu_power_limit_w and the targets that match.
+    """
+    stated, name = published.get("gpu_power_limit_w"), published["lab"]["target"]
+    capped, where = targets.TARGETS[name].power_limit_w, f"--runs: run {published['id']!r}"
+    if stated is not None and not _has_kind(stated, int):
+        raise UsageError(f"{where}: gpu_power_limit_w: must be a positive integer (watts) or null, got {stated!r}")
+    if stated == capped:
+        return
+    if stated is None:
+        raise UsageError(f"{where}: gpu_power_limit_w: null, but lab.target {name!r} is capped at {capped} W; state "
+                         "the run's published limit or name a target at its board power")  # fmt: skip
+    matching = [key for key, card in targets.TARGETS.items() if card.power_limit_w == stated]
+    allowed = (f"targets capped at {stated} W: {', '.join(matching)}" if matching
+               else f"no target is capped at {stated} W")
+    raise UsageError(f"{where}: gpu_power_limit_w: {stated}, but lab.target {name!r} plans "
+                     f"{f'{capped} W' if capped else 'the card at its board power'}; {allowed}")  # fmt: skip
 
 
 def excluded(published: dict, row: dict) -> str | None:

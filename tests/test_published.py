@@ -166,6 +166,14 @@ BAD_RUNS = {  # a change to a good run -> what its one line must say (the run an
     "batch_not_published": (_set(TINY_RUN, "global_batch", 16),
                             "lab.overrides: data.batch_size is 8, but the run's global_batch is 16"),
     "unknown_target": (_set(TINY_RUN, "lab.target", "rtx3090"), "lab.target: unknown 'rtx3090'; allowed: "),
+    "power_limit_not_the_targets": (_set(TINY_RUN, "gpu_power_limit_w", 500),
+                                    "gpu_power_limit_w: 500, but lab.target 'a5000' plans the card at its board power; "
+                                    "targets capped at 500 W: h100-96gb-500w"),
+    "power_limit_missing_on_a_capped_target": (
+        _set(_set(TINY_RUN, "lab.target", "h100-96gb-500w"), "lab.gemm", "both"),
+        "gpu_power_limit_w: null, but lab.target 'h100-96gb-500w' is capped at 500 W"),
+    "power_limit_as_text": (_set(TINY_RUN, "gpu_power_limit_w", "500 W"),
+                            "gpu_power_limit_w: must be a positive integer (watts) or null, got '500 W'"),
     "unknown_framework": (_set(TINY_RUN, "framework", "Keras"),
                           "framework: must be one of 'PyTorch', 'PyTorch + Megatron-Core', 'JAX', 'CUDA', got 'Keras'"),
 }  # fmt: skip
