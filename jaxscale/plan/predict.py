@@ -20,11 +20,9 @@ predicted_collective_hidden_s is the rest). A synchronous collective counts whol
 `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch cost: the pure roofline.
 The constants and their sources:
 
-- GEMM_EFFICIENCY 0.80: the best large-GEMM fraction of the bf16 tensor peak measured with cuBLAS
-  ("Maximum Achievable Matmul FLOPS", stas00/ml-engineering, compute/accelerator/README.md: A100 SXM
-  86.9%, A100 PCIe 81.1%, H100 SXM 80.3%; OpenXLA's measured H100 table, xla/service/gpu/model/
-  matmul_interpolator_data.h: 783 of 989 TFLOP/s = 79% at 4096³ bf16). No figure for an RTX A5000 was
-  found; the same fraction is assumed.
+- GEMM_EFFICIENCY 0.80: a GEMM's share of its dtype's dense peak on a card without a measured share of its own
+  (jaxscale.plan.gemm_rates.MAMF, by card and dtype): the H100 SXM's cuBLAS best-shape 80.3% rounded. Assumed for
+  the Ampere workstation and Ada cards (no figure found), for FP8 on Ada too.
 - GEMM_TILE 128: the output tile of a cuBLAS kernel for large GEMMs; with the SM count it gives NVIDIA's
   tile and wave quantization (Matrix Multiplication Background User's Guide, ch. 3): a GEMM of
   `batch · ceil(m/128) · ceil(n/128)` tiles runs in `ceil(tiles / SMs)` waves, and only the useful share
@@ -40,18 +38,15 @@ The constants and their sources:
   FlashAttention-2 reaches, its FLOPs counted as its benchmark counts them (causal halved, backward 2.5x the
   forward: the 5 matmuls it runs), so the fraction is the rate of its matmul work; a kernel's matmuls are
   counted by jaxscale.measure.attention_calls (JAX's Pallas backward runs 7, 3.5x the forward).
-  Ampere (8.x; also Ada, 8.9, for which no figure was found) 0.50: the low end of "50-73% of the
-  theoretical maximum FLOPs/s on A100" (Dao 2023, FlashAttention-2, arXiv 2307.08691, abstract), the low
-  end because JAX's Triton kernel is a re-implementation, not FlashAttention-2 itself. Hopper (9.x) 0.35:
-  "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3,
-  arXiv 2407.08608, abstract); the Pallas kernel is FlashAttention-2-like (no warp specialization, no TMA
-  pipelining). cuDNN's fused attention gets the same figure (none of its own was found; on Hopper it is
-  probably faster, so its predictions are conservative). Blackwell (10.x) 0.35: Hopper's figure, assumed (no
-  published FlashAttention-2 figure on a B200 was found). Not fitted to any step time.
+  Ampere (8.x; also Ada, 8.9, no figure found) 0.50: the low end of "50-73% of the theoretical maximum FLOPs/s
+  on A100" (Dao 2023, FlashAttention-2, arXiv 2307.08691, abstract): JAX's Triton kernel is a re-implementation.
+  Hopper (9.x) 0.35: "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al. 2024,
+  FlashAttention-3, arXiv 2407.08608, abstract); the Pallas kernel is FlashAttention-2-like (no warp
+  specialization, no TMA pipelining). cuDNN's fused attention gets the same figure (none of its own was found).
+  Blackwell (10.x) 0.35: Hopper's, assumed (no B200 figure found). Not fitted to any step time.
 - FP8 GEMMs (model.fp8: e4m3/e5m2 operands, flop_dtype "f8") run at the target's FP8 dense peak
-  (jaxscale.measure.peaks, from each datasheet) times the same GEMM_EFFICIENCY and tile quantization as bf16:
-  an assumption, not a measurement (no FP8 GEMM table was read); the scaling work (amax reductions, casts,
-  scale multiplies) is elementwise and priced as the memory-bound fusions it compiles to.
+  (jaxscale.measure.peaks, from each datasheet) times the card's measured FP8 share (above) and tile quantization;
+  the scaling work (amax reductions, casts, scale multiplies) is priced as the memory-bound fusions it compiles to.
 - Collective bytes: NCCL's bus-bandwidth factors (nccl-tests doc/PERFORMANCE.md): all-reduce 2(n-1)/n,
   all-gather, reduce-scatter and all-to-all (n-1)/n, collective-permute 1, of the full buffer.
 
@@ -178,7 +173,7 @@ class Roofline:
     network_bytes_per_s: float  # collectives that span hosts: one network link (a GPU's NIC, else PCIe)
     devices_per_host: int
     cores: int | None  # SMs, for tile and wave quantization (None: none, a CPU)
-    gemm_efficiency: float
+    gemm_efficiency: float  # a GEMM's share of its dtype's dense peak, before tile quantization
     attention_efficiency: float  # fused attention kernels' share of the tensor peak
     memory_efficiency: float
     launch_s: float
@@ -202,6 +197,9 @@ class Roofline:
     # The card's sustained compute over the rates above (targets.GpuTarget.compute_scale: a power-limited card):
     # every kernel's compute time is divided by it, its memory and link time are not.
     compute_scale: float = 1.0
+    # The card's own measured best-shape share of the dense peak by GEMM dtype (gemm_rates.best_shape_efficiencies),
+    # in place of gemm_efficiency for the dtypes it lists.
+    gemm_efficiency_by_dtype: dict[str, float] | None = None
 
 
 def gpu_roofline(
@@ -226,6 +224,8 @@ def gpu_roofline(
     attention = ATTENTION_EFFICIENCY[generation]
     full_fp32 = (precision or "").lower() in ("highest", "float32", "fp32")
     nvlink = target.nvlink_bandwidth is not None and target.nvlink_domain is not None
+    measured_shares = gemm_rates.best_shape_efficiencies(target.device_kind)
+    shares = ", ".join(f"{dtype} {share:.1%}" for dtype, share in measured_shares.items())
     return Roofline(
         name=target.name,
         matmul_flops_per_s={
@@ -244,6 +244,7 @@ def gpu_roofline(
         devices_per_host=devices_per_host,
         cores=target.core_count,
         gemm_efficiency=GEMM_EFFICIENCY,
+        gemm_efficiency_by_dtype=measured_shares or None,
         attention_efficiency=attention,
         memory_efficiency=MEMORY_EFFICIENCY,
         launch_s=LAUNCH_S,
@@ -259,6 +260,8 @@ def gpu_roofline(
         + f"{collective_rates.source_text(target.name if nvlink else '')}; efficiencies: GEMM "
         + (f"bf16/fp16/TF32 at the rate measured for its shape ({gemm_rates.SOURCE}), other dtypes "
            if generation in gemm_rates.ARCHITECTURES else "")
+        + (f"the card's measured best-shape share of peak ({shares}; {gemm_rates.MAMF_SOURCE}), else "
+           if measured_shares else "")
         + f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, fused attention "
         f"{attention:.0%} (published FlashAttention-2 figure for compute capability {generation}.x), memory "
         f"{MEMORY_EFFICIENCY:.0%}, launch {LAUNCH_S * 1e6:.1f} us per kernel (jaxscale/plan/predict.py)",
@@ -348,7 +351,8 @@ def _roofline_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, fl
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])
         measured = gemm_rates.rate(kernel.flop_dtype, kernel.gemm) if roof.gemm_table else None
         # the measured rate as a share of the dtype's peak (at most all of it: the pure roofline stays a bound)
-        formula = roof.gemm_efficiency * quantization(kernel.gemm, roof.cores)
+        share = (roof.gemm_efficiency_by_dtype or {}).get(kernel.flop_dtype, roof.gemm_efficiency)
+        formula = share * quantization(kernel.gemm, roof.cores)
         efficiency = min(1.0, measured / peak) if measured else formula
     elif kernel.category == "attention":
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])

@@ -57,12 +57,53 @@ def test_an_h100_bf16_gemm_runs_at_its_measured_rate_and_other_targets_and_fp8_k
         predicted, bound = predict.kernel_seconds(gemm, predict.gpu_roofline(targets.TARGETS[name]))
         assert predicted == pytest.approx(gemm.flops / SOURCE_ROWS[shape], rel=1e-9)
         assert bound == pytest.approx(gemm.flops / 989.4e12, rel=1e-3)  # the pure roofline: the dense peak
-    a100 = predict.gpu_roofline(targets.TARGETS["a100-80gb"])  # no table: 80% of 312 TFLOP/s, 64 tiles on 108 SMs
-    assert predict.kernel_seconds(gemm, a100)[0] == pytest.approx(gemm.flops / (312e12 * 0.80 * 64 / 108), rel=1e-3)
-    fp8 = _gemm("f8", (1, 4096, 4096, 4096))  # FP8 on the H100: 80% of 1,978.9 TFLOP/s, 1024 tiles in 8 waves of 132
+    a100 = predict.gpu_roofline(targets.TARGETS["a100-80gb"])  # no table: MAMF's 271.2 of 312, 64 tiles on 108 SMs
+    assert predict.kernel_seconds(gemm, a100)[0] == pytest.approx(gemm.flops / (312e12 * 271.2 / 312 * 64 / 108),
+                                                                  rel=1e-3)  # fmt: skip
+    fp8 = _gemm("f8", (1, 4096, 4096, 4096))  # FP8 on the H100: MAMF's 1402.6 of 1979, 1024 tiles in 8 waves of 132
     h100 = predict.gpu_roofline(targets.TARGETS["h100"])
-    assert predict.kernel_seconds(fp8, h100)[0] == pytest.approx(fp8.flops / (1978.9e12 * 0.80 * 1024 / 1056), rel=1e-3)
+    assert predict.kernel_seconds(fp8, h100)[0] == pytest.approx(fp8.flops / (1978.9e12 * 1402.6 / 1979 * 1024 / 1056),
+                                                                 rel=1e-3)  # fmt: skip
     assert "measured H100 GEMM table" in h100.source and "measured H100 GEMM table" not in a100.source
+    rtx4090 = predict.gpu_roofline(targets.TARGETS["rtx4090"])  # Ada: no measured share, the 0.80 assumed
+    ada = _gemm("f8", (1, 4096, 4096, 4096))  # 1024 tiles in 8 waves of 128 SMs: no quantization loss
+    assert predict.kernel_seconds(ada, rtx4090)[0] == pytest.approx(ada.flops / (330.3e12 * 0.80), rel=1e-3)
+
+
+# The source's rows (stas00/ml-engineering @ 744d01e, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+# comparison table"), copied from the file: accelerator | MAMF | Theory | Efficiency | best shape | torch | notes.
+MAMF_BF16_ROWS = """
+| NVIDIA A100 SXM  |  271.2 |    312 |      86.9% |  1024x10240x5120 | 2.6.0+cu126                    |
+| NVIDIA H100 SXM  |  794.5 |    989 |      80.3% |  2048x2048x13312 | 2.7.0+cu126                    | H200 is the same
+| NVIDIA B200 SXM  | 1745.0 |   2250 |      77.6% |  1792x16128x3072 | 2.7.1+cu128                    |
+| NVIDIA GB200 SXM | 1822.0 |   2500 |      72.9% |   4096x9728x2048 | 2.10.0.dev20250916+cu130       |
+"""
+MAMF_FP8_ROWS = """
+| NVIDIA B200 SXM  | 3432.5 |   4500 |      76.3% |  15360x4096x3072 | 2.7.1+cu128                    |
+| NVIDIA H200 SXM  | 1453.4 |   1979 |      73.4% |  1280x4096x12032 | 2.7.1+cu128                    |
+| NVIDIA GB200 SXM | 3615.6 |   5000 |      72.3% |  19456x5120x1536 | 2.10.0.dev20250916+cu130       |
+| NVIDIA H100 SXM  | 1402.6 |   1979 |      70.9% |  1024x9216x14336 | 2.7.0+cu126                    |
+"""
+
+
+def _rows(text: str, dtype: str) -> dict[tuple[str, str], tuple[float, float, float]]:
+    cells = [[cell.strip() for cell in line.split("|")[1:5]] for line in text.strip().splitlines()]
+    return {(name, dtype): (float(mamf), float(theory), float(share.rstrip("%")) / 100)
+            for name, mamf, theory, share in cells}  # fmt: skip
+
+
+def test_each_measured_share_is_the_source_rows_figures_and_each_card_takes_its_own_rows():
+    quoted = {**_rows(MAMF_BF16_ROWS, "bf16"), **_rows(MAMF_FP8_ROWS, "f8")}
+    assert {key: value[:2] for key, value in quoted.items()} == gemm_rates.MAMF
+    for mamf, theory, share in quoted.values():  # the source's own efficiency column, to its rounding
+        assert mamf / theory == pytest.approx(share, abs=5e-4)
+    h200 = gemm_rates.best_shape_efficiencies("NVIDIA H200")  # "H200 is the same" in bf16, its own row in FP8
+    assert h200 == {"bf16": 794.5 / 989, "f16": 794.5 / 989, "f8": 1453.4 / 1979}
+    assert gemm_rates.best_shape_efficiencies("NVIDIA A100-SXM4-40GB") == {"bf16": 271.2 / 312, "f16": 271.2 / 312}
+    for card in ("NVIDIA RTX A5000", "NVIDIA RTX A6000", "NVIDIA L40S", "NVIDIA L4", "NVIDIA GeForce RTX 4090"):
+        assert gemm_rates.best_shape_efficiencies(card) == {}  # measured nowhere: predict.GEMM_EFFICIENCY
+    # every mapped card is a target's (a misspelt device kind would map nothing)
+    assert set(gemm_rates.MAMF_CARD) <= {target.device_kind for target in targets.TARGETS.values()}
 
 
 def test_docs_predict_md_quotes_the_tables_rates_as_the_module_gives_them():
