@@ -130,7 +130,9 @@ def check_fields(published: dict, index: int = 0) -> None:
 
 def published_step_s(published: dict) -> tuple[float | None, str]:
     """The published run's step in seconds and how it follows from what was published: a step time as
-    published, or the tokens (sequences) of one step over the published tokens/s per GPU x GPUs (sequences/s)."""
+    published, or the tokens (sequences) of one step over the published tokens/s per GPU x GPUs (sequences/s), or,
+    where only TFLOP/s per GPU was published, the step the source's own FLOP count gives (derived_by_source_reader:
+    its formula is in `how`, and a test recomputes it)."""
     measured = published.get("measured", {})
     tokens = published["global_batch"] * published["seq_len"]
     if measured.get("step_time_s"):
@@ -140,6 +142,9 @@ def published_step_s(published: dict) -> tuple[float | None, str]:
         return tokens / rate, "tokens per step / (published tokens/s per GPU x GPUs)"
     if measured.get("sequences_per_s"):
         return published["global_batch"] / measured["sequences_per_s"], "sequences per step / published sequences/s"
+    derived = published.get("derived_by_source_reader", {})
+    if measured.get("tflops_per_gpu") and derived.get("step_time_s"):  # only a rate in TFLOP/s was published
+        return float(derived["step_time_s"]), "the source's own FLOPs per step / its published TFLOP/s per GPU"
     return None, "no time published"
 
 

@@ -32,7 +32,9 @@ def test_the_runs_are_at_least_8_from_4_projects_each_quoting_its_source_and_a_m
             assert first["predicted_step_s"] and re.fullmatch(r"[0-9a-f]{40}", first["commit"]), run["id"]
             continue
         measured = run["measured"]
-        assert any(measured.get(k) for k in ("step_time_s", "tokens_per_s_per_gpu", "sequences_per_s")), run["id"]
+        rates = ("step_time_s", "tokens_per_s_per_gpu", "sequences_per_s", "tflops_per_gpu")
+        assert any(measured.get(k) for k in rates), run["id"]
+        assert published.published_step_s(run)[0], run["id"]  # a rate in TFLOP/s only with its derived step
         assert run["lab"]["differences"], run["id"]  # what the lab cannot express, named per run
 
 
@@ -64,6 +66,17 @@ def test_the_published_step_follows_from_what_was_published():
     # Pax: 256 sequences per step at 2,098.16 sequences/s
     assert published.published_step_s(runs["jaxtoolbox-pax-gpt126m-64xa100-bf16"])[0] == pytest.approx(256 / 2098.16)
     assert published.published_step_s(runs["llmc-gpt2-124m-8xa100"]) == (0.3, "published step time")
+    # MaxText's A3 table gives TFLOP/s per chip only: the step is MaxText's own count of a device's FLOPs per step
+    # (calculate_tflops_training_per_device @ efb6d9e: 6 x parameters x tokens, plus 12 x heads x layers x head dim x
+    # seq^2 x batch halved for causality) over it, counted here from Llama 2 7B's shapes
+    vocab, d, layers, mlp, heads, seq, batch = 32000, 4096, 32, 11008, 32, 4096, 4
+    parameters = 2 * vocab * d + layers * (4 * d * d + 3 * d * mlp + 2 * d) + d  # Llama 2 7B's 6.74 billion
+    assert parameters == 6_738_415_616
+    device_flops = 6 * parameters * seq * batch + 12 * heads * layers * (d // heads) * seq**2 * batch / 2
+    for name, tflops in (("maxtext-a3-llama2-7b-8xh100-fsdp8", 492), ("maxtext-a3-llama2-7b-128xh100-dp16-fsdp8", 375)):
+        step, how = published.published_step_s(runs[name])
+        assert runs[name]["measured"]["tflops_per_gpu"] == tflops and not runs[name]["measured"]["step_time_s"]
+        assert step == pytest.approx(device_flops / (tflops * 1e12), rel=1e-9) and "TFLOP/s per GPU" in how
 
 
 def test_an_excluded_run_is_one_whose_published_step_is_above_its_gpus_peak():
