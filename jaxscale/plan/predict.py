@@ -20,9 +20,8 @@ predicted_collective_hidden_s is the rest). A synchronous collective counts whol
 `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch cost: the pure roofline.
 The constants and their sources:
 
-- GEMM_EFFICIENCY 0.80: a GEMM's share of its dtype's dense peak on a card without a measured share of its own
-  (jaxscale.plan.gemm_rates.MAMF, by card and dtype): the H100 SXM's cuBLAS best-shape 80.3% rounded. Assumed for
-  the Ampere workstation and Ada cards (no figure found), for FP8 on Ada too.
+- GEMM_EFFICIENCY 0.80: a GEMM's share of its dtype's dense peak on a card without a measured share (gemm_rates.MAMF):
+  the H100 SXM's cuBLAS best-shape 80.3% rounded; assumed for the Ampere workstation and Ada cards (no figure found).
 - GEMM_TILE 128: the output tile of a cuBLAS kernel for large GEMMs; with the SM count it gives NVIDIA's
   tile and wave quantization (Matrix Multiplication Background User's Guide, ch. 3): a GEMM of
   `batch · ceil(m/128) · ceil(n/128)` tiles runs in `ceil(tiles / SMs)` waves, and only the useful share
@@ -44,8 +43,7 @@ The constants and their sources:
   FlashAttention-3, arXiv 2407.08608, abstract); the Pallas kernel is FlashAttention-2-like (no warp
   specialization, no TMA pipelining). cuDNN's fused attention gets the same figure (none of its own was found).
   Blackwell (10.x) 0.35: Hopper's, assumed (no B200 figure found). Not fitted to any step time.
-- FP8 GEMMs (model.fp8: e4m3/e5m2 operands, flop_dtype "f8") run at the target's FP8 dense peak
-  (jaxscale.measure.peaks, from each datasheet) times the card's measured FP8 share (above) and tile quantization;
+- FP8 GEMMs (flop_dtype "f8") run at the FP8 dense peak (peaks) x the card's FP8 share (above) x tile quantization;
   the scaling work (amax reductions, casts, scale multiplies) is priced as the memory-bound fusions it compiles to.
 - Collective bytes: NCCL's bus-bandwidth factors (nccl-tests doc/PERFORMANCE.md): all-reduce 2(n-1)/n,
   all-gather, reduce-scatter and all-to-all (n-1)/n, collective-permute 1, of the full buffer.
@@ -197,8 +195,7 @@ class Roofline:
     # The card's sustained compute over the rates above (targets.GpuTarget.compute_scale: a power-limited card):
     # every kernel's compute time is divided by it, its memory and link time are not.
     compute_scale: float = 1.0
-    # The card's own measured best-shape share of the dense peak by GEMM dtype (gemm_rates.best_shape_efficiencies),
-    # in place of gemm_efficiency for the dtypes it lists.
+    # the card's measured GEMM shares by dtype (gemm_rates.best_shape_efficiencies), over gemm_efficiency
     gemm_efficiency_by_dtype: dict[str, float] | None = None
 
 
