@@ -1,5 +1,6 @@
 """Interpolation on a measured grid, linear in log value against log coordinate: the one rule the predictor's
-measured tables share (jaxscale.plan.collective_rates by buffer size, jaxscale.plan.gemm_rates by GEMM shape)."""
+measured tables share (jaxscale.plan.collective_rates by buffer size, jaxscale.plan.gemm_rates by GEMM shape,
+jaxscale.plan.attention_rates by sequence)."""
 
 from __future__ import annotations
 

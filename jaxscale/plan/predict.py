@@ -1,58 +1,55 @@
 """Predicts a train step's time from the kernels of its compiled program: a roofline per kernel, summed.
 
-Each kernel of the compiled step (jaxscale.measure.kernels: GEMMs, fused attention, fusions, copies,
-dynamic-update-slices, collectives, each with the trip counts of its loops) takes
+Each kernel of the compiled step (jaxscale.measure.kernels: GEMMs, fused attention, fusions, copies, dynamic-update-
+slices, collectives, each with the trip counts of its loops) takes
 
     time = max(FLOPs / (peak · efficiency), bytes / (bandwidth · MEMORY_EFFICIENCY)) + LAUNCH_S
 
-where the peak is the one its dtype runs at (bf16/fp16 tensor cores, TF32 for a float32 dot at DEFAULT
-precision, float32 CUDA cores for elementwise work; a fused attention kernel's matmuls at the tensor peak
-times ATTENTION_EFFICIENCY instead of GEMM_EFFICIENCY, with no tile quantization), and a collective moves its
-ring-algorithm bytes over the slowest link its group crosses (NVLink within the target's NVLink domain, PCIe
-beyond it, the network across hosts: with a NIC per GPU, all of a host's NICs together, as NCCL spreads its
-rings over them, capped by the links inside the host; `link_bytes_per_s`). Within an H100, H200 or A100 NVLink
-domain an all-reduce, all-gather or reduce-scatter instead takes the time published nccl-tests runs measured for its
-buffer size, latency included (jaxscale.plan.collective_rates); the pure roofline keeps the link rate. The step is
-the sum over kernels times their launches (XLA runs one compute kernel at a time on one stream), except what async
-collectives overlap: a collective compiled as a -start/-done pair runs on its own stream, and only the part of it that
-outlasts the compute kernels the program launches between its start and its -done counts (`exposed`;
-predicted_collective_hidden_s is the rest). A synchronous collective counts whole.
-`predicted_step_lower_bound_s` is the same sum with no efficiency and no launch cost: the pure roofline.
-The constants and their sources:
+where the peak is the one its dtype runs at (bf16/fp16 tensor cores, TF32 for a float32 dot at DEFAULT precision,
+float32 CUDA cores for elementwise work; a fused attention kernel's matmuls at the tensor peak times
+ATTENTION_EFFICIENCY instead of GEMM_EFFICIENCY, with no tile quantization), and a collective moves its ring-algorithm
+bytes over the slowest link its group crosses (NVLink within the target's NVLink domain, PCIe beyond it, the network
+across hosts: with a NIC per GPU, all of a host's NICs together, as NCCL spreads its rings over them, capped by the
+links inside the host; `link_bytes_per_s`). Within an H100, H200 or A100 NVLink domain an all-reduce, all-gather or
+reduce-scatter instead takes the time published nccl-tests runs measured for its buffer size, latency included
+(jaxscale.plan.collective_rates); the pure roofline keeps the link rate. The step is the sum over kernels times their
+launches (XLA runs one compute kernel at a time on one stream), except what async collectives overlap: a collective
+compiled as a -start/-done pair runs on its own stream, and only the part of it that outlasts the compute kernels the
+program launches between its start and its -done counts (`exposed`; predicted_collective_hidden_s is the rest). A
+synchronous collective counts whole. `predicted_step_lower_bound_s` is the same sum with no efficiency and no launch
+cost: the pure roofline. The constants and their sources:
 
 - GEMM_EFFICIENCY 0.80: a GEMM's share of its dtype's dense peak on a card without a measured share (gemm_rates.MAMF):
   the H100 SXM's cuBLAS best-shape 80.3% rounded; assumed for the Ampere workstation and Ada cards (no figure found).
-- GEMM_TILE 128: the output tile of a cuBLAS kernel for large GEMMs; with the SM count it gives NVIDIA's
-  tile and wave quantization (Matrix Multiplication Background User's Guide, ch. 3): a GEMM of
-  `batch · ceil(m/128) · ceil(n/128)` tiles runs in `ceil(tiles / SMs)` waves, and only the useful share
-  of those waves' work counts.
-- MEMORY_EFFICIENCY 0.85: sustained fraction of the datasheet bandwidth in a streaming kernel that reads
-  one array and writes another, as most fusions do: STREAM "scale" measured on an H100 PCIe at full
-  occupancy, 1704 GB/s of the datasheet's 2.0 TB/s = 85% (te42kyfo/gpu-benches, cuda-stream/h100_pcie.txt;
-  its "triad", two reads and a write, 1832 GB/s = 92%). No published measurement for an RTX A5000 was
-  found; the same fraction is assumed.
-- LAUNCH_S 5.8 µs: the smallest GEMMs of OpenXLA's measured H100 table take 5.9 µs whatever their size
-  (67 MFLOP at 11.5 TFLOP/s): a fixed cost per kernel of about 5.8 µs once the work (~0.1 µs) is taken out.
+- GEMM_TILE 128: the output tile of a cuBLAS kernel for large GEMMs; with the SM count it gives NVIDIA's tile and wave
+  quantization (Matrix Multiplication Background User's Guide, ch. 3): a GEMM of `batch · ceil(m/128) · ceil(n/128)`
+  tiles runs in `ceil(tiles / SMs)` waves, and only the useful share of those waves' work counts.
+- MEMORY_EFFICIENCY 0.85: sustained share of the datasheet bandwidth in a kernel that reads one array and writes
+  another, as most fusions do: STREAM "scale" on an H100 PCIe at full occupancy, 1704 GB/s of 2.0 TB/s
+  (te42kyfo/gpu-benches, cuda-stream/h100_pcie.txt); assumed for every other card.
+- LAUNCH_S 5.8 µs: the smallest GEMMs of OpenXLA's measured H100 table take 5.9 µs whatever their size (67 MFLOP at
+  11.5 TFLOP/s): a fixed cost per kernel of about 5.8 µs once the work (~0.1 µs) is taken out.
 - ATTENTION_EFFICIENCY, by GPU generation (compute capability major): the fraction of the tensor peak that
-  FlashAttention-2 reaches, its FLOPs counted as its benchmark counts them (causal halved, backward 2.5x the
-  forward: the 5 matmuls it runs), so the fraction is the rate of its matmul work; a kernel's matmuls are
-  counted by jaxscale.measure.attention_calls (JAX's Pallas backward runs 7, 3.5x the forward).
-  Ampere (8.x; also Ada, 8.9, no figure found) 0.50: the low end of "50-73% of the theoretical maximum FLOPs/s
-  on A100" (Dao 2023, FlashAttention-2, arXiv 2307.08691, abstract): JAX's Triton kernel is a re-implementation.
-  Hopper (9.x) 0.35: "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al. 2024,
-  FlashAttention-3, arXiv 2407.08608, abstract); the Pallas kernel is FlashAttention-2-like (no warp
-  specialization, no TMA pipelining). cuDNN's fused attention gets the same figure (none of its own was found).
-  Blackwell (10.x) 0.35: Hopper's, assumed (no B200 figure found). Not fitted to any step time.
+  FlashAttention-2 reaches, its FLOPs counted as its benchmark counts them (causal halved, backward 2.5x the forward:
+  the 5 matmuls it runs), so the fraction is the rate of its matmul work; a kernel's matmuls are counted by
+  jaxscale.measure.attention_calls (JAX's Pallas backward runs 7, 3.5x the forward). Ampere (8.x; also Ada, 8.9, no
+  figure found) 0.50: the low end of "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023, FlashAttention-2,
+  arXiv 2307.08691, abstract): JAX's Triton kernel is a re-implementation. Hopper (9.x) 0.35: "FlashAttention-2
+  achieving only 35% utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract);
+  the Pallas kernel is FlashAttention-2-like (no warp specialization, no TMA pipelining). cuDNN's fused attention gets
+  the same figure (none of its own was found). Blackwell (10.x) 0.35: Hopper's, assumed. Not fitted to any step time.
+  Where a card's kernels were measured by sequence (jaxscale.plan.attention_rates: the B200's cuDNN and
+  FlashAttention-2), its shares replace these.
 - FP8 GEMMs (flop_dtype "f8") run at the FP8 dense peak (peaks) x the card's FP8 share (above) x tile quantization;
   the scaling work (amax reductions, casts, scale multiplies) is priced as the memory-bound fusions it compiles to.
-- Collective bytes: NCCL's bus-bandwidth factors (nccl-tests doc/PERFORMANCE.md): all-reduce 2(n-1)/n,
-  all-gather, reduce-scatter and all-to-all (n-1)/n, collective-permute 1, of the full buffer.
+- Collective bytes: NCCL's bus-bandwidth factors (nccl-tests doc/PERFORMANCE.md): all-reduce 2(n-1)/n, all-gather,
+  reduce-scatter and all-to-all (n-1)/n, collective-permute 1, of the full buffer.
 
-On a CPU the rooflines are this machine's measurements (jaxscale.measure.peaks: the jitted 2048³ matmul
-in the run's dtype, float32 for elementwise work, and a STREAM-like memory bandwidth), with efficiency 1,
-no tile quantization and no launch cost. Nothing here is fitted to a measured step time, unless a run asks for
-it: `--calibrate RUN_DIR` (jaxscale.plan.calibrate) fits per-group efficiencies and a launch cost to one
-measured run's trace and sets them as Roofline.fitted_efficiency and launch_s; the row then says so.
+On a CPU the rooflines are this machine's measurements (jaxscale.measure.peaks: the jitted 2048³ matmul in the run's
+dtype, float32 for elementwise work, a STREAM-like memory bandwidth), with efficiency 1, no tile quantization and no
+launch cost. Nothing here is fitted to a measured step time, unless a run asks for it: `--calibrate RUN_DIR`
+(jaxscale.plan.calibrate) fits per-group efficiencies and a launch cost to one measured run's trace and sets them as
+Roofline.fitted_efficiency and launch_s; the row then says so.
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ import ml_collections
 from jaxscale.config import mesh_shape
 from jaxscale.config.spec import tokens_per_step
 from jaxscale.measure import collectives, flops, kernels, peaks
-from jaxscale.plan import collective_rates, gemm_rates, targets
+from jaxscale.plan import attention_rates, collective_rates, gemm_rates, targets
 
 GEMM_EFFICIENCY = 0.80
 ATTENTION_EFFICIENCY = {8: 0.50, 9: 0.35, 10: 0.35}  # by compute capability major: Ampere/Ada, Hopper, Blackwell
@@ -189,14 +186,14 @@ class Roofline:
     # Published nccl-tests times by buffer size (jaxscale.plan.collective_rates), by collective: a collective of one of
     # these kinds within the NVLink domain takes its table's time for its size instead of the datasheet link rate.
     collective_tables: dict[str, collective_rates.SizeTable] | None = None
-    # GEMMs at the rate measured for their shape (jaxscale.plan.gemm_rates: OpenXLA's H100 table) where it has one,
-    # instead of gemm_efficiency x tile quantization. False: the formula for every GEMM.
+    # GEMMs at the rate measured for their shape (gemm_rates: OpenXLA's H100 table) where it has one. False: the formula
     gemm_table: bool = False
     # The card's sustained compute over the rates above (targets.GpuTarget.compute_scale: a power-limited card):
     # every kernel's compute time is divided by it, its memory and link time are not.
     compute_scale: float = 1.0
     # the card's measured GEMM shares by dtype (gemm_rates.best_shape_efficiencies), over gemm_efficiency
     gemm_efficiency_by_dtype: dict[str, float] | None = None
+    attention_card: str | None = None  # a card whose attention was measured (attention_rates): its shares, else above
 
 
 def gpu_roofline(
@@ -242,6 +239,7 @@ def gpu_roofline(
         cores=target.core_count,
         gemm_efficiency=GEMM_EFFICIENCY,
         gemm_efficiency_by_dtype=measured_shares or None,
+        attention_card=target.device_kind if target.device_kind in attention_rates.CARD else None,
         attention_efficiency=attention,
         memory_efficiency=MEMORY_EFFICIENCY,
         launch_s=LAUNCH_S,
@@ -260,7 +258,9 @@ def gpu_roofline(
         + (f"the card's measured best-shape share of peak ({shares}; {gemm_rates.MAMF_SOURCE}), else "
            if measured_shares else "")
         + f"{GEMM_EFFICIENCY:.0%} of peak with {GEMM_TILE}x{GEMM_TILE} tile/wave quantization, fused attention "
-        f"{attention:.0%} (published FlashAttention-2 figure for compute capability {generation}.x), memory "
+        + (f"by kernel and sequence as measured ({attention_rates.SOURCE}), else "
+           if target.device_kind in attention_rates.CARD else "")
+        + f"{attention:.0%} (published FlashAttention-2 figure for compute capability {generation}.x), memory "
         f"{MEMORY_EFFICIENCY:.0%}, launch {LAUNCH_S * 1e6:.1f} us per kernel (jaxscale/plan/predict.py)",
     )
 
@@ -353,7 +353,7 @@ def _roofline_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, fl
         efficiency = min(1.0, measured / peak) if measured else formula
     elif kernel.category == "attention":
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])
-        efficiency = roof.attention_efficiency
+        efficiency = attention_rates.share(roof.attention_card, kernel) or roof.attention_efficiency
     else:
         peak, efficiency = roof.vector_flops_per_s, 1.0
     compute = kernel.flops / (peak * roof.compute_scale)
