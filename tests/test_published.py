@@ -478,6 +478,36 @@ def test_docs_published_md_states_the_issue_42_first_sights_as_the_runs_file_giv
     assert f"predicted {1 - max(others):.0%}-{1 - min(others):.0%} faster than they ran".replace("%-", "-") in text
 
 
+SECOND_42_RUNS = (  # the ten registered after them (predictor 214d172), in the order of their docs paragraph
+    "olmocore-llama3-8b-8xh100-fsdp-compile-bf16", "olmocore-llama3-8b-8xh100-fsdp-compile-float8",
+    "olmocore-olmo2-1b-8xh100-fsdp-compile-bf16", "olmocore-olmo2-7b-8xh100-fsdp-compile-bf16",
+    "olmocore-olmo2-13b-8xh100-fsdp-compile-bf16", "maxtext-a3-llama2-7b-8xh100-fsdp8",
+    "maxtext-a3-llama2-7b-32xh100-dp4-fsdp8", "maxtext-a3-llama2-7b-128xh100-dp16-fsdp8",
+    "gpurecipes-maxtext-l31-70b-256xh200-dp2-fsdp128-bf16", "gpurecipes-maxtext-l31-70b-256xb200-fsdp256-fullremat-fp8",
+)
+
+
+def test_docs_published_md_states_the_ten_later_first_sights_and_the_b200_replan_as_the_files_give_them():
+    """The paragraph on the ten runs registered with 214d172's predictor: each first sight over its published step,
+    their mean absolute error counted here, and the B200 rows as the committed replan gives them."""
+    runs = {run["id"]: run for run in published.load_runs()}
+    text = " ".join((REPO / "docs" / "published.md").read_text().split())
+    ratios = [runs[i]["first_sight"]["predicted_step_s"] / published.published_step_s(runs[i])[0]
+              for i in SECOND_42_RUNS]
+    assert all(runs[i]["first_sight"]["commit"].startswith("214d172") for i in SECOND_42_RUNS)
+    r = [f"{x:.2f}" for x in ratios]
+    assert (f"First sight / published: OLMo-core Llama 3 8B bf16 {r[0]}, Float8 {r[1]}, OLMo 2 1B {r[2]}, 7B {r[3]}, "
+            f"13B {r[4]}; MaxText A3 on 8 H100s {r[5]}, on 32 {r[6]}, on 128 {r[7]}; the H200 70B {r[8]}, the B200 70B "
+            f"FP8 {r[9]}: a mean absolute error of {sum(abs(x - 1) for x in ratios) / 10:.1%} over the ten, "
+            f"{sum(abs(x - 1) <= 0.25 for x in ratios)} within ±25%.") in text
+    rows = {r["variant"]: r for r in map(json.loads, RESULTS.read_text().splitlines())}
+    now = {i: published.compare(runs[i], rows[i])["predicted_over_published_step"] for i in rows if "b200" in i}
+    b200 = now.pop(SECOND_42_RUNS[-1])
+    assert f"moves from {r[9]} (its first sight, which stays) to {b200:.2f}" in text
+    low, high = min(now.values()), max(now.values())
+    assert f"the excluded Megatron-Bridge rows from 1.25-1.27 to {low:.2f}-{high:.2f}" in text
+
+
 def test_the_split_table_counts_each_group_by_hand():
     """split_table on five compared rows whose errors are counted by hand: two first sights on H100s (0.80 and 1.10,
     PyTorch and JAX, one predictor commit), one of them replanned since (1.05); a development-set A100 run (1.30); an

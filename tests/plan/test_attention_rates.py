@@ -108,3 +108,13 @@ def test_docs_predict_md_quotes_the_tables_rates_as_the_module_gives_them():
             f"{fb1:,.0f}, {fb2:,.0f}, {fb3:,.0f}: on a B200 it reaches a fifth of the peak where cuDNN reaches over "
             "half") in text  # fmt: skip
     assert f3 / 2250 < 0.2 < 0.5 < c3 / 2250  # a fifth of the dense bf16 peak, and over half
+
+
+def test_docs_published_md_puts_cudnn_near_three_times_flashattention_2_on_a_b200_at_the_runs_sequence():
+    """docs/published.md on MaxText's 70B on B200s (sequence 8192): cuDNN's rates over FlashAttention-2's there."""
+    from conftest import REPO
+
+    text = " ".join((REPO / "docs" / "published.md").read_text().split())
+    cudnn, flash = (attention_rates.MEASURED["NVIDIA B200"][kernel][8192] for kernel in ("cudnn", "flash_attention_2"))
+    assert all(2.7 < c / f < 3.3 for c, f in zip(cudnn, flash, strict=True))  # forward 2.93, backward 2.96
+    assert "which that table puts near three times faster on a B200" in text
