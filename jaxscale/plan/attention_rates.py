@@ -57,7 +57,7 @@ def share(card: str | None, kernel: kernels.Kernel) -> float | None:
     where the table does not measure it (no card's table, another dtype, the preprocess kernel's no matmuls).
 
     Args:
-      card: the target's device kind (Roofline.attention_card), or None.
+      card: the target's device kind (Roofline.device_kind; None on a CPU): a card without a table gets None.
       kernel: the attention kernel: its detail names the kernel, its attention tuple (matmuls, batch, heads, q_len,
         kv_len, ...) the direction (2 matmuls forward, more backward) and the sequence (the geometric mean of q_len
         and kv_len is looked up).
@@ -69,6 +69,5 @@ def share(card: str | None, kernel: kernels.Kernel) -> float | None:
     rows = MEASURED[measured][kernel_kind(kernel.detail)]
     sizes = tuple(sorted(rows))
     column = 0 if matmuls == 2 else 1
-    at = log_grid.bracket(sizes, math.sqrt(q_len * kv_len))
-    rate = math.exp(sum(weight * math.log(rows[sizes[i]][column]) for i, weight in at)) * 1e12
-    return rate / peaks.find_peak(measured).bfloat16
+    tflops = log_grid.interpolate(sizes, math.sqrt(q_len * kv_len), lambda i: rows[sizes[i]][column])
+    return tflops * 1e12 / peaks.find_peak(measured).bfloat16

@@ -23,7 +23,6 @@ on real GPUs, read from the sources named in each; none is fitted to a training 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from jaxscale.measure import collectives
 from jaxscale.plan import log_grid
@@ -101,7 +100,7 @@ def tables_for(target_name: str) -> dict[str, SizeTable]:
 
 def bus_bytes_per_s(table: SizeTable, size: float) -> float:
     """The table's bus bandwidth at `size` bytes: linear in log-log between measured sizes, the end rows' outside."""
-    return math.exp(sum(w * math.log(table.bus_bytes_per_s(i)) for i, w in log_grid.bracket(table.sizes, size)))
+    return log_grid.interpolate(table.sizes, size, table.bus_bytes_per_s)
 
 
 def seconds(table: SizeTable, op: str, group: int, size: float) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 
 
 def bracket(values: tuple[int, ...], x: float) -> list[tuple[int, float]]:
@@ -20,3 +21,9 @@ def bracket(values: tuple[int, ...], x: float) -> list[tuple[int, float]]:
         return [(upper, 1.0)]
     share = math.log(x / values[upper - 1]) / math.log(values[upper] / values[upper - 1])
     return [(upper - 1, 1.0 - share), (upper, share)]
+
+
+def interpolate(values: tuple[int, ...], x: float, measured: Callable[[int], float]) -> float:
+    """The measured quantity at x (`measured(i)` at values[i]), linear in log quantity against log x between the grid
+    values around it (bracket), the end value's outside the grid."""
+    return math.exp(sum(weight * math.log(measured(i)) for i, weight in bracket(values, x)))

@@ -193,7 +193,7 @@ class Roofline:
     compute_scale: float = 1.0
     # the card's measured GEMM shares by dtype (gemm_rates.best_shape_efficiencies), over gemm_efficiency
     gemm_efficiency_by_dtype: dict[str, float] | None = None
-    attention_card: str | None = None  # a card whose attention was measured (attention_rates): its shares, else above
+    device_kind: str | None = None  # the GPU's, for the tables measured per card (attention_rates); None: a CPU
 
 
 def gpu_roofline(
@@ -239,7 +239,7 @@ def gpu_roofline(
         cores=target.core_count,
         gemm_efficiency=GEMM_EFFICIENCY,
         gemm_efficiency_by_dtype=measured_shares or None,
-        attention_card=target.device_kind if target.device_kind in attention_rates.CARD else None,
+        device_kind=target.device_kind,
         attention_efficiency=attention,
         memory_efficiency=MEMORY_EFFICIENCY,
         launch_s=LAUNCH_S,
@@ -353,7 +353,7 @@ def _roofline_seconds(kernel: kernels.Kernel, roof: Roofline) -> tuple[float, fl
         efficiency = min(1.0, measured / peak) if measured else formula
     elif kernel.category == "attention":
         peak = roof.matmul_flops_per_s.get(kernel.flop_dtype, roof.matmul_flops_per_s["f32"])
-        efficiency = attention_rates.share(roof.attention_card, kernel) or roof.attention_efficiency
+        efficiency = attention_rates.share(roof.device_kind, kernel) or roof.attention_efficiency
     else:
         peak, efficiency = roof.vector_flops_per_s, 1.0
     compute = kernel.flops / (peak * roof.compute_scale)
